@@ -1,0 +1,63 @@
+"""mdjax: predict many token positions in one forward pass over one shared KV cache.
+
+    import mdjax
+    model = mdjax.load("random-llama")            # or an HF directory / hub id
+    out = mdjax.generate(model, [[1, 2, 3]], strategy="greedy", max_new_tokens=16)
+    out.sequences, out.stats
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from mdjax.cache import KVCache
+from mdjax.errors import CheckpointError, MdjaxError
+from mdjax.generate import GenerationOutput, bucket, encode_prompts, generate, stream
+from mdjax.models.config import ModelConfig, RopeScaling
+from mdjax.models.model import Model
+from mdjax.models.random_init import init_params
+from mdjax.models.registry import RANDOM_MODELS
+from mdjax.step import decode_step
+from mdjax.topology import Topology
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+__all__ = ["load", "forward_logits", "generate", "stream", "Model", "ModelConfig", "RopeScaling",
+           "KVCache", "Topology", "decode_step", "GenerationOutput", "MdjaxError",
+           "CheckpointError"]
+
+
+def _dtype_name(dtype) -> str:
+  name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
+  if name not in DTYPES:
+    raise MdjaxError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+  return name
+
+
+def load(path_or_name: str, dtype="float32", seed: int = 0) -> Model:
+  """A model from a Hugging Face-format directory, a hub id (online), a shipped
+  model name, or a built-in random model name (`random-llama`, `random-llama-tiny`;
+  `seed` picks its weights)."""
+  dtype = _dtype_name(dtype)
+  name = str(path_or_name)
+  if name in RANDOM_MODELS:
+    config = RANDOM_MODELS[name]
+    return Model(config=config, params=init_params(config, seed, DTYPES[dtype]), name=name,
+                 random_weights=True)
+  from mdjax.models import hf  # transformers is imported only when a checkpoint is read
+  return hf.load_hf_dir(hf.resolve(name), dtype=dtype, name=name)
+
+
+def forward_logits(model: Model, ids) -> np.ndarray:
+  """Plain causal forward of one sequence: float32 numpy `[len(ids), vocab]`."""
+  (ids,) = encode_prompts(model, [ids])
+  slots = bucket(len(ids))
+  tokens = np.zeros((1, slots), np.int32)
+  tokens[0, :len(ids)] = ids
+  segments = np.where(np.arange(slots) < len(ids), 0, -1)[None].astype(np.int32)
+  positions = np.arange(slots, dtype=np.int32)[None]
+  cache = KVCache.create(model.config, 1, slots, model.params["embed"].dtype)
+  logits, _, _ = decode_step(model.params, cache, tokens, positions, segments,
+                             Topology.causal(1), config=model.config)
+  return np.asarray(logits[0, :len(ids)])

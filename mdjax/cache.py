@@ -1,0 +1,148 @@
+"""The KV cache: one preallocated pytree, and the pure operations on it.
+
+    k, v    [layers, batch, slots, kv_heads, head_dim]
+    pos     int32[batch, slots]   RoPE position of the token in each slot
+    seg     int32[batch, slots]   segment owning the slot; -1 = empty or dead
+    length  int32[batch]          append cursor: slots >= length are free
+
+Rows fill independently (ragged lengths are normal). A slot's position and segment
+are all attention needs to decide visibility (see `mdjax.topology`), so slot order
+carries no meaning: branches may interleave freely.
+
+Example, one row after a prompt of 3 tokens and two decoded beams (segments 1, 2)::
+
+    slot    0  1  2  3  4  5  6  .  .
+    seg     0  0  0  1  2  1  2 -1 -1
+    pos     0  1  2  3  3  4  4  0  0       length = 7
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from mdjax.models.config import ModelConfig
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "pos", "seg", "length"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  k: Float[Array, "L B S K H"]
+  v: Float[Array, "L B S K H"]
+  pos: Int[Array, "B S"]
+  seg: Int[Array, "B S"]
+  length: Int[Array, "B"]
+
+  @classmethod
+  def create(cls, config: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> "KVCache":
+    shape = (config.num_layers, batch, slots, config.num_kv_heads, config.head_dim)
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+               pos=jnp.zeros((batch, slots), jnp.int32),
+               seg=jnp.full((batch, slots), -1, jnp.int32),
+               length=jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def num_slots(self) -> int:
+    return self.seg.shape[1]
+
+  def replace(self, **changes) -> "KVCache":
+    return dataclasses.replace(self, **changes)
+
+
+def append(cache: KVCache, new_k: Float[Array, "L B T K H"], new_v: Float[Array, "L B T K H"],
+           positions: Int[Array, "B T"], segments: Int[Array, "B T"]) -> KVCache:
+  """Writes the tokens with `segment >= 0` into the next free slots of their row.
+
+  Padding tokens (segment -1) take no slot. Tokens that would overflow the row are
+  dropped, so callers size the cache (`mdjax.generate` does).
+  """
+  valid = segments >= 0  # [B, T]
+  offset = jnp.cumsum(valid, axis=1) - 1  # [B, T]
+  slot = jnp.where(valid, cache.length[:, None] + offset, cache.num_slots)  # [B, T]
+  rows = jnp.broadcast_to(jnp.arange(slot.shape[0])[:, None], slot.shape)  # [B, T]
+  return KVCache(
+      k=cache.k.at[:, rows, slot].set(new_k.astype(cache.k.dtype), mode="drop"),
+      v=cache.v.at[:, rows, slot].set(new_v.astype(cache.v.dtype), mode="drop"),
+      pos=cache.pos.at[rows, slot].set(positions, mode="drop"),
+      seg=cache.seg.at[rows, slot].set(segments, mode="drop"),
+      length=jnp.minimum(cache.length + valid.sum(axis=1, dtype=jnp.int32), cache.num_slots),
+  )
+
+
+@jax.jit
+def rollback(cache: KVCache, length: Int[Array, "B"]) -> KVCache:
+  """Forgets every slot at or after `length` (e.g. rejected draft tokens)."""
+  slot = jnp.arange(cache.num_slots)[None, :]  # [1, S]
+  return cache.replace(seg=jnp.where(slot < length[:, None], cache.seg, -1), length=length)
+
+
+@jax.jit
+def kill_segments(cache: KVCache, dead: Bool[Array, "B G"]) -> KVCache:
+  """Marks the slots of the segments flagged in `dead` as dead (a pruned branch).
+
+  The slots stay occupied until `compact` reclaims them.
+  """
+  owner_dead = jnp.take_along_axis(dead, jnp.maximum(cache.seg, 0), axis=1)  # [B, S]
+  return cache.replace(seg=jnp.where((cache.seg >= 0) & owner_dead, -1, cache.seg))
+
+
+@functools.partial(jax.jit, static_argnames=("width",))
+def compact(cache: KVCache, start: Int[Array, "B"], width: int) -> KVCache:
+  """Moves the live slots of `[start, start + width)` to its front, in order.
+
+  Slots before `start` are not touched, so a committed prefix is never copied;
+  `length` becomes `start + live slots in the window`. With `start = 0` and
+  `width = num_slots` this compacts the whole cache. Example (width 5)::
+
+      before  seg 0 0 | 1 -1 3 -1 4 | .       start = 2, length = 7
+      after   seg 0 0 | 1  3 4 -1 -1 | .      length = 5
+  """
+  window = start[:, None] + jnp.arange(width)[None, :]  # [B, W] slot ids, may pass the end
+  in_use = window < cache.length[:, None]
+  seg_w = jnp.take_along_axis(cache.seg, jnp.minimum(window, cache.num_slots - 1), axis=1)
+  live = (seg_w >= 0) & in_use
+  order = jnp.argsort(~live, axis=1, stable=True)  # live first, original order kept
+  source = jnp.take_along_axis(window, order, axis=1)  # [B, W]
+  num_live = live.sum(axis=1, dtype=jnp.int32)
+  keep = jnp.arange(width)[None, :] < num_live[:, None]  # [B, W]
+  return _move_slots(cache, window, source, keep).replace(length=start + num_live)
+
+
+@functools.partial(jax.jit, static_argnames=("width",))
+def gather_slots(cache: KVCache, start: Int[Array, "B"], source: Int[Array, "B W"],
+                 width: int) -> KVCache:
+  """Copies K/V and positions of slot `source[b, i]` into slot `start[b] + i`.
+
+  The segment labels of the destination slots stay: a beam reorder keeps the
+  layout (which slots belong to which beam) and changes only their contents.
+  Only the `width` branch slots move; the shared prefix is never copied.
+  """
+  destination = start[:, None] + jnp.arange(width)[None, :]  # [B, W]
+  keep_seg = jnp.take_along_axis(cache.seg, jnp.minimum(destination, cache.num_slots - 1), axis=1)
+  moved = _move_slots(cache, destination, source, jnp.ones_like(destination, jnp.bool_))
+  return moved.replace(seg=moved.seg.at[jnp.arange(destination.shape[0])[:, None], destination]
+                       .set(keep_seg, mode="drop"))
+
+
+def _move_slots(cache: KVCache, destination: Int[Array, "B W"], source: Int[Array, "B W"],
+                keep: Bool[Array, "B W"]) -> KVCache:
+  """Slot `destination[b, i]` takes the contents of `source[b, i]`, or is freed if not keep.
+
+  Destinations past the end are dropped.
+  """
+  rows = jnp.arange(destination.shape[0])[:, None]  # [B, 1]
+  source = jnp.minimum(source, cache.num_slots - 1)
+  k = cache.k[:, rows, source]  # [L, B, W, K, H]
+  v = cache.v[:, rows, source]
+  pos = cache.pos[rows, source]  # [B, W]
+  seg = jnp.where(keep, cache.seg[rows, source], -1)
+  return KVCache(k=cache.k.at[:, rows, destination].set(k, mode="drop"),
+                 v=cache.v.at[:, rows, destination].set(v, mode="drop"),
+                 pos=cache.pos.at[rows, destination].set(pos, mode="drop"),
+                 seg=cache.seg.at[rows, destination].set(seg, mode="drop"),
+                 length=cache.length)

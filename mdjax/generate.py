@@ -1,0 +1,195 @@
+"""`mdjax.generate`: validate input, size the cache, run a strategy as one program.
+
+Compiled programs are cached by (strategy, shapes). Prompt lengths and
+`max_new_tokens` are padded to power-of-two buckets so a new prompt length or a
+different `max_new_tokens` rarely recompiles; the real values travel as traced
+arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mdjax import strategies
+from mdjax.cache import KVCache
+from mdjax.errors import MdjaxError
+from mdjax.models.model import Model
+from mdjax.strategies.base import Limits, Prompt
+
+MIN_BUCKET = 16
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+  sequences: list[list[int]]  # generated ids per output row, ending at EOS or the budget
+  stats: dict[str, Any]
+  texts: list[str] | None = None  # decoded sequences when the model has a tokenizer
+  beams: list | None = None
+
+
+def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
+  """The smallest power of two >= max(n, minimum)."""
+  return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def encode_prompts(model: Model, prompts) -> list[list[int]]:
+  """One prompt or a list of prompts, each text (needs a tokenizer) or token ids."""
+  if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and
+                                  all(isinstance(t, (int, np.integer)) for t in prompts)):
+    prompts = [prompts]
+  if isinstance(prompts, np.ndarray):
+    prompts = list(prompts)
+  if not isinstance(prompts, Sequence) or len(prompts) == 0:
+    raise MdjaxError(f"prompts must be a non-empty list of texts or token-id lists, got {prompts!r}")
+  encoded = []
+  for i, prompt in enumerate(prompts):
+    if isinstance(prompt, str):
+      if model.tokenizer is None:
+        raise MdjaxError(f"prompt {i} is text but the model {model.name or model.path!r} has no "
+                         "tokenizer; pass token ids instead")
+      prompt = model.tokenizer.encode(prompt)
+    ids = [int(t) for t in np.asarray(prompt).reshape(-1)]
+    if not ids:
+      raise MdjaxError(f"prompt {i} is empty")
+    bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
+    if bad:
+      raise MdjaxError(f"prompt {i} has token id {bad[0]} outside the vocabulary "
+                       f"[0, {model.config.vocab_size})")
+    encoded.append(ids)
+  return encoded
+
+
+def eos_ids(model: Model, eos_token_id) -> tuple[int, ...]:
+  """`None` means the model's own EOS ids (possibly none); an int or a list of ints."""
+  if eos_token_id is None:
+    return tuple(model.config.eos_token_id)
+  ids = (eos_token_id,) if isinstance(eos_token_id, (int, np.integer)) else tuple(eos_token_id)
+  for t in ids:
+    if not isinstance(t, (int, np.integer)) or not 0 <= t < model.config.vocab_size:
+      raise MdjaxError(f"eos_token_id {t!r} is not a token id in [0, {model.config.vocab_size})")
+  return tuple(int(t) for t in ids)
+
+
+def _check_budget(model: Model, prompts: list[list[int]], max_new_tokens) -> None:
+  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+    raise MdjaxError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+  longest = max(len(p) for p in prompts)
+  limit = model.config.max_position_embeddings
+  if longest + max_new_tokens > limit:
+    raise MdjaxError(f"prompt length {longest} + max_new_tokens {max_new_tokens} = "
+                     f"{longest + max_new_tokens} exceeds the model's context length "
+                     f"max_position_embeddings={limit}")
+
+
+def _run(strategy, params, prompt: Prompt, limits: Limits, *, num_slots: int, capacity: int,
+         cache_dtype):
+  """The whole generation: prefill, then `strategy.step` until every row is done."""
+  cache = KVCache.create(strategy.config, prompt.tokens.shape[0], num_slots, cache_dtype)
+  state = strategy.init(params, prompt, cache, limits, capacity)
+  state = jax.lax.while_loop(lambda s: ~strategy.done(s).all(),
+                             functools.partial(strategy.step, params), state)
+  return strategy.result(state)
+
+
+_run_jit = jax.jit(_run, static_argnames=("strategy", "num_slots", "capacity", "cache_dtype"))
+_compiled: dict = {}
+
+
+def _signature(tree) -> tuple:
+  leaves, treedef = jax.tree.flatten(tree)
+  return (treedef,) + tuple((x.shape, str(x.dtype)) for x in leaves)
+
+
+def _compile(strategy, params, prompt, limits, **static):
+  """The compiled program for these shapes (cached), and the seconds compiling took."""
+  key = (strategy, tuple(sorted(static.items())), _signature((params, prompt, limits)))
+  if key in _compiled:
+    return _compiled[key], 0.0
+  start = time.perf_counter()
+  program = _run_jit.lower(strategy, params, prompt, limits, **static).compile()
+  _compiled[key] = program
+  return program, time.perf_counter() - start
+
+
+def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_token_id, seed: int,
+             options: dict):
+  if not isinstance(strategy, str):
+    raise MdjaxError(f"strategy must be a name, got {strategy!r}")
+  decoder = strategies.build(strategy, model.config, options)
+  ids = encode_prompts(model, prompts)
+  _check_budget(model, ids, max_new_tokens)
+  padded = np.zeros((len(ids), bucket(max(len(p) for p in ids))), np.int32)
+  for row, p in enumerate(ids):
+    padded[row, :len(p)] = p
+  prompt = Prompt(tokens=jnp.asarray(padded), lengths=jnp.asarray([len(p) for p in ids], jnp.int32))
+  eos = eos_ids(model, eos_token_id)
+  limits = Limits(max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
+                  eos_ids=jnp.asarray(eos or (-1,), jnp.int32), key=jax.random.key(seed))
+  capacity = bucket(max_new_tokens)
+  static = dict(num_slots=decoder.cache_slots(padded.shape[1], capacity), capacity=capacity,
+                cache_dtype=str(jax.tree.leaves(model.params)[0].dtype))
+  return decoder, ids, prompt, limits, static
+
+
+def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int = 32,
+             eos_token_id=None, seed: int = 0, **options) -> GenerationOutput:
+  """Generates from one prompt or a batch (texts or token-id lists, any lengths).
+
+  `eos_token_id`: an int or list of ints (None: the model's own). Each row stops at
+  its first EOS (kept) or after `max_new_tokens`. `options` are the strategy's
+  (e.g. temperature, top_k, top_p, min_p for "sample").
+  """
+  decoder, ids, prompt, limits, static = _prepare(model, prompts, strategy, max_new_tokens,
+                                                  eos_token_id, seed, options)
+  program, compile_s = _compile(decoder, model.params, prompt, limits, **static)
+  start = time.perf_counter()
+  buffer, stats = program(model.params, prompt, limits)
+  tokens, counts = jax.device_get((buffer.tokens, buffer.count))
+  wall_s = time.perf_counter() - start
+  sequences = [row[:n].tolist() for row, n in zip(tokens, counts)]
+  stats = {k: int(v) for k, v in jax.device_get(stats).items()}
+  stats.update(generated_tokens=int(sum(counts)), prompt_tokens=sum(len(p) for p in ids),
+               wall_s=wall_s, compile_s=compile_s)
+  stats["tokens_per_pass"] = stats["generated_tokens"] / max(1, stats["target_passes"] + 1)
+  texts = None
+  if model.tokenizer is not None:
+    texts = [model.tokenizer.decode(s) for s in sequences]
+  return GenerationOutput(sequences=sequences, stats=stats, texts=texts)
+
+
+@functools.lru_cache(maxsize=32)
+def _stepper(decoder, static_items):
+  static = dict(static_items)
+  init = jax.jit(lambda params, prompt, limits: decoder.init(
+      params, prompt, KVCache.create(decoder.config, prompt.tokens.shape[0], static["num_slots"],
+                                     static["cache_dtype"]), limits, static["capacity"]))
+  return init, jax.jit(decoder.step)
+
+
+def stream(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int = 32,
+           eos_token_id=None, seed: int = 0, **options) -> Iterator[list[list[int]]]:
+  """Yields, after every model pass, the tokens each row gained (for demos).
+
+  The same strategy and step as `generate`, driven from Python: one host sync per
+  pass, so it is slower than `generate`, which runs the loop on the device.
+  """
+  decoder, _, prompt, limits, static = _prepare(model, prompts, strategy, max_new_tokens,
+                                                eos_token_id, seed, options)
+  init, step = _stepper(decoder, tuple(sorted(static.items())))
+  state = init(model.params, prompt, limits)
+  shown = np.zeros(prompt.tokens.shape[0], np.int64)
+  while True:
+    buffer, _ = decoder.result(state)
+    tokens, counts, done = jax.device_get((buffer.tokens, buffer.count, buffer.done))
+    yield [row[s:n].tolist() for row, s, n in zip(tokens, shown, counts)]
+    shown = counts
+    if done.all():
+      return
+    state = step(model.params, state)

@@ -1,0 +1,104 @@
+"""Model architecture: a frozen dataclass, hashable so it can be a static jit argument."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from mdjax.errors import MdjaxError
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+  """RoPE frequency scaling (`rope_type` as in Hugging Face's config.json)."""
+
+  rope_type: str = "default"
+  factor: float = 1.0
+  # llama3 only
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  """A decoder-only llama-family transformer.
+
+  Covers llama (incl. llama3 RoPE scaling, tied or untied head), mistral
+  (sliding window), qwen2 (q/k/v bias) and qwen3 (RMSNorm on q and k per head).
+  """
+
+  family: str = "llama"
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 10000.0
+  rope_scaling: RopeScaling = RopeScaling()
+  rms_norm_eps: float = 1e-6
+  max_position_embeddings: int = 2048
+  tie_word_embeddings: bool = False
+  qkv_bias: bool = False  # qwen2; llama's attention_bias also sets o_bias
+  o_bias: bool = False
+  mlp_bias: bool = False
+  qk_norm: bool = False  # qwen3
+  sliding_window: int | None = None  # mistral: a query sees keys with p - pos < window
+  bos_token_id: int | None = None
+  eos_token_id: tuple[int, ...] = ()
+  pad_token_id: int | None = None
+
+  def __post_init__(self):
+    if self.family not in FAMILIES:
+      raise MdjaxError(f"unsupported model family {self.family!r}; supported: {', '.join(FAMILIES)}")
+    if self.rope_scaling.rope_type not in ROPE_TYPES:
+      raise MdjaxError(
+          f"unsupported rope_type {self.rope_scaling.rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "max_position_embeddings"):
+      if getattr(self, name) < 1:
+        raise MdjaxError(f"model config {name} must be >= 1, got {getattr(self, name)}")
+    if self.num_heads % self.num_kv_heads:
+      raise MdjaxError(
+          f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise MdjaxError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+  @property
+  def num_params(self) -> int:
+    d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
+    attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
+    per_layer = attn + 3 * d * f + 2 * d + (2 * h if self.qk_norm else 0)
+    head = 0 if self.tie_word_embeddings else self.vocab_size * d
+    return self.num_layers * per_layer + self.vocab_size * d + head + d
+
+  def inv_freq(self) -> np.ndarray:
+    """RoPE inverse frequencies `[head_dim // 2]` (float32), scaling applied."""
+    exponents = np.arange(0, self.head_dim, 2, dtype=np.float32) / self.head_dim
+    inv_freq = 1.0 / (self.rope_theta**exponents)
+    scaling = self.rope_scaling
+    if scaling.rope_type == "linear":
+      inv_freq = inv_freq / scaling.factor
+    elif scaling.rope_type == "llama3":
+      inv_freq = _llama3_scaled(inv_freq, scaling)
+    return inv_freq.astype(np.float32)
+
+
+def _llama3_scaled(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
+  """Llama 3.1 scaling: long wavelengths slowed by `factor`, short kept, smooth in between."""
+  low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+  high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  scaled = np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+  smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+      s.high_freq_factor - s.low_freq_factor)
+  smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+  is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+  return np.where(is_medium, smoothed, scaled)

@@ -1,0 +1,26 @@
+"""`Model`: an architecture, its weights and (optionally) its tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from mdjax.models.config import ModelConfig
+from mdjax.models.transformer import Params
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Model:
+  config: ModelConfig
+  params: Params
+  tokenizer: Any = None  # a transformers tokenizer, or None
+  path: str | None = None  # the directory it was loaded from
+  name: str = ""  # what `mdjax.load` was given
+  random_weights: bool = False  # seeded random weights, not a trained model
+
+  @property
+  def description(self) -> str:
+    label = self.name or self.path or "model"
+    if self.random_weights:
+      label += " (RANDOM WEIGHTS: untrained, output is noise)"
+    return f"{label}: {self.config.family}, {self.config.num_params / 1e6:.1f}M params"

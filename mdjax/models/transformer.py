@@ -1,0 +1,119 @@
+"""The llama-family transformer as pure functions over a params pytree.
+
+Params (layers stacked on a leading axis L so the forward is one `lax.scan`)::
+
+    embed        [V, D]
+    layers/
+      attn_norm  [L, D]
+      wqkv       [L, D, (N + 2K) * H]   q, k, v projections fused (one matmul)
+      bqkv       [L, (N + 2K) * H]      qwen2 / llama attention_bias only
+      q_norm     [L, H]                 qwen3 only (RMSNorm per head, before RoPE)
+      k_norm     [L, H]                 qwen3 only
+      wo         [L, N * H, D]
+      bo         [L, D]                 llama attention_bias only
+      mlp_norm   [L, D]
+      w_gate_up  [L, D, 2F]             gate and up fused
+      b_gate_up  [L, 2F]                mlp_bias only
+      w_down     [L, F, D]
+      b_down     [L, D]                 mlp_bias only
+    final_norm   [D]
+    lm_head      [D, V]                 absent when the embedding is tied
+
+The model knows nothing of strategies: it maps tokens at explicit positions, in
+explicit segments, over an explicit cache, to logits.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from mdjax import cache as cache_ops
+from mdjax.cache import KVCache
+from mdjax.models.attention import Queries, attention_fn
+from mdjax.models.config import ModelConfig
+from mdjax.topology import Topology, visibility_limits, visible
+
+Params = dict
+
+
+def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float) -> Float[Array, "... D"]:
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight * normed.astype(x.dtype)
+
+
+def apply_rope(x: Float[Array, "B T N H"], positions: Int[Array, "B T"],
+               inv_freq: Float[Array, "H/2"]) -> Float[Array, "B T N H"]:
+  """Rotary embedding in Hugging Face's half-split layout (rotate_half)."""
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, H]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return (x * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+def _project_qkv(config: ModelConfig, lp: Params, h: Float[Array, "B T D"], positions):
+  n, k, hd = config.num_heads, config.num_kv_heads, config.head_dim
+  qkv = h @ lp["wqkv"]  # [B, T, (N + 2K) * H]
+  if config.qkv_bias:
+    qkv = qkv + lp["bqkv"]
+  b, t, _ = qkv.shape
+  q = qkv[..., :n * hd].reshape(b, t, n, hd)
+  key = qkv[..., n * hd:(n + k) * hd].reshape(b, t, k, hd)
+  value = qkv[..., (n + k) * hd:].reshape(b, t, k, hd)
+  if config.qk_norm:
+    q = rms_norm(q, lp["q_norm"], config.rms_norm_eps)
+    key = rms_norm(key, lp["k_norm"], config.rms_norm_eps)
+  inv_freq = jnp.asarray(config.inv_freq())
+  return apply_rope(q, positions, inv_freq), apply_rope(key, positions, inv_freq), value
+
+
+def _mlp(config: ModelConfig, lp: Params, h: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+  gate_up = h @ lp["w_gate_up"]  # [B, T, 2F]
+  if config.mlp_bias:
+    gate_up = gate_up + lp["b_gate_up"]
+  gate, up = jnp.split(gate_up, 2, axis=-1)
+  out = (jax.nn.silu(gate) * up) @ lp["w_down"]
+  return out + lp["b_down"] if config.mlp_bias else out
+
+
+def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
+            segments: Int[Array, "B T"], topology: Topology, *, config: ModelConfig,
+            attention: str = "block_sparse"):
+  """Runs the T tokens through every layer over `cache`; returns the final hidden
+  states `[B, T, D]` (after the final norm) and the cache with the T tokens appended.
+
+  Tokens with segment -1 are padding: they see nothing, are seen by nothing and
+  take no cache slot.
+  """
+  attend = attention_fn(attention, cache.num_slots)
+  limit = visibility_limits(topology)  # [B, G, G]
+  queries_meta = dict(positions=positions, segments=segments, limit=limit,
+                      new_visible=visible(limit, segments, positions, segments, positions,
+                                          config.sliding_window))
+  x = params["embed"][tokens]  # [B, T, D]
+
+  def layer(x, inputs):
+    lp, index = inputs
+    h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
+    q, k, v = _project_qkv(config, lp, h, positions)
+    out = attend(Queries(q=q, **queries_meta), k, v, cache, index,
+                 sliding_window=config.sliding_window)  # [B, T, N, H]
+    out = out.reshape(*out.shape[:2], -1) @ lp["wo"]
+    if config.o_bias:
+      out = out + lp["bo"]
+    x = x + out
+    x = x + _mlp(config, lp, rms_norm(x, lp["mlp_norm"], config.rms_norm_eps))
+    return x, (k, v)
+
+  x, (new_k, new_v) = jax.lax.scan(layer, x, (params["layers"], jnp.arange(config.num_layers)))
+  hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+  return hidden, cache_ops.append(cache, new_k, new_v, positions, segments)
+
+
+def lm_head(params: Params, hidden: Float[Array, "... D"]) -> Float[Array, "... V"]:
+  """Logits in float32; the tied head reuses the embedding."""
+  weight = params["lm_head"] if "lm_head" in params else params["embed"].T
+  return jnp.matmul(hidden, weight, preferred_element_type=jnp.float32)

@@ -1,0 +1,41 @@
+"""`decode_step`: the only function that runs the model.
+
+Feed T tokens, each with its RoPE position and its segment; they attend to the
+cached tokens the topology lets them see and to each other under the same rule;
+their K/V are appended to the cache; logits come back. Prefill is the same call
+with a large T. Strategies differ only in *which tokens, at which positions,
+seeing what* they feed here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from mdjax.cache import KVCache
+from mdjax.models.config import ModelConfig
+from mdjax.models.transformer import Params, forward, lm_head
+from mdjax.topology import Topology
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention"), donate_argnames=("cache",))
+def decode_step(params: Params, cache: KVCache, tokens: Int[Array, "B T"],
+                positions: Int[Array, "B T"], segments: Int[Array, "B T"], topology: Topology,
+                *, config: ModelConfig, logits_at: Int[Array, "B R"] | None = None,
+                attention: str = "block_sparse"
+                ) -> tuple[Float[Array, "B R V"], Float[Array, "B T D"], KVCache]:
+  """One model pass: returns `(logits, hidden, cache)`.
+
+  logits: float32 `[B, T, V]`, or `[B, R, V]` for the token indices `logits_at`
+    when given (prefill asks only for each row's last prompt token).
+  hidden: final-norm hidden states `[B, T, D]` (what multi-token heads read).
+  cache:  the input cache (donated) with the tokens of segment >= 0 appended.
+  """
+  hidden, cache = forward(params, cache, tokens, positions, segments, topology, config=config,
+                          attention=attention)
+  picked = hidden if logits_at is None else jnp.take_along_axis(
+      hidden, logits_at[..., None], axis=1)  # [B, R, D]
+  return lm_head(params, picked), hidden, cache

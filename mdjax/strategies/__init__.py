@@ -1,0 +1,37 @@
+"""Decoding strategies, by the name `mdjax.generate` knows them."""
+
+from __future__ import annotations
+
+from mdjax.errors import MdjaxError
+from mdjax.models.config import ModelConfig
+from mdjax.sampling import SamplingParams
+from mdjax.strategies.autoregressive import Autoregressive
+
+SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p")
+
+
+def _greedy(config: ModelConfig, options: dict):
+  return Autoregressive(config=config, sampling=SamplingParams(temperature=0.0), **options)
+
+
+def _sample(config: ModelConfig, options: dict):
+  sampling = {k: options.pop(k) for k in SAMPLING_OPTIONS if k in options}
+  return Autoregressive(config=config, sampling=SamplingParams(**sampling), **options)
+
+
+BUILDERS = {"greedy": (_greedy, ()), "sample": (_sample, SAMPLING_OPTIONS)}
+COMMON_OPTIONS = ("attention",)
+
+
+def build(name: str, config: ModelConfig, options: dict):
+  """The strategy `name` for `config`, with its options validated."""
+  if name not in BUILDERS:
+    raise MdjaxError(f"unknown strategy {name!r}; valid strategies: {', '.join(BUILDERS)}")
+  builder, allowed = BUILDERS[name]
+  for option in options:
+    if option not in allowed and option not in COMMON_OPTIONS:
+      valid = ", ".join(allowed + COMMON_OPTIONS)
+      raise MdjaxError(f"unknown option {option!r} for strategy {name!r}; valid options: {valid}")
+  if options.get("attention", "block_sparse") not in ("block_sparse", "dense"):
+    raise MdjaxError(f"attention must be 'block_sparse' or 'dense', got {options['attention']!r}")
+  return builder(config, dict(options))
