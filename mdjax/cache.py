@@ -82,13 +82,24 @@ def rollback(cache: KVCache, length: Int[Array, "B"]) -> KVCache:
 
 
 @jax.jit
+def remap_segments(cache: KVCache, mapping: Int[Array, "B G"]) -> KVCache:
+  """Every slot of segment `g` now belongs to segment `mapping[b, g]` (-1: dead).
+
+  E.g. after verifying a draft tree, the accepted nodes' segments map to the main
+  segment and the rejected ones to -1; then `compact` closes the gaps.
+  """
+  remapped = jnp.take_along_axis(mapping, jnp.maximum(cache.seg, 0), axis=1)  # [B, S]
+  return cache.replace(seg=jnp.where(cache.seg >= 0, remapped, -1))
+
+
+@jax.jit
 def kill_segments(cache: KVCache, dead: Bool[Array, "B G"]) -> KVCache:
   """Marks the slots of the segments flagged in `dead` as dead (a pruned branch).
 
   The slots stay occupied until `compact` reclaims them.
   """
-  owner_dead = jnp.take_along_axis(dead, jnp.maximum(cache.seg, 0), axis=1)  # [B, S]
-  return cache.replace(seg=jnp.where((cache.seg >= 0) & owner_dead, -1, cache.seg))
+  same = jnp.broadcast_to(jnp.arange(dead.shape[1], dtype=jnp.int32), dead.shape)
+  return remap_segments(cache, jnp.where(dead, -1, same))
 
 
 @functools.partial(jax.jit, static_argnames=("width",))

@@ -21,11 +21,11 @@ from mdjax.models.transformer import Params, forward, lm_head
 from mdjax.topology import Topology
 
 
-@functools.partial(jax.jit, static_argnames=("config", "attention"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("config", "attention", "block_size"), donate_argnames=("cache",))
 def decode_step(params: Params, cache: KVCache, tokens: Int[Array, "B T"],
                 positions: Int[Array, "B T"], segments: Int[Array, "B T"], topology: Topology,
                 *, config: ModelConfig, logits_at: Int[Array, "B R"] | None = None,
-                attention: str = "block_sparse"
+                attention: str = "block_sparse", block_size: int = 128
                 ) -> tuple[Float[Array, "B R V"], Float[Array, "B T D"], KVCache]:
   """One model pass: returns `(logits, hidden, cache)`.
 
@@ -33,9 +33,11 @@ def decode_step(params: Params, cache: KVCache, tokens: Int[Array, "B T"],
     when given (prefill asks only for each row's last prompt token).
   hidden: final-norm hidden states `[B, T, D]` (what multi-token heads read).
   cache:  the input cache (donated) with the tokens of segment >= 0 appended.
+  attention: "block_sparse" (visits only visible key blocks of at most `block_size`
+    slots) or "dense" (the reference); both give the same logits.
   """
   hidden, cache = forward(params, cache, tokens, positions, segments, topology, config=config,
-                          attention=attention)
+                          attention=attention, block_size=block_size)
   picked = hidden if logits_at is None else jnp.take_along_axis(
       hidden, logits_at[..., None], axis=1)  # [B, R, D]
   return lm_head(params, picked), hidden, cache

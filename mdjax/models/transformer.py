@@ -81,14 +81,14 @@ def _mlp(config: ModelConfig, lp: Params, h: Float[Array, "B T D"]) -> Float[Arr
 
 def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
             segments: Int[Array, "B T"], topology: Topology, *, config: ModelConfig,
-            attention: str = "block_sparse"):
+            attention: str = "block_sparse", block_size: int = 128):
   """Runs the T tokens through every layer over `cache`; returns the final hidden
   states `[B, T, D]` (after the final norm) and the cache with the T tokens appended.
 
   Tokens with segment -1 are padding: they see nothing, are seen by nothing and
   take no cache slot.
   """
-  attend = attention_fn(attention, cache.num_slots)
+  attend = attention_fn(attention, cache.num_slots, block_size)
   limit = visibility_limits(topology)  # [B, G, G]
   queries_meta = dict(positions=positions, segments=segments, limit=limit,
                       new_visible=visible(limit, segments, positions, segments, positions,

@@ -1,0 +1,244 @@
+"""Topology invariants: a branch decoded inside a shared cache == decoded alone.
+
+Random segment trees (forks at random positions, interleaved slot writes in
+random order, padding tokens, dead slots, rows of different lengths): every
+token's logits, at the step it was fed, must equal the logits of its root-to-leaf
+path decoded alone from an empty cache. Cache operations (rollback, kill, remap +
+compact, gather) must leave logits exactly as if the removed tokens never existed.
+The block-sparse path must equal the dense reference.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mdjax import cache as cache_ops
+from mdjax.cache import KVCache
+from mdjax.models.config import ModelConfig
+from mdjax.models.random_init import init_params
+from mdjax.step import decode_step
+from mdjax.topology import Topology
+
+ATOL = 2e-5
+BLOCK = 8  # small key blocks so the block-sparse path really skips blocks
+
+CONFIGS = {
+    "llama-gqa": ModelConfig(family="llama", vocab_size=97, hidden_size=32, intermediate_size=48,
+                             num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                             max_position_embeddings=256),
+    "qwen3-qknorm": ModelConfig(family="qwen3", vocab_size=97, hidden_size=32,
+                                intermediate_size=48, num_layers=2, num_heads=2, num_kv_heads=1,
+                                head_dim=16, qk_norm=True, qkv_bias=True,
+                                max_position_embeddings=256),
+    "mistral-window": ModelConfig(family="mistral", vocab_size=97, hidden_size=32,
+                                  intermediate_size=48, num_layers=2, num_heads=4,
+                                  num_kv_heads=4, head_dim=8, sliding_window=5,
+                                  max_position_embeddings=256),
+}
+
+
+def _params(config):
+  # std 0.3 makes attention weights far from uniform, so a wrong mask shows.
+  return init_params(config, seed=1, std=0.3)
+
+
+def step(params, cache, tokens, positions, segments, topology, config, attention="block_sparse"):
+  return decode_step(params, cache, jnp.asarray(tokens, jnp.int32),
+                     jnp.asarray(positions, jnp.int32), jnp.asarray(segments, jnp.int32),
+                     topology, config=config, attention=attention, block_size=BLOCK)
+
+
+def alone(params, config, path):
+  """Logits [len(path), V] of `path` decoded alone: one segment, positions 0..n-1."""
+  n = len(path)
+  cache = KVCache.create(config, 1, n + (-n) % BLOCK)
+  logits, _, _ = step(params, cache, [path], [list(range(n))], [[0] * n], Topology.causal(1),
+                      config, attention="dense")
+  return np.asarray(logits[0])
+
+
+@dataclasses.dataclass
+class Tree:
+  parent: list
+  fork: list
+  tokens: list  # own tokens per segment
+  junk: list  # segments whose slots get killed
+
+  def path(self, g):
+    if self.parent[g] < 0:
+      return list(self.tokens[g])
+    return self.path(self.parent[g])[:self.fork[g]] + list(self.tokens[g])
+
+
+def random_tree(rng, num_segments, vocab, num_junk=1):
+  parent, fork, tokens = [-1], [0], [rng.integers(0, vocab, rng.integers(3, 12))]
+  tree = Tree(parent, fork, tokens, junk=[])
+  for g in range(1, num_segments):
+    p = int(rng.integers(0, g))
+    while p in tree.junk:
+      p = int(rng.integers(0, g))
+    parent.append(p)
+    fork.append(int(rng.integers(0, len(tree.path(p)) + 1)))
+    tokens.append(rng.integers(0, vocab, rng.integers(1, 7)))
+    if g >= num_segments - num_junk:
+      tree.junk.append(g)
+  return tree
+
+
+def schedule(rng, tree):
+  """(step, seg, pos, token) for every token; a token is fed no earlier than any
+  token it sees (tokens of one step see each other)."""
+  path_steps, feeds = {}, []
+  for g in range(len(tree.parent)):
+    inherited = [] if tree.parent[g] < 0 else path_steps[tree.parent[g]][:tree.fork[g]]
+    steps = list(inherited)
+    for i, token in enumerate(tree.tokens[g]):
+      s = max(steps, default=0) + int(rng.integers(0, 2))
+      steps.append(s)
+      feeds.append((s, g, len(inherited) + i, int(token)))
+    path_steps[g] = steps
+  return feeds
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("attention", ["block_sparse", "dense"])
+def test_random_trees_equal_paths_decoded_alone(name, attention):
+  config = CONFIGS[name]
+  params = _params(config)
+  rng = np.random.default_rng(0)
+  batch, num_segments = 3, 6
+  trees = [random_tree(rng, num_segments, config.vocab_size) for _ in range(batch)]
+  feeds = [schedule(rng, t) for t in trees]
+  num_steps = max(f[0] for row in feeds for f in row) + 1
+  per_step = [[[f for f in row if f[0] == s] for s in range(num_steps)] for row in feeds]
+  width = max(len(x) for row in per_step for x in row) + 2
+  topology = Topology(parent=jnp.asarray([t.parent for t in trees], jnp.int32),
+                      fork=jnp.asarray([t.fork for t in trees], jnp.int32))
+  cache = KVCache.create(config, batch, 8 * BLOCK)
+  got = {}  # (row, seg, pos) -> logits
+  for s in range(num_steps):
+    tokens = np.zeros((batch, width), np.int32)
+    positions = np.zeros((batch, width), np.int32)
+    segments = np.full((batch, width), -1, np.int32)  # unfilled entries are padding
+    for b in range(batch):
+      entries = per_step[b][s]
+      where = rng.permutation(width)[:len(entries)]  # interleaved, padding in between
+      for (_, g, p, t), w in zip(entries, where):
+        tokens[b, w], positions[b, w], segments[b, w] = t, p, g
+    logits, _, cache = step(params, cache, tokens, positions, segments, topology, config,
+                            attention)
+    if s == num_steps // 2:  # kill the junk segments half-way: their slots become dead
+      dead = np.zeros((batch, num_segments), bool)
+      for b, t in enumerate(trees):
+        dead[b, t.junk] = True
+      cache = cache_ops.kill_segments(cache, jnp.asarray(dead))
+    for b in range(batch):
+      for w in np.flatnonzero(segments[b] >= 0):
+        got[b, segments[b, w], positions[b, w]] = np.asarray(logits[b, w])
+  assert len(set(np.asarray(cache.length))) > 1, "rows should have different lengths"
+  assert (np.asarray(cache.seg) == -1).sum() > 0
+  for b, tree in enumerate(trees):
+    for g in range(num_segments):
+      reference = alone(params, config, tree.path(g))
+      for pos in range(len(tree.path(g)) - len(tree.tokens[g]), len(tree.path(g))):
+        np.testing.assert_allclose(got[b, g, pos], reference[pos], atol=ATOL,
+                                   err_msg=f"row {b} segment {g} position {pos}")
+
+
+def _prefill(params, config, tokens, slots=6 * BLOCK, batch=1):
+  n = len(tokens)
+  cache = KVCache.create(config, batch, slots)
+  _, _, cache = step(params, cache, [tokens] * batch, [list(range(n))] * batch,
+                     [[0] * n] * batch, Topology.causal(batch, 4), config)
+  return cache
+
+
+CONFIG = CONFIGS["llama-gqa"]
+
+
+def test_rollback_forgets_rejected_tokens():
+  params = _params(CONFIG)
+  prefix, junk, cont = [5, 6, 7, 8], [40, 41, 42], [9, 10]
+  cache = _prefill(params, CONFIG, prefix + junk)
+  cache = cache_ops.rollback(cache, jnp.asarray([len(prefix)], jnp.int32))
+  assert int(cache.length[0]) == len(prefix)
+  logits, _, cache = step(params, cache, [cont], [[4, 5]], [[0, 0]], Topology.causal(1, 4),
+                          CONFIG)
+  np.testing.assert_allclose(logits[0], alone(params, CONFIG, prefix + cont)[4:], atol=ATOL)
+  # rolled-back slots are reused: the continuation sits right after the prefix
+  assert np.asarray(cache.pos[0, :6]).tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_gap_in_positions_is_visible_only_where_meant():
+  """Junk at the *same positions* in a sibling segment is never seen."""
+  params = _params(CONFIG)
+  prefix = [5, 6, 7]
+  cache = _prefill(params, CONFIG, prefix)
+  topology = Topology.causal(1, 4).add_segment(jnp.asarray([1]), jnp.asarray([0]),
+                                               jnp.asarray([3]))
+  topology = topology.add_segment(jnp.asarray([2]), jnp.asarray([0]), jnp.asarray([3]))
+  _, _, cache = step(params, cache, [[50, 51]], [[3, 4]], [[1, 1]], topology, CONFIG)
+  logits, _, _ = step(params, cache, [[9, 10]], [[3, 4]], [[2, 2]], topology, CONFIG)
+  np.testing.assert_allclose(logits[0], alone(params, CONFIG, prefix + [9, 10])[3:], atol=ATOL)
+
+
+def test_accepted_draft_path_remapped_and_compacted():
+  """A draft tree is verified; the accepted path joins the main segment, the rest
+  dies, compaction closes the gaps; decoding on == the accepted text alone."""
+  params = _params(CONFIG)
+  prefix = [3, 1, 4, 1, 5]
+  cache = _prefill(params, CONFIG, prefix)
+  # tree: a(seg1,pos5) -> b(seg2,pos6), c(seg3,pos6) ; accepted: a, c
+  topology = Topology(parent=jnp.asarray([[-1, 0, 1, 1]]), fork=jnp.asarray([[0, 5, 6, 6]]))
+  _, _, cache = step(params, cache, [[20, 21, 22]], [[5, 6, 6]], [[1, 2, 3]], topology, CONFIG)
+  cache = cache_ops.remap_segments(cache, jnp.asarray([[0, 0, -1, 0]]))
+  cache = cache_ops.compact(cache, jnp.asarray([len(prefix)]), width=BLOCK)
+  assert int(cache.length[0]) == 7
+  assert np.asarray(cache.seg[0, :8]).tolist() == [0] * 7 + [-1]
+  logits, _, _ = step(params, cache, [[30]], [[7]], [[0]], Topology.causal(1, 4), CONFIG)
+  np.testing.assert_allclose(logits[0, 0], alone(params, CONFIG, prefix + [20, 22, 30])[-1],
+                             atol=ATOL)
+
+
+def test_gather_slots_reorders_beams_without_touching_prefix():
+  """Beams 1 and 2 interleaved after a shared prefix; beam 2 takes over beam 1's
+  history (a beam reorder); continuing beam 2 == beam 1's text decoded alone."""
+  params = _params(CONFIG)
+  prefix = [7, 7, 2]
+  cache = _prefill(params, CONFIG, prefix)
+  topology = Topology(parent=jnp.asarray([[-1, 0, 0, -1]]), fork=jnp.asarray([[0, 3, 3, 0]]))
+  for p, (t1, t2) in enumerate([(11, 12), (13, 14)], start=3):
+    _, _, cache = step(params, cache, [[t1, t2]], [[p, p]], [[1, 2]], topology, CONFIG)
+  prefix_k = np.asarray(cache.k[:, :, :3])
+  # slots 3..6 hold beams [1, 2, 1, 2]; beam 2's slots (4, 6) take beam 1's (3, 5)
+  cache = cache_ops.gather_slots(cache, jnp.asarray([3]), jnp.asarray([[3, 3, 5, 5]]), width=4)
+  np.testing.assert_array_equal(np.asarray(cache.k[:, :, :3]), prefix_k)
+  assert np.asarray(cache.seg[0, 3:7]).tolist() == [1, 2, 1, 2]
+  logits, _, _ = step(params, cache, [[15]], [[5]], [[2]], topology, CONFIG)
+  np.testing.assert_allclose(logits[0, 0], alone(params, CONFIG, prefix + [11, 13, 15])[-1],
+                             atol=ATOL)
+
+
+def test_incremental_decoding_equals_full_forward():
+  params = _params(CONFIG)
+  rng = np.random.default_rng(3)
+  tokens = rng.integers(0, CONFIG.vocab_size, 21).tolist()
+  full = alone(params, CONFIG, tokens)
+  cache = _prefill(params, CONFIG, tokens[:5])
+  chunks = [[5], [6, 7, 8], [9], list(range(10, 17)), [17], [18, 19, 20]]
+  for chunk in chunks:
+    logits, _, cache = step(params, cache, [[tokens[i] for i in chunk]], [chunk],
+                            [[0] * len(chunk)], Topology.causal(1, 4), CONFIG)
+    np.testing.assert_allclose(logits[0], full[chunk], atol=ATOL)
+
+
+def test_padding_tokens_take_no_slot_and_see_nothing():
+  params = _params(CONFIG)
+  cache = _prefill(params, CONFIG, [1, 2, 3])
+  logits, _, cache = step(params, cache, [[0, 4, 0]], [[0, 3, 0]], [[-1, 0, -1]],
+                          Topology.causal(1, 4), CONFIG)
+  assert int(cache.length[0]) == 4
+  np.testing.assert_allclose(logits[0, 1], alone(params, CONFIG, [1, 2, 3, 4])[-1], atol=ATOL)
+  assert np.isfinite(np.asarray(logits)).all()
