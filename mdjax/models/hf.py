@@ -1,0 +1,538 @@
+"""Hugging Face checkpoints: config.json + safetensors <-> `Model`.
+
+A Hugging Face directory holds `config.json`, the weights as one `model.safetensors`
+or as shards listed in `model.safetensors.index.json`, and optionally
+`generation_config.json` and tokenizer files. Each HF tensor maps onto the stacked,
+fused, transposed layout of `mdjax.models.transformer`::
+
+    model.embed_tokens.weight                    [V, D]     -> embed       [V, D]
+    model.layers.{i}.self_attn.q_proj.weight     [N*H, D]  \\
+    model.layers.{i}.self_attn.k_proj.weight     [K*H, D]   -> wqkv[i]     [D, (N+2K)*H]
+    model.layers.{i}.self_attn.v_proj.weight     [K*H, D]  /
+    model.layers.{i}.self_attn.o_proj.weight     [D, N*H]   -> wo[i]       [N*H, D]
+    model.layers.{i}.mlp.gate_proj.weight        [F, D]    \\
+    model.layers.{i}.mlp.up_proj.weight          [F, D]     -> w_gate_up[i] [D, 2F]
+    model.layers.{i}.mlp.down_proj.weight        [D, F]     -> w_down[i]   [F, D]
+    lm_head.weight                               [V, D]     -> lm_head     [D, V]
+
+(biases, norms and q/k norms map the same way without the transpose). Safetensors
+files are parsed here (8-byte little-endian header size, JSON header, raw data), so a
+truncated or corrupt file is reported by name before any tensor is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import re
+import shutil
+import tempfile
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from mdjax.errors import CheckpointError, MdjaxError
+from mdjax.models.config import ModelConfig, RopeScaling
+from mdjax.models.model import Model
+from mdjax.models.transformer import Params
+
+ASSETS_DIR = pathlib.Path(__file__).resolve().parent.parent / "assets"
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model"]
+
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+# safetensors dtype names <-> numpy dtypes
+_ST_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32),
+              "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
+              "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16),
+              "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_)}
+_ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
+_MAX_HEADER_BYTES = 100 * 2**20
+
+
+# --------------------------------------------------------------------------- config
+
+
+def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+  """A `ModelConfig` from a parsed config.json (llama, mistral, qwen2, qwen3).
+
+  Accepts the current layout (`rope_parameters: {rope_type, rope_theta, ...}`) and
+  the older one (top-level `rope_theta` + `rope_scaling: {type | rope_type, ...}`).
+  """
+  family = cfg.get("model_type")
+  if family not in ARCHITECTURES:
+    raise CheckpointError(
+        f"unsupported model_type {family!r}; supported: {', '.join(ARCHITECTURES)}")
+  act = cfg.get("hidden_act", "silu")
+  if act != "silu":
+    raise CheckpointError(f"unsupported hidden_act {act!r} for {family}; only 'silu' is supported")
+  if family in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+    raise CheckpointError(
+        f"{family} with use_sliding_window=true is unsupported (sliding window on only some "
+        "layers); only mistral's all-layer sliding window is")
+
+  hidden, heads = _int(cfg, "hidden_size"), _int(cfg, "num_attention_heads")
+  head_dim = cfg.get("head_dim")
+  if head_dim is None:
+    # transformers' Qwen3Config defaults a missing head_dim to 128, the others derive it
+    head_dim = 128 if family == "qwen3" and "head_dim" not in cfg else hidden // heads
+  attention_bias = bool(cfg.get("attention_bias", False))
+  rope_theta, rope_scaling = _rope_from_hf(cfg)
+  kwargs = dict(
+      family=family,
+      vocab_size=_int(cfg, "vocab_size"),
+      hidden_size=hidden,
+      intermediate_size=_int(cfg, "intermediate_size"),
+      num_layers=_int(cfg, "num_hidden_layers"),
+      num_heads=heads,
+      num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+      head_dim=int(head_dim),
+      rope_theta=rope_theta,
+      rope_scaling=rope_scaling,
+      rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+      tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+      bos_token_id=cfg.get("bos_token_id"),
+      eos_token_id=_token_ids(cfg.get("eos_token_id")),
+      pad_token_id=cfg.get("pad_token_id"),
+  )
+  if cfg.get("max_position_embeddings") is not None:
+    kwargs["max_position_embeddings"] = int(cfg["max_position_embeddings"])
+  if family == "llama":
+    kwargs.update(qkv_bias=attention_bias, o_bias=attention_bias,
+                  mlp_bias=bool(cfg.get("mlp_bias", False)))
+  elif family == "mistral":
+    window = cfg.get("sliding_window")
+    kwargs.update(sliding_window=None if window is None else int(window))
+  elif family == "qwen2":
+    kwargs.update(qkv_bias=True)
+  else:  # qwen3
+    kwargs.update(qk_norm=True, qkv_bias=attention_bias, o_bias=attention_bias)
+  try:
+    return ModelConfig(**kwargs)
+  except MdjaxError as e:
+    raise CheckpointError(f"invalid {family} config: {e}") from None
+
+
+def config_to_hf(config: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
+  """config.json (current transformers layout) for `config`.
+
+  Raises `MdjaxError` when the family cannot express `config` (e.g. a llama with
+  q/k/v bias but no output bias), naming the fields that would not round-trip.
+  """
+  c = config
+  rope = {"rope_type": c.rope_scaling.rope_type, "rope_theta": c.rope_theta}
+  if c.rope_scaling.rope_type != "default":
+    rope["factor"] = c.rope_scaling.factor
+  if c.rope_scaling.rope_type == "llama3":
+    rope.update(low_freq_factor=c.rope_scaling.low_freq_factor,
+                high_freq_factor=c.rope_scaling.high_freq_factor,
+                original_max_position_embeddings=c.rope_scaling.original_max_position_embeddings)
+  eos = list(c.eos_token_id)
+  cfg = {
+      "architectures": [ARCHITECTURES[c.family]],
+      "model_type": c.family,
+      "vocab_size": c.vocab_size,
+      "hidden_size": c.hidden_size,
+      "intermediate_size": c.intermediate_size,
+      "num_hidden_layers": c.num_layers,
+      "num_attention_heads": c.num_heads,
+      "num_key_value_heads": c.num_kv_heads,
+      "head_dim": c.head_dim,
+      "hidden_act": "silu",
+      "max_position_embeddings": c.max_position_embeddings,
+      "rms_norm_eps": c.rms_norm_eps,
+      "rope_parameters": rope,
+      "tie_word_embeddings": c.tie_word_embeddings,
+      "bos_token_id": c.bos_token_id,
+      "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+      "pad_token_id": c.pad_token_id,
+      "dtype": dtype,
+  }
+  if c.family in ("llama", "qwen3"):
+    cfg["attention_bias"] = c.qkv_bias
+  if c.family == "llama":
+    cfg["mlp_bias"] = c.mlp_bias
+  if c.family == "mistral":
+    cfg["sliding_window"] = c.sliding_window
+  if c.family in ("qwen2", "qwen3"):
+    cfg["use_sliding_window"] = False
+  back = config_from_hf(cfg)
+  lost = [f.name for f in dataclasses.fields(c) if getattr(back, f.name) != getattr(c, f.name)]
+  if lost:
+    raise MdjaxError(f"a {c.family} Hugging Face config cannot express this model: "
+                     + ", ".join(f"{n}={getattr(c, n)!r}" for n in lost))
+  return cfg
+
+
+def _int(cfg: dict[str, Any], key: str) -> int:
+  value = cfg.get(key)
+  if not isinstance(value, int) or isinstance(value, bool):
+    raise CheckpointError(f"config.json: {key} must be an integer, got {value!r}")
+  return value
+
+
+def _token_ids(value) -> tuple[int, ...]:
+  if value is None:
+    return ()
+  return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, RopeScaling]:
+  """(rope_theta, RopeScaling) from either config.json layout."""
+  params = cfg.get("rope_parameters")
+  if params is None:
+    params = cfg.get("rope_scaling") or {}
+  theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+  rope_type = params.get("rope_type", params.get("type", "default"))
+  if rope_type == "default":
+    return theta, RopeScaling()
+  needed = {"linear": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings")}.get(rope_type)
+  if needed is None:
+    raise CheckpointError(
+        f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
+  missing = [k for k in needed if params.get(k) is None]
+  if missing:
+    raise CheckpointError(f"rope_type {rope_type!r} needs {', '.join(missing)} in the rope config")
+  values = {k: float(params[k]) for k in needed}
+  if rope_type == "llama3":
+    values["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+  return theta, RopeScaling(rope_type=rope_type, **values)
+
+
+# --------------------------------------------------------------------------- safetensors
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorInfo:
+  dtype: np.dtype
+  shape: tuple[int, ...]
+  start: int  # absolute byte offset in the file
+  end: int
+
+
+def _read_header(file: pathlib.Path) -> dict[str, _TensorInfo]:
+  """Parses and validates a safetensors header; raises `CheckpointError` naming `file`."""
+  size = file.stat().st_size
+  with open(file, "rb") as f:
+    prefix = f.read(8)
+    if len(prefix) < 8:
+      raise CheckpointError(f"corrupt safetensors file {file}: only {size} bytes")
+    header_len = int.from_bytes(prefix, "little")
+    if header_len > min(size - 8, _MAX_HEADER_BYTES):
+      raise CheckpointError(f"corrupt safetensors file {file}: header length {header_len} "
+                            f"does not fit in {size} bytes")
+    try:
+      header = json.loads(f.read(header_len))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+      raise CheckpointError(f"corrupt safetensors file {file}: header is not JSON ({e})") from None
+  if not isinstance(header, dict):
+    raise CheckpointError(f"corrupt safetensors file {file}: header is not a JSON object")
+  base = 8 + header_len
+  infos, data_end = {}, 0
+  for name, entry in header.items():
+    if name == "__metadata__":
+      continue
+    try:
+      dtype = _ST_DTYPES[entry["dtype"]]
+      shape = tuple(int(d) for d in entry["shape"])
+      start, end = (int(o) for o in entry["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+      raise CheckpointError(
+          f"corrupt safetensors file {file}: bad header entry for {name!r}: {entry!r}") from None
+    if end - start != math.prod(shape) * dtype.itemsize or start < 0:
+      raise CheckpointError(f"corrupt safetensors file {file}: {name!r} has offsets {start}..{end} "
+                            f"for shape {list(shape)} {entry['dtype']}")
+    infos[name] = _TensorInfo(dtype, shape, base + start, base + end)
+    data_end = max(data_end, end)
+  if base + data_end != size:
+    raise CheckpointError(f"corrupt safetensors file {file}: header describes {base + data_end} "
+                          f"bytes, file has {size} (truncated?)")
+  return infos
+
+
+def _read_tensor(file: pathlib.Path, info: _TensorInfo) -> np.ndarray:
+  """A fresh in-memory array: not a memory map, which would fault if the file changed."""
+  count = math.prod(info.shape)
+  return np.fromfile(file, dtype=info.dtype, count=count, offset=info.start).reshape(info.shape)
+
+
+def _write_safetensors(file: pathlib.Path, tensors: dict[str, np.ndarray]) -> None:
+  """Writes `tensors` (name -> numpy array) in the safetensors format."""
+  header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+  offset = 0
+  for name, array in tensors.items():
+    nbytes = array.size * array.dtype.itemsize
+    header[name] = {"dtype": _ST_NAMES[array.dtype], "shape": list(array.shape),
+                    "data_offsets": [offset, offset + nbytes]}
+    offset += nbytes
+  encoded = json.dumps(header, separators=(",", ":")).encode()
+  encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned
+  with open(file, "wb") as f:
+    f.write(len(encoded).to_bytes(8, "little"))
+    f.write(encoded)
+    for array in tensors.values():
+      f.write(np.ascontiguousarray(array).tobytes())
+
+
+class _Weights:
+  """The tensors of a checkpoint directory, by HF name, across shards."""
+
+  def __init__(self, directory: pathlib.Path):
+    single, index = directory / WEIGHTS_FILE, directory / INDEX_FILE
+    if index.is_file():
+      try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+      except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"corrupt shard index {index}: {e!r}") from None
+      self.source = index
+      self.files = {name: directory / shard for name, shard in weight_map.items()}
+    elif single.is_file():
+      self.source = single
+      self.files = None
+    else:
+      raise CheckpointError(f"no weights in {directory}: neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+    self._headers: dict[pathlib.Path, dict[str, _TensorInfo]] = {}
+
+  def _header(self, file: pathlib.Path) -> dict[str, _TensorInfo]:
+    if file not in self._headers:
+      if not file.is_file():
+        raise CheckpointError(f"missing safetensors shard {file} (listed in {self.source})")
+      self._headers[file] = _read_header(file)
+    return self._headers[file]
+
+  def validate(self) -> None:
+    """Parses every file's header, so corruption is reported before any tensor is read."""
+    for file in [self.source] if self.files is None else sorted(set(self.files.values())):
+      self._header(file)
+
+  def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Tensor `name`, checked to have `shape`."""
+    if self.files is not None and name not in self.files:
+      raise CheckpointError(f"missing tensor {name!r} in {self.source}")
+    file = self.source if self.files is None else self.files[name]
+    info = self._header(file).get(name)
+    if info is None:
+      raise CheckpointError(f"missing tensor {name!r} in {file}")
+    if info.shape != shape:
+      raise CheckpointError(
+          f"tensor {name!r} in {file} has shape {list(info.shape)}, expected {list(shape)}")
+    return _read_tensor(file, info)
+
+
+# --------------------------------------------------------------------------- params
+
+
+def _params_from_hf(config: ModelConfig, weights: _Weights, dtype) -> Params:
+  """HF tensors -> the stacked, fused, transposed params of `transformer`."""
+  c = config
+  d, f, h = c.hidden_size, c.intermediate_size, c.head_dim
+  qkv_sizes = (c.num_heads * h, c.num_kv_heads * h, c.num_kv_heads * h)
+
+  def get(name, *shape):
+    return weights.get(name, shape).astype(dtype, copy=False)
+
+  def stack(fn):
+    return jnp.asarray(np.stack([fn(f"model.layers.{i}.") for i in range(c.num_layers)]))
+
+  layers = {
+      "attn_norm": stack(lambda p: get(p + "input_layernorm.weight", d)),
+      "wqkv": stack(lambda p: np.concatenate(
+          [get(f"{p}self_attn.{x}_proj.weight", n, d).T for x, n in zip("qkv", qkv_sizes)],
+          axis=1)),  # [D, (N + 2K) * H]
+      "wo": stack(lambda p: get(p + "self_attn.o_proj.weight", d, c.num_heads * h).T),
+      "mlp_norm": stack(lambda p: get(p + "post_attention_layernorm.weight", d)),
+      "w_gate_up": stack(lambda p: np.concatenate(
+          [get(f"{p}mlp.{x}_proj.weight", f, d).T for x in ("gate", "up")], axis=1)),  # [D, 2F]
+      "w_down": stack(lambda p: get(p + "mlp.down_proj.weight", d, f).T),
+  }
+  if c.qkv_bias:
+    layers["bqkv"] = stack(lambda p: np.concatenate(
+        [get(f"{p}self_attn.{x}_proj.bias", n) for x, n in zip("qkv", qkv_sizes)]))
+  if c.o_bias:
+    layers["bo"] = stack(lambda p: get(p + "self_attn.o_proj.bias", d))
+  if c.mlp_bias:
+    layers["b_gate_up"] = stack(lambda p: np.concatenate(
+        [get(f"{p}mlp.{x}_proj.bias", f) for x in ("gate", "up")]))
+    layers["b_down"] = stack(lambda p: get(p + "mlp.down_proj.bias", d))
+  if c.qk_norm:
+    layers["q_norm"] = stack(lambda p: get(p + "self_attn.q_norm.weight", h))
+    layers["k_norm"] = stack(lambda p: get(p + "self_attn.k_norm.weight", h))
+  params = {"embed": jnp.asarray(get("model.embed_tokens.weight", c.vocab_size, d)),
+            "layers": layers,
+            "final_norm": jnp.asarray(get("model.norm.weight", d))}
+  if not c.tie_word_embeddings:
+    params["lm_head"] = jnp.asarray(get("lm_head.weight", c.vocab_size, d).T)  # [D, V]
+  return params
+
+
+def _params_to_hf(config: ModelConfig, params: Params, dtype) -> dict[str, np.ndarray]:
+  """The inverse of `_params_from_hf`: HF name -> numpy array of `dtype`."""
+  c = config
+  h = c.head_dim
+  qkv_split = np.cumsum([c.num_heads * h, c.num_kv_heads * h])
+  lp = {k: np.asarray(v) for k, v in params["layers"].items()}
+  out = {"model.embed_tokens.weight": np.asarray(params["embed"])}
+  for i in range(c.num_layers):
+    p = f"model.layers.{i}."
+    out[p + "input_layernorm.weight"] = lp["attn_norm"][i]
+    for x, w in zip("qkv", np.split(lp["wqkv"][i], qkv_split, axis=1)):
+      out[f"{p}self_attn.{x}_proj.weight"] = w.T
+    if c.qkv_bias:
+      for x, b in zip("qkv", np.split(lp["bqkv"][i], qkv_split)):
+        out[f"{p}self_attn.{x}_proj.bias"] = b
+    if c.qk_norm:
+      out[p + "self_attn.q_norm.weight"] = lp["q_norm"][i]
+      out[p + "self_attn.k_norm.weight"] = lp["k_norm"][i]
+    out[p + "self_attn.o_proj.weight"] = lp["wo"][i].T
+    if c.o_bias:
+      out[p + "self_attn.o_proj.bias"] = lp["bo"][i]
+    out[p + "post_attention_layernorm.weight"] = lp["mlp_norm"][i]
+    for x, w in zip(("gate", "up"), np.split(lp["w_gate_up"][i], 2, axis=1)):
+      out[f"{p}mlp.{x}_proj.weight"] = w.T
+    if c.mlp_bias:
+      for x, b in zip(("gate", "up"), np.split(lp["b_gate_up"][i], 2)):
+        out[f"{p}mlp.{x}_proj.bias"] = b
+      out[p + "mlp.down_proj.bias"] = lp["b_down"][i]
+    out[p + "mlp.down_proj.weight"] = lp["w_down"][i].T
+  out["model.norm.weight"] = np.asarray(params["final_norm"])
+  if not c.tie_word_embeddings:
+    out["lm_head.weight"] = np.asarray(params["lm_head"]).T
+  return {k: np.ascontiguousarray(v.astype(dtype)) for k, v in out.items()}
+
+
+def _dtype(dtype) -> np.dtype:
+  """The numpy dtype for "float32", "bfloat16" or a jnp/np dtype; others are rejected."""
+  try:
+    resolved = jnp.dtype(DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+  except TypeError:
+    resolved = None
+  if resolved not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    raise MdjaxError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+  return resolved
+
+
+# --------------------------------------------------------------------------- public
+
+
+def _read_json(file: pathlib.Path) -> dict[str, Any]:
+  try:
+    value = json.loads(file.read_text())
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"corrupt {file}: {e}") from None
+  if not isinstance(value, dict):
+    raise CheckpointError(f"corrupt {file}: not a JSON object")
+  return value
+
+
+def load_hf_dir(path: str | os.PathLike, dtype="float32", *, name: str | None = None) -> Model:
+  """Loads a Hugging Face-format directory as a `Model` with weights of `dtype`."""
+  directory = pathlib.Path(path)
+  if not directory.exists():
+    raise CheckpointError(f"no such checkpoint directory: {str(path)!r}")
+  if not directory.is_dir():
+    raise CheckpointError(f"checkpoint path {str(path)!r} is not a directory")
+  np_dtype = _dtype(dtype)
+  config_file = directory / "config.json"
+  if not config_file.is_file():
+    raise CheckpointError(f"no config.json in checkpoint directory {str(path)!r}")
+  cfg = _read_json(config_file)
+  generation_file = directory / "generation_config.json"
+  if generation_file.is_file():
+    eos = _read_json(generation_file).get("eos_token_id")
+    if eos is not None:
+      cfg["eos_token_id"] = eos
+  try:
+    config = config_from_hf(cfg)
+  except CheckpointError as e:
+    raise CheckpointError(f"{config_file}: {e}") from None
+  weights = _Weights(directory)
+  weights.validate()
+  params = _params_from_hf(config, weights, np_dtype)
+  tokenizer = None
+  if any((directory / f).is_file() for f in TOKENIZER_FILES):
+    import transformers  # only checkpoints with a tokenizer need it
+    try:
+      tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
+    except Exception as e:  # noqa: BLE001 -- transformers raises many types for bad files
+      raise CheckpointError(f"cannot load the tokenizer in {directory}: {e}") from None
+  return Model(config=config, params=params, tokenizer=tokenizer, path=str(directory),
+               name=name if name is not None else directory.name)
+
+
+def save_hf(model: Model, path: str | os.PathLike, dtype="float32") -> None:
+  """Exports `model` as a Hugging Face directory that transformers and `load_hf_dir` read.
+
+  Written into a temporary directory beside `path` and renamed into place, so `path`
+  never holds a half-written checkpoint. An existing `path` is replaced.
+  """
+  np_dtype = _dtype(dtype)
+  config = config_to_hf(model.config, dtype=str(np_dtype))
+  target = pathlib.Path(path).resolve()
+  target.parent.mkdir(parents=True, exist_ok=True)
+  staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+  try:
+    (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    _write_safetensors(staging / WEIGHTS_FILE, _params_to_hf(model.config, model.params, np_dtype))
+    if model.tokenizer is not None:
+      model.tokenizer.save_pretrained(str(staging))
+    if target.exists():
+      old = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+      os.rename(target, old / target.name)
+      try:
+        os.rename(staging, target)
+      except OSError:
+        os.rename(old / target.name, target)
+        raise
+      finally:
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+      os.rename(staging, target)
+  finally:
+    if staging.exists():
+      shutil.rmtree(staging)
+
+
+def shipped_names() -> list[str]:
+  """Names of the models shipped under `mdjax/assets`."""
+  if not ASSETS_DIR.is_dir():
+    return []
+  return sorted(p.name for p in ASSETS_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def resolve(path_or_name: str | os.PathLike) -> pathlib.Path:
+  """The checkpoint directory for a local directory, a shipped model name or a hub id.
+
+  A hub id (`owner/name`) is fetched with `huggingface_hub.snapshot_download`
+  (json, safetensors and tokenizer files only).
+  """
+  path = pathlib.Path(path_or_name)
+  if path.is_dir():
+    return path
+  if path.exists():
+    raise CheckpointError(f"checkpoint path {str(path_or_name)!r} is not a directory")
+  text = str(path_or_name)
+  if text in shipped_names():
+    return ASSETS_DIR / text
+  if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", text):  # owner/name
+    import huggingface_hub  # only hub ids need it
+    try:
+      return pathlib.Path(huggingface_hub.snapshot_download(text, allow_patterns=HUB_PATTERNS))
+    except Exception as e:  # noqa: BLE001 -- offline, unknown or gated repo: all "cannot get it"
+      raise CheckpointError(f"{text!r} is not a local directory and could not be fetched from the "
+                            f"Hugging Face hub: {type(e).__name__}: {e}") from None
+  raise CheckpointError(f"no such model directory or known name: {text!r}; shipped models: "
+                        f"{', '.join(shipped_names()) or '(none)'}")

@@ -1,0 +1,71 @@
+"""Shared test helpers: tiny random Hugging Face checkpoints and mdjax logits."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+import transformers
+
+from mdjax.cache import KVCache
+from mdjax.models.model import Model
+from mdjax.step import decode_step
+from mdjax.topology import Topology
+
+TINY_CONFIG = dict(vocab_size=192, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                   tie_word_embeddings=False)
+
+
+def write_tiny_checkpoint(path, family: str = "llama", seed: int = 0, *,
+                          max_shard_size: str | None = None, **config_overrides):
+  """Saves a seeded random tiny `family` model (float32) into `path` with
+  `save_pretrained`; returns the torch model (eval mode, eager attention).
+
+  Every weight is redrawn so that norms and biases are far from their identity
+  init (a loader that drops or misplaces one changes the logits) and attention is
+  far from uniform: matrices ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norms ~
+  1 + N(0, 0.3), biases ~ N(0, 0.3).
+  """
+  config = transformers.AutoConfig.for_model(family, **{**TINY_CONFIG, **config_overrides})
+  torch.manual_seed(seed)
+  model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+  generator = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, param in model.named_parameters():
+      noise = torch.randn(param.shape, generator=generator)
+      if name.endswith("norm.weight"):
+        param.copy_(1 + 0.3 * noise)
+      elif name.endswith("bias"):
+        param.copy_(0.3 * noise)
+      elif "embed_tokens" in name:
+        param.copy_(noise)
+      else:
+        param.copy_(noise / math.sqrt(param.shape[1]))
+  model.eval()
+  kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+  model.save_pretrained(path, **kwargs)
+  return model
+
+
+def torch_logits(torch_model, ids) -> np.ndarray:
+  """The torch model's logits `[T, V]` (float32) for one sequence of ids."""
+  with torch.no_grad():
+    out = torch_model(torch.tensor(np.asarray(ids), dtype=torch.long)[None])
+  return out.logits[0].float().numpy()
+
+
+def mdjax_logits(model: Model, ids, attention: str = "block_sparse") -> np.ndarray:
+  """Plain causal forward of `ids` in one `decode_step` over an empty cache: `[T, V]`."""
+  ids = np.asarray(ids)
+  t = len(ids)
+  cache = KVCache.create(model.config, 1, t, dtype=model.params["embed"].dtype)
+  tokens = jnp.asarray(ids, jnp.int32)[None]  # [1, T]
+  positions = jnp.arange(t, dtype=jnp.int32)[None]  # [1, T]
+  segments = jnp.zeros((1, t), jnp.int32)  # [1, T]
+  logits, _, _ = decode_step(model.params, cache, tokens, positions, segments, Topology.causal(1),
+                             config=model.config, attention=attention)
+  return np.asarray(logits[0])
