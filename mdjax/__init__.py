@@ -8,42 +8,32 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 
 from mdjax.cache import KVCache
 from mdjax.errors import CheckpointError, MdjaxError
 from mdjax.generate import GenerationOutput, bucket, encode_prompts, generate, stream
-from mdjax.models.config import ModelConfig, RopeScaling
+from mdjax.models.config import ModelConfig, RopeScaling, weight_dtype
 from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
 from mdjax.models.registry import RANDOM_MODELS
 from mdjax.step import decode_step
 from mdjax.topology import Topology
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
 __all__ = ["load", "forward_logits", "generate", "stream", "Model", "ModelConfig", "RopeScaling",
            "KVCache", "Topology", "decode_step", "GenerationOutput", "MdjaxError",
            "CheckpointError"]
-
-
-def _dtype_name(dtype) -> str:
-  name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
-  if name not in DTYPES:
-    raise MdjaxError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-  return name
 
 
 def load(path_or_name: str, dtype="float32", seed: int = 0) -> Model:
   """A model from a Hugging Face-format directory, a hub id (online), a shipped
   model name, or a built-in random model name (`random-llama`, `random-llama-tiny`;
   `seed` picks its weights)."""
-  dtype = _dtype_name(dtype)
+  dtype = weight_dtype(dtype)
   name = str(path_or_name)
   if name in RANDOM_MODELS:
     config = RANDOM_MODELS[name]
-    return Model(config=config, params=init_params(config, seed, DTYPES[dtype]), name=name,
+    return Model(config=config, params=init_params(config, seed, dtype), name=name,
                  random_weights=True)
   from mdjax.models import hf  # transformers is imported only when a checkpoint is read
   return hf.load_hf_dir(hf.resolve(name), dtype=dtype, name=name)

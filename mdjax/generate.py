@@ -55,9 +55,12 @@ def encode_prompts(model: Model, prompts) -> list[list[int]]:
         raise MdjaxError(f"prompt {i} is text but the model {model.name or model.path!r} has no "
                          "tokenizer; pass token ids instead")
       prompt = model.tokenizer.encode(prompt)
-    ids = [int(t) for t in np.asarray(prompt).reshape(-1)]
-    if not ids:
+    array = np.asarray(prompt).reshape(-1)
+    if array.size == 0:
       raise MdjaxError(f"prompt {i} is empty")
+    if array.dtype.kind not in "iu":
+      raise MdjaxError(f"prompt {i} must be text or integer token ids, got {prompt!r}")
+    ids = [int(t) for t in array]
     bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
     if bad:
       raise MdjaxError(f"prompt {i} has token id {bad[0]} outside the vocabulary "
@@ -122,6 +125,8 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_toke
              options: dict):
   if not isinstance(strategy, str):
     raise MdjaxError(f"strategy must be a name, got {strategy!r}")
+  if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+    raise MdjaxError(f"seed must be an integer, got {seed!r}")
   decoder = strategies.build(strategy, model.config, options)
   ids = encode_prompts(model, prompts)
   _check_budget(model, ids, max_new_tokens)

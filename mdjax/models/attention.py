@@ -71,11 +71,18 @@ def dense_attention(queries: Queries, new_k: Float[Array, "B T K H"], new_v: Flo
   ], axis=2)  # [B, T, S + T]
   keys = jnp.concatenate([cache_k, new_k.astype(cache_k.dtype)], axis=1)  # [B, S + T, K, H]
   values = jnp.concatenate([cache_v, new_v.astype(cache_v.dtype)], axis=1)
-  scores = _scores(_grouped(queries.q, keys.shape[2]), keys, mask)  # [B, K, R, T, S + T]
+  return masked_attention(queries.q, keys, values, mask)
+
+
+def masked_attention(q: Float[Array, "B T N H"], keys: Float[Array, "B S K H"],
+                     values: Float[Array, "B S K H"],
+                     mask: Bool[Array, "B T S"]) -> Float[Array, "B T N H"]:
+  """One masked softmax of the queries over `keys` (also the cache-free training path)."""
+  scores = _scores(_grouped(q, keys.shape[2]), keys, mask)  # [B, K, R, T, S]
   peak = jnp.max(scores, axis=-1, keepdims=True)
   weights = jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0))
   acc = jnp.einsum("bkrts,bskh->bkrth", weights, values.astype(jnp.float32))
-  return _finish(acc, weights.sum(-1), queries.q.dtype)
+  return _finish(acc, weights.sum(-1), q.dtype)
 
 
 def block_sparse_attention(queries: Queries, new_k: Float[Array, "B T K H"],

@@ -5,12 +5,25 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 from mdjax.errors import MdjaxError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
+WEIGHT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def weight_dtype(dtype) -> np.dtype:
+  """The dtype for "float32", "bfloat16" or a jnp/np dtype; others are rejected."""
+  try:
+    resolved = jnp.dtype(WEIGHT_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+  except TypeError:
+    resolved = None
+  if resolved not in [jnp.dtype(d) for d in WEIGHT_DTYPES.values()]:
+    raise MdjaxError(f"unsupported dtype {dtype!r}; supported: {', '.join(WEIGHT_DTYPES)}")
+  return resolved
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -37,14 +37,13 @@ import ml_dtypes
 import numpy as np
 
 from mdjax.errors import CheckpointError, MdjaxError
-from mdjax.models.config import ModelConfig, RopeScaling
+from mdjax.models.config import ModelConfig, RopeScaling, weight_dtype
 from mdjax.models.model import Model
 from mdjax.models.transformer import Params
 
 ASSETS_DIR = pathlib.Path(__file__).resolve().parent.parent / "assets"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model"]
 
 WEIGHTS_FILE = "model.safetensors"
@@ -412,17 +411,6 @@ def _params_to_hf(config: ModelConfig, params: Params, dtype) -> dict[str, np.nd
   return {k: np.ascontiguousarray(v.astype(dtype)) for k, v in out.items()}
 
 
-def _dtype(dtype) -> np.dtype:
-  """The numpy dtype for "float32", "bfloat16" or a jnp/np dtype; others are rejected."""
-  try:
-    resolved = jnp.dtype(DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
-  except TypeError:
-    resolved = None
-  if resolved not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-    raise MdjaxError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
-  return resolved
-
-
 # --------------------------------------------------------------------------- public
 
 
@@ -443,7 +431,7 @@ def load_hf_dir(path: str | os.PathLike, dtype="float32", *, name: str | None = 
     raise CheckpointError(f"no such checkpoint directory: {str(path)!r}")
   if not directory.is_dir():
     raise CheckpointError(f"checkpoint path {str(path)!r} is not a directory")
-  np_dtype = _dtype(dtype)
+  np_dtype = weight_dtype(dtype)
   config_file = directory / "config.json"
   if not config_file.is_file():
     raise CheckpointError(f"no config.json in checkpoint directory {str(path)!r}")
@@ -477,7 +465,7 @@ def save_hf(model: Model, path: str | os.PathLike, dtype="float32") -> None:
   Written into a temporary directory beside `path` and renamed into place, so `path`
   never holds a half-written checkpoint. An existing `path` is replaced.
   """
-  np_dtype = _dtype(dtype)
+  np_dtype = weight_dtype(dtype)
   config = config_to_hf(model.config, dtype=str(np_dtype))
   target = pathlib.Path(path).resolve()
   target.parent.mkdir(parents=True, exist_ok=True)

@@ -25,13 +25,15 @@ explicit segments, over an explicit cache, to logits.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
-from mdjax.models.attention import Queries, attention_fn
+from mdjax.models.attention import Queries, attention_fn, masked_attention
 from mdjax.models.config import ModelConfig
 from mdjax.topology import Topology, visibility_limits, visible
 
@@ -79,6 +81,31 @@ def _mlp(config: ModelConfig, lp: Params, h: Float[Array, "B T D"]) -> Float[Arr
   return out + lp["b_down"] if config.mlp_bias else out
 
 
+def _layers(config: ModelConfig, params: Params, x: Float[Array, "B T D"],
+            positions: Int[Array, "B T"], attend: Callable):
+  """The decoder layers as one `lax.scan`, shared by the cached and the training forward.
+
+  `attend(q, k, v, layer)` maps the new tokens' q `[B, T, N, H]` and k, v
+  `[B, T, K, H]` (RoPE applied) to the attention output `[B, T, N, H]`. Returns the
+  final-norm hidden states `[B, T, D]` and every layer's k, v `[L, B, T, K, H]`.
+  """
+
+  def layer(x, inputs):
+    lp, index = inputs
+    h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
+    q, k, v = _project_qkv(config, lp, h, positions)
+    out = attend(q, k, v, index)  # [B, T, N, H]
+    out = out.reshape(*out.shape[:2], -1) @ lp["wo"]
+    if config.o_bias:
+      out = out + lp["bo"]
+    x = x + out
+    x = x + _mlp(config, lp, rms_norm(x, lp["mlp_norm"], config.rms_norm_eps))
+    return x, (k, v)
+
+  x, new_kv = jax.lax.scan(layer, x, (params["layers"], jnp.arange(config.num_layers)))
+  return rms_norm(x, params["final_norm"], config.rms_norm_eps), new_kv
+
+
 def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
             segments: Int[Array, "B T"], topology: Topology, *, config: ModelConfig,
             attention: str = "block_sparse", block_size: int = 128):
@@ -88,29 +115,39 @@ def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"], positions
   Tokens with segment -1 are padding: they see nothing, are seen by nothing and
   take no cache slot.
   """
-  attend = attention_fn(attention, cache.num_slots, block_size)
+  attention_impl = attention_fn(attention, cache.num_slots, block_size)
   limit = visibility_limits(topology)  # [B, G, G]
   queries_meta = dict(positions=positions, segments=segments, limit=limit,
                       new_visible=visible(limit, segments, positions, segments, positions,
                                           config.sliding_window))
-  x = params["embed"][tokens]  # [B, T, D]
 
-  def layer(x, inputs):
-    lp, index = inputs
-    h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
-    q, k, v = _project_qkv(config, lp, h, positions)
-    out = attend(Queries(q=q, **queries_meta), k, v, cache, index,
-                 sliding_window=config.sliding_window)  # [B, T, N, H]
-    out = out.reshape(*out.shape[:2], -1) @ lp["wo"]
-    if config.o_bias:
-      out = out + lp["bo"]
-    x = x + out
-    x = x + _mlp(config, lp, rms_norm(x, lp["mlp_norm"], config.rms_norm_eps))
-    return x, (k, v)
+  def attend(q, k, v, index):
+    return attention_impl(Queries(q=q, **queries_meta), k, v, cache, index,
+                          sliding_window=config.sliding_window)
 
-  x, (new_k, new_v) = jax.lax.scan(layer, x, (params["layers"], jnp.arange(config.num_layers)))
-  hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+  hidden, (new_k, new_v) = _layers(config, params, params["embed"][tokens], positions, attend)
   return hidden, cache_ops.append(cache, new_k, new_v, positions, segments)
+
+
+def forward_causal(params: Params, tokens: Int[Array, "B T"], *,
+                   config: ModelConfig) -> Float[Array, "B T D"]:
+  """Plain causal forward of whole sequences without a cache (training, evaluation).
+
+  Every row is one segment at positions 0..T-1; the same layers and visibility rule
+  as `forward` over an empty cache, minus the cache writes, so it is differentiable.
+  """
+  b, t = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
+  segments = jnp.zeros((b, t), jnp.int32)  # [B, T]
+  mask = visible(visibility_limits(Topology.causal(b)), segments, positions, segments, positions,
+                 config.sliding_window)  # [B, T, T]
+
+  def attend(q, k, v, index):
+    del index  # no cache: the keys are the sequence itself
+    return masked_attention(q, k, v, mask)
+
+  hidden, _ = _layers(config, params, params["embed"][tokens], positions, attend)
+  return hidden
 
 
 def lm_head(params: Params, hidden: Float[Array, "... D"]) -> Float[Array, "... V"]:

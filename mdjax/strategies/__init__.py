@@ -23,15 +23,20 @@ BUILDERS = {"greedy": (_greedy, ()), "sample": (_sample, SAMPLING_OPTIONS)}
 COMMON_OPTIONS = ("attention",)
 
 
+def option_names(name: str) -> tuple[str, ...]:
+  """The options (keyword arguments of `mdjax.generate`) strategy `name` takes."""
+  if not isinstance(name, str) or name not in BUILDERS:
+    raise MdjaxError(f"unknown strategy {name!r}; valid strategies: {', '.join(BUILDERS)}")
+  return BUILDERS[name][1] + COMMON_OPTIONS
+
+
 def build(name: str, config: ModelConfig, options: dict):
   """The strategy `name` for `config`, with its options validated."""
-  if name not in BUILDERS:
-    raise MdjaxError(f"unknown strategy {name!r}; valid strategies: {', '.join(BUILDERS)}")
-  builder, allowed = BUILDERS[name]
+  allowed = option_names(name)
   for option in options:
-    if option not in allowed and option not in COMMON_OPTIONS:
-      valid = ", ".join(allowed + COMMON_OPTIONS)
-      raise MdjaxError(f"unknown option {option!r} for strategy {name!r}; valid options: {valid}")
+    if option not in allowed:
+      raise MdjaxError(f"unknown option {option!r} for strategy {name!r}; "
+                       f"valid options: {', '.join(allowed)}")
   if options.get("attention", "block_sparse") not in ("block_sparse", "dense"):
     raise MdjaxError(f"attention must be 'block_sparse' or 'dense', got {options['attention']!r}")
-  return builder(config, dict(options))
+  return BUILDERS[name][0](config, dict(options))

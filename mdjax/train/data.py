@@ -1,0 +1,152 @@
+"""Training data: a folder of text files, split by file, packed into fixed-length sequences.
+
+By default the folder is the Python standard library of the running interpreter
+(`*.py`, recursively, `site-packages` excluded): every machine has it. Files that are
+not UTF-8 are skipped. The list is sorted, so it is the same on every run.
+
+The held-out split is chosen *by file* from a stable hash of each relative path: the
+`ceil(fraction * n)` files with the smallest sha256 are held out. A file's rank
+depends only on its path, so the split is deterministic and the same for everyone
+holding the same files; no held-out file ever contributes a training token.
+
+Token streams are the files' tokens joined with EOS after every document, cut into
+sequences of `seq_len + 1` tokens that overlap by one (inputs `[:-1]`, targets
+`[1:]`). The batch of step `i` is a pure function of `(seed, i)`: every epoch visits
+the sequences in a fresh permutation drawn from `fold_in(key(seed), epoch)`, so a
+resumed run needs no iterator state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import pathlib
+import sysconfig
+
+import jax
+import numpy as np
+
+from mdjax.errors import MdjaxError
+
+EXCLUDED_DIRS = ("site-packages", "__pycache__")
+
+
+def stdlib_dir() -> pathlib.Path:
+  """The running interpreter's standard library folder."""
+  return pathlib.Path(sysconfig.get_paths()["stdlib"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+  """The files of `root` (paths relative to it, posix style) split by file."""
+
+  root: pathlib.Path
+  train: tuple[str, ...]
+  heldout: tuple[str, ...]
+
+  def texts(self, split: str) -> list[str]:
+    """The contents of every file of `split` ("train" or "heldout"), in list order."""
+    if split not in ("train", "heldout"):
+      raise MdjaxError(f"split must be 'train' or 'heldout', got {split!r}")
+    return [(self.root / name).read_text(encoding="utf-8") for name in getattr(self, split)]
+
+
+def list_files(root: pathlib.Path, pattern: str) -> list[str]:
+  """Sorted relative paths of the UTF-8 files under `root` matching `pattern`."""
+  names = []
+  for path in root.rglob(pattern):
+    relative = path.relative_to(root)
+    if not path.is_file() or any(part in EXCLUDED_DIRS for part in relative.parts):
+      continue
+    try:
+      path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+      continue
+    names.append(relative.as_posix())
+  return sorted(names)
+
+
+def heldout_rank(name: str) -> int:
+  """The stable hash that orders files for the held-out choice."""
+  return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big")
+
+
+def split_files(names: list[str], heldout_fraction: float) -> tuple[list[str], list[str]]:
+  """(train, heldout): the `ceil(fraction * n)` smallest-hash files are held out."""
+  if not 0 < heldout_fraction < 1:
+    raise MdjaxError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
+  count = math.ceil(heldout_fraction * len(names))
+  if len(names) < 2 or count >= len(names):
+    raise MdjaxError(f"need at least one training and one held-out file, got {len(names)} files "
+                     f"with heldout_fraction={heldout_fraction}")
+  heldout = set(sorted(names, key=heldout_rank)[:count])
+  return [n for n in names if n not in heldout], [n for n in names if n in heldout]
+
+
+def load_corpus(data_dir: str = "", pattern: str = "*.py",
+                heldout_fraction: float = 0.05) -> Corpus:
+  """The corpus of `data_dir` (empty: the standard library)."""
+  root = pathlib.Path(data_dir) if data_dir else stdlib_dir()
+  if not root.is_dir():
+    raise MdjaxError(f"data_dir {str(root)!r} is not a directory")
+  names = list_files(root, pattern)
+  if not names:
+    raise MdjaxError(f"no UTF-8 files matching {pattern!r} under {str(root)!r}")
+  train, heldout = split_files(names, heldout_fraction)
+  return Corpus(root=root, train=tuple(train), heldout=tuple(heldout))
+
+
+def token_stream(texts: list[str], tokenizer, eos_id: int) -> np.ndarray:
+  """int32 `[N]`: every text's tokens followed by `eos_id`, concatenated.
+
+  `tokenizer` is a `tokenizers.Tokenizer` (the fast backend, batch-encoded in Rust).
+  """
+  encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
+  pieces = []
+  for encoding in encodings:
+    pieces += [np.asarray(encoding.ids, np.int32), np.asarray([eos_id], np.int32)]
+  return np.concatenate(pieces) if pieces else np.zeros((0,), np.int32)
+
+
+def pack(stream: np.ndarray, seq_len: int) -> np.ndarray:
+  """`[num_sequences, seq_len + 1]` windows of `stream` with stride `seq_len`.
+
+  Sequence j covers stream[j * seq_len : (j + 1) * seq_len + 1]; the tail that does
+  not fill a window is dropped.
+  """
+  if seq_len < 1:
+    raise MdjaxError(f"seq_len must be >= 1, got {seq_len}")
+  count = (len(stream) - 1) // seq_len
+  if count < 1:
+    raise MdjaxError(f"{len(stream)} tokens do not fill one sequence of seq_len={seq_len}")
+  starts = np.arange(count)[:, None] * seq_len  # [count, 1]
+  return stream[starts + np.arange(seq_len + 1)[None, :]]  # [count, seq_len + 1]
+
+
+class Batches:
+  """`batch(step)`: int32 `[batch_size, seq_len + 1]`, a pure function of (seed, step).
+
+  Sample `i = step * batch_size + j` is sequence `perm_e[i mod n]` of epoch
+  `e = i // n`, with `perm_e` a permutation drawn from `fold_in(key(seed), e)`.
+  """
+
+  def __init__(self, sequences: np.ndarray, batch_size: int, seed: int):
+    if batch_size < 1:
+      raise MdjaxError(f"batch_size must be >= 1, got {batch_size}")
+    self.sequences = sequences
+    self.batch_size = batch_size
+    self.key = jax.random.key(seed)
+    self._permutations: dict[int, np.ndarray] = {}
+
+  def _permutation(self, epoch: int) -> np.ndarray:
+    if epoch not in self._permutations:
+      self._permutations = {epoch: np.asarray(jax.random.permutation(
+          jax.random.fold_in(self.key, epoch), len(self.sequences)))}
+    return self._permutations[epoch]
+
+  def batch(self, step: int) -> np.ndarray:
+    n = len(self.sequences)
+    samples = step * self.batch_size + np.arange(self.batch_size)  # [B]
+    rows = [self._permutation(int(i) // n)[int(i) % n] for i in samples]
+    return self.sequences[rows]
