@@ -1,0 +1,117 @@
+"""Decode one prompt with any strategy and print the text and a JSON summary.
+
+    python -m experiments.decode --config=configs/greedy.py
+    python -m experiments.decode --config=configs/sample.py --config.temperature=0.7 \
+        --config.model=path/to/hf_dir --config.prompt="Once upon a time"
+
+Output (stdout): the model's description line (it says RANDOM WEIGHTS for a random
+model), the generated text (the ids when the model has no tokenizer), then one JSON
+line: model, strategy, prompt_tokens (the prompt's ids), sequences, texts, stats.
+`--output_json` writes the same JSON to a file. Config fields: configs/common.py.
+
+Bad input: one `error: ...` line on stderr, no traceback, exit code 1; a bad flag,
+config file or config override exits with 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+import mdjax
+from mdjax import strategies
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Decode config, e.g. configs/greedy.py.")
+_OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Also write the JSON summary here.")
+flags.mark_flag_as_required("config")
+
+USAGE_ERROR = 2
+
+
+def _fail(message: object, code: int):
+  """Prints `message` as one `error: ...` line on stderr and exits with `code`."""
+  print("error: " + " ".join(str(message).split()), file=sys.stderr)
+  sys.exit(code)
+
+
+def _last_line(error: Exception) -> str:
+  """The gist of an error whose message may hold a whole traceback (config_flags')."""
+  return [line.strip() for line in str(error).splitlines() if line.strip()][-1]
+
+
+def _key_error_message(error: Exception) -> str:
+  """ConfigDict's message for a missing field (wrapped in an AttributeError by getattr)."""
+  while error.args and isinstance(error.args[0], Exception):
+    error = error.args[0]
+  return str(error.args[0]) if error.args else repr(error)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, but a bad flag or config file is one line, not the usage text."""
+  try:
+    remaining = flags.FLAGS(argv)
+    _CONFIG.value.lock()  # a config file that failed to load raises OSError on any access
+  except flags.Error as e:
+    _fail(_last_line(e) if "Traceback" in str(e) else e, USAGE_ERROR)
+  except OSError as e:
+    _fail(f"cannot load the config file: {_last_line(e)}", USAGE_ERROR)
+  except (AttributeError, KeyError) as e:  # config_flags, for --config.<field> of no field
+    _fail(f"unknown config field {_key_error_message(e)}", USAGE_ERROR)
+  except Exception as e:  # noqa: BLE001 -- a config file is Python: any error in it is the config's
+    _fail(f"cannot load the config file: {type(e).__name__}: {e}", USAGE_ERROR)
+  if len(remaining) > 1:
+    _fail(f"unexpected arguments {remaining[1:]!r}", USAGE_ERROR)
+  return remaining
+
+
+def _ids(field: str, text: str) -> list[int]:
+  """Comma-separated token ids: "1,2,3" (or "" for none)."""
+  try:
+    return [int(t) for t in text.split(",")] if text.strip() else []
+  except ValueError:
+    raise mdjax.MdjaxError(f"{field} must be comma-separated token ids, got {text!r}") from None
+
+
+def _eos(text: str) -> list[int] | None:
+  """The `eos_token_id` field: "" = the model's own (None), "none" = no EOS, else ids."""
+  if not text.strip():
+    return None
+  return [] if text.strip().lower() == "none" else _ids("eos_token_id", text)
+
+
+def decode(config) -> dict:
+  """Loads the model, decodes, prints the text; returns the JSON summary."""
+  options = {k: config[k] for k in strategies.option_names(config.strategy) if k in config}
+  model = mdjax.load(config.model, dtype=config.dtype)
+  print(model.description)
+  prompt = config.prompt or _ids("prompt_ids", config.prompt_ids)
+  (prompt_ids,) = mdjax.encode_prompts(model, [prompt])
+  out = mdjax.generate(model, [prompt_ids], strategy=config.strategy,
+                       max_new_tokens=config.max_new_tokens,
+                       eos_token_id=_eos(config.eos_token_id),
+                       seed=config.seed, **options)
+  print(out.texts[0] if out.texts else " ".join(map(str, out.sequences[0])))
+  return dict(model=config.model, strategy=config.strategy, prompt_tokens=prompt_ids,
+              sequences=out.sequences, texts=out.texts, stats=out.stats)
+
+
+def main(argv):
+  del argv  # parse_flags rejected any positional argument
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # not JAX's INFO lines: stderr is for errors
+  try:
+    summary = decode(_CONFIG.value)
+    text = json.dumps(summary)
+    if _OUTPUT_JSON.value:
+      with open(_OUTPUT_JSON.value, "w") as f:
+        f.write(text + "\n")
+  except (ValueError, OSError) as e:  # MdjaxError is a ValueError; OSError: files
+    _fail(e, 1)
+  print(text)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=parse_flags)
