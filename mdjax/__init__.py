@@ -12,7 +12,8 @@ import numpy as np
 
 from mdjax.cache import KVCache
 from mdjax.errors import CheckpointError, MdjaxError
-from mdjax.generate import GenerationOutput, bucket, encode_prompts, generate, stream
+from mdjax.generate import (GenerationOutput, bucket, check_context, encode_prompts, generate,
+                            stream)
 from mdjax.models.config import ModelConfig, RopeScaling, weight_dtype
 from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
@@ -42,6 +43,7 @@ def load(path_or_name: str, dtype="float32", seed: int = 0) -> Model:
 def forward_logits(model: Model, ids) -> np.ndarray:
   """Plain causal forward of one sequence: float32 numpy `[len(ids), vocab]`."""
   (ids,) = encode_prompts(model, [ids])
+  check_context(model, [ids], 0)
   slots = bucket(len(ids))
   tokens = np.zeros((1, slots), np.int32)
   tokens[0, :len(ids)] = ids

@@ -80,7 +80,8 @@ def eos_ids(model: Model, eos_token_id) -> tuple[int, ...]:
   return tuple(int(t) for t in ids)
 
 
-def _check_budget(model: Model, prompts: list[list[int]], max_new_tokens) -> None:
+def check_context(model: Model, prompts: list[list[int]], max_new_tokens) -> None:
+  """Rejects a negative budget, or prompts + new tokens beyond the context length."""
   if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
     raise MdjaxError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
   longest = max(len(p) for p in prompts)
@@ -129,7 +130,7 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_toke
     raise MdjaxError(f"seed must be an integer, got {seed!r}")
   decoder = strategies.build(strategy, model.config, options)
   ids = encode_prompts(model, prompts)
-  _check_budget(model, ids, max_new_tokens)
+  check_context(model, ids, max_new_tokens)
   padded = np.zeros((len(ids), bucket(max(len(p) for p in ids))), np.int32)
   for row, p in enumerate(ids):
     padded[row, :len(p)] = p

@@ -93,6 +93,8 @@ API_CASES = {  # name: (call on the tiny model, regex its message must match)
                                        r"token id 999 outside"),
     "forward_logits empty": (lambda m: mdjax.forward_logits(m, []), r"prompt 0 is empty"),
     "forward_logits text": (lambda m: mdjax.forward_logits(m, "hi"), r"has no tokenizer"),
+    "forward_logits too long": (lambda m: mdjax.forward_logits(m, [1] * 600),
+                                r"600 .* max_position_embeddings=512"),
     "bad dtype": (lambda m: mdjax.load(TINY, dtype="float16"),
                   r"dtype 'float16'.*float32, bfloat16"),
     "missing model path": (lambda m: mdjax.load("/nonexistent/model"), r"'/nonexistent/model'"),

@@ -373,7 +373,7 @@ def test_resolve_shipped_name(monkeypatch, tmp_path):
   monkeypatch.setattr(hf, "ASSETS_DIR", tmp_path)
   assert hf.shipped_names() == ["tiny"]
   assert hf.resolve("tiny") == tmp_path / "tiny"
-  with pytest.raises(CheckpointError, match="'nope'; shipped models: tiny"):
+  with pytest.raises(CheckpointError, match="'nope'; known names: tiny, random-llama"):
     hf.resolve("nope")
 
 

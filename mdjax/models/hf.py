@@ -39,6 +39,7 @@ import numpy as np
 from mdjax.errors import CheckpointError, MdjaxError
 from mdjax.models.config import ModelConfig, RopeScaling, weight_dtype
 from mdjax.models.model import Model
+from mdjax.models.registry import RANDOM_MODELS
 from mdjax.models.transformer import Params
 
 ASSETS_DIR = pathlib.Path(__file__).resolve().parent.parent / "assets"
@@ -522,5 +523,6 @@ def resolve(path_or_name: str | os.PathLike) -> pathlib.Path:
     except Exception as e:  # noqa: BLE001 -- offline, unknown or gated repo: all "cannot get it"
       raise CheckpointError(f"{text!r} is not a local directory and could not be fetched from the "
                             f"Hugging Face hub: {type(e).__name__}: {e}") from None
-  raise CheckpointError(f"no such model directory or known name: {text!r}; shipped models: "
-                        f"{', '.join(shipped_names()) or '(none)'}")
+  known = shipped_names() + list(RANDOM_MODELS)
+  raise CheckpointError(f"no such model directory or known name: {text!r}; known names: "
+                        f"{', '.join(known)}")
