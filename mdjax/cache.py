@@ -54,24 +54,32 @@ class KVCache:
     return dataclasses.replace(self, **changes)
 
 
-def append(cache: KVCache, new_k: Float[Array, "L B T K H"], new_v: Float[Array, "L B T K H"],
-           positions: Int[Array, "B T"], segments: Int[Array, "B T"]) -> KVCache:
-  """Writes the tokens with `segment >= 0` into the next free slots of their row.
+def claim_slots(cache: KVCache, positions: Int[Array, "B T"], segments: Int[Array, "B T"]
+                ) -> tuple[KVCache, Int[Array, "B T"]]:
+  """Gives the tokens with `segment >= 0` the next free slots of their row.
 
-  Padding tokens (segment -1) take no slot. Tokens that would overflow the row are
+  Records their positions and segments and advances `length`; returns the slot of
+  every token (past the end for padding, which takes no slot). Their K/V are
+  written layer by layer with `write_layer`. Tokens that would overflow the row are
   dropped, so callers size the cache (`mdjax.generate` does).
   """
   valid = segments >= 0  # [B, T]
   offset = jnp.cumsum(valid, axis=1) - 1  # [B, T]
   slot = jnp.where(valid, cache.length[:, None] + offset, cache.num_slots)  # [B, T]
-  rows = jnp.broadcast_to(jnp.arange(slot.shape[0])[:, None], slot.shape)  # [B, T]
-  return KVCache(
-      k=cache.k.at[:, rows, slot].set(new_k.astype(cache.k.dtype), mode="drop"),
-      v=cache.v.at[:, rows, slot].set(new_v.astype(cache.v.dtype), mode="drop"),
+  rows = jnp.arange(slot.shape[0])[:, None]  # [B, 1]
+  claimed = cache.replace(
       pos=cache.pos.at[rows, slot].set(positions, mode="drop"),
       seg=cache.seg.at[rows, slot].set(segments, mode="drop"),
-      length=jnp.minimum(cache.length + valid.sum(axis=1, dtype=jnp.int32), cache.num_slots),
-  )
+      length=jnp.minimum(cache.length + valid.sum(axis=1, dtype=jnp.int32), cache.num_slots))
+  return claimed, slot
+
+
+def write_layer(cache: KVCache, layer: int, slot: Int[Array, "B T"], k: Float[Array, "B T K H"],
+                v: Float[Array, "B T K H"]) -> KVCache:
+  """Writes one layer's new K/V into the slots `claim_slots` gave (in place under jit)."""
+  rows = jnp.arange(slot.shape[0])[:, None]  # [B, 1]
+  return cache.replace(k=cache.k.at[layer, rows, slot].set(k.astype(cache.k.dtype), mode="drop"),
+                       v=cache.v.at[layer, rows, slot].set(v.astype(cache.v.dtype), mode="drop"))
 
 
 @jax.jit

@@ -1,18 +1,19 @@
-"""Attention of the T tokens fed this step over the cache plus themselves.
+"""Attention of the T tokens fed this step over one layer of the cache.
 
-Keys come in two parts: the `S` cached slots of this layer and the `T` new tokens
-(written to the cache only after the step, see `mdjax.cache.append`). Visibility of
-both parts comes from `mdjax.topology.visible`; no dense mask ever crosses an API.
+The step first writes the new tokens' K/V into their cache slots (in place), then
+each query attends over the cache: visibility of every slot, the query's own and
+its fellow new tokens' included, comes from `mdjax.topology.visible` on
+`(seg, pos)`; no dense mask ever crosses an API.
 
 Two implementations with the same signature and the same result up to float
 summation order:
 
-* `dense_attention` — the readable reference: one `[T, S + T]` masked softmax.
+* `dense_attention` — the readable reference: one `[T, S]` masked softmax.
 * `block_sparse_attention` — walks the cache in blocks of `block_size` slots, only
   up to the fullest row's length, and skips every block that no query of the batch
   can see (other branches' tokens, dead slots); an online softmax merges blocks.
 
-Einsum letters: B batch, T queries, S/U keys, K kv heads, R query heads per kv head
+Einsum letters: B batch, T queries, S keys, K kv heads, R query heads per kv head
 (N = K * R), H head dim.
 """
 
@@ -32,13 +33,12 @@ from mdjax.topology import visible
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Queries:
-  """What a layer's attention needs besides K/V: the queries and who they are."""
+  """What a layer's attention needs besides the cache: the queries and who they are."""
 
   q: Float[Array, "B T N H"]
   positions: Int[Array, "B T"]
   segments: Int[Array, "B T"]
   limit: Int[Array, "B G G"]  # mdjax.topology.visibility_limits
-  new_visible: Bool[Array, "B T T"]  # queries vs. the new tokens themselves
 
 
 def _grouped(q: Float[Array, "B T N H"], num_kv_heads: int) -> Float[Array, "B T K R H"]:
@@ -59,21 +59,6 @@ def _finish(acc, total, dtype) -> Float[Array, "B T N H"]:
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, k * r, h).astype(dtype)
 
 
-def dense_attention(queries: Queries, new_k: Float[Array, "B T K H"], new_v: Float[Array, "B T K H"],
-                    cache: KVCache, layer: Int[Array, ""], *,
-                    sliding_window: int | None) -> Float[Array, "B T N H"]:
-  """Reference: keys = [cache slots of `layer` | new tokens], one masked softmax."""
-  cache_k, cache_v = cache.k[layer], cache.v[layer]  # [B, S, K, H]
-  mask = jnp.concatenate([
-      visible(queries.limit, queries.segments, queries.positions, cache.seg, cache.pos,
-              sliding_window),
-      queries.new_visible,
-  ], axis=2)  # [B, T, S + T]
-  keys = jnp.concatenate([cache_k, new_k.astype(cache_k.dtype)], axis=1)  # [B, S + T, K, H]
-  values = jnp.concatenate([cache_v, new_v.astype(cache_v.dtype)], axis=1)
-  return masked_attention(queries.q, keys, values, mask)
-
-
 def masked_attention(q: Float[Array, "B T N H"], keys: Float[Array, "B S K H"],
                      values: Float[Array, "B S K H"],
                      mask: Bool[Array, "B T S"]) -> Float[Array, "B T N H"]:
@@ -85,9 +70,16 @@ def masked_attention(q: Float[Array, "B T N H"], keys: Float[Array, "B S K H"],
   return _finish(acc, weights.sum(-1), q.dtype)
 
 
-def block_sparse_attention(queries: Queries, new_k: Float[Array, "B T K H"],
-                           new_v: Float[Array, "B T K H"], cache: KVCache, layer: Int[Array, ""],
-                           *, sliding_window: int | None,
+def dense_attention(queries: Queries, cache: KVCache, layer: int, *,
+                    sliding_window: int | None) -> Float[Array, "B T N H"]:
+  """Reference: every slot of `layer`, one masked softmax."""
+  mask = visible(queries.limit, queries.segments, queries.positions, cache.seg, cache.pos,
+                 sliding_window)  # [B, T, S]
+  return masked_attention(queries.q, cache.k[layer], cache.v[layer], mask)
+
+
+def block_sparse_attention(queries: Queries, cache: KVCache, layer: int, *,
+                           sliding_window: int | None,
                            block_size: int) -> Float[Array, "B T N H"]:
   """Online-softmax attention over the visible key blocks of `layer` only.
 
@@ -95,24 +87,11 @@ def block_sparse_attention(queries: Queries, new_k: Float[Array, "B T K H"],
   are sliced out of the stacked cache only when some query can see into it, so
   invisible blocks are never read. `block_size` must divide the slot count.
   """
-  num_kv_heads = new_k.shape[2]
-  qg = _grouped(queries.q, num_kv_heads)  # [B, T, K, R, H]
-
-  def merge(carry, scores, values):
-    peak, total, acc = carry  # [B, K, R, T], [B, K, R, T], [B, K, R, T, H]
-    new_peak = jnp.maximum(peak, scores.max(-1))
-    base = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
-    rescale = jnp.exp(peak - base)
-    weights = jnp.exp(scores - base[..., None])
-    acc = acc * rescale[..., None] + jnp.einsum("bkrts,bskh->bkrth", weights,
-                                                values.astype(jnp.float32))
-    return new_peak, total * rescale + weights.sum(-1), acc
-
+  qg = _grouped(queries.q, cache.k.shape[3])  # [B, T, K, R, H]
   b, t, k, r, h = qg.shape
-  carry = (jnp.full((b, k, r, t), -jnp.inf), jnp.zeros((b, k, r, t)), jnp.zeros((b, k, r, t, h)))
-  carry = merge(carry, _scores(qg, new_k, queries.new_visible), new_v)
 
   def visit(block, carry):
+    peak, total, acc = carry  # [B, K, R, T], [B, K, R, T], [B, K, R, T, H]
     start = block * block_size
     k_pos = jax.lax.dynamic_slice_in_dim(cache.pos, start, block_size, axis=1)  # [B, Bk]
     k_seg = jax.lax.dynamic_slice_in_dim(cache.seg, start, block_size, axis=1)
@@ -120,16 +99,25 @@ def block_sparse_attention(queries: Queries, new_k: Float[Array, "B T K H"],
                    sliding_window)  # [B, T, Bk]
 
     def read_block(carry):
+      peak, total, acc = carry
       index = (layer, 0, start, 0, 0)
       size = (1, b, block_size, k, h)
       keys = jax.lax.dynamic_slice(cache.k, index, size)[0]  # [B, Bk, K, H]
       values = jax.lax.dynamic_slice(cache.v, index, size)[0]
-      return merge(carry, _scores(qg, keys, mask), values)
+      scores = _scores(qg, keys, mask)  # [B, K, R, T, Bk]
+      new_peak = jnp.maximum(peak, scores.max(-1))
+      base = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
+      rescale = jnp.exp(peak - base)
+      weights = jnp.exp(scores - base[..., None])
+      acc = acc * rescale[..., None] + jnp.einsum("bkrts,bskh->bkrth", weights,
+                                                  values.astype(jnp.float32))
+      return new_peak, total * rescale + weights.sum(-1), acc
 
     return jax.lax.cond(mask.any(), read_block, lambda c: c, carry)
 
+  carry = (jnp.full((b, k, r, t), -jnp.inf), jnp.zeros((b, k, r, t)), jnp.zeros((b, k, r, t, h)))
   num_blocks = (cache.length.max() + block_size - 1) // block_size
-  peak, total, acc = jax.lax.fori_loop(0, num_blocks, visit, carry)
+  _, total, acc = jax.lax.fori_loop(0, num_blocks, visit, carry)
   return _finish(acc, total, queries.q.dtype)
 
 

@@ -2,17 +2,17 @@
 
 A Hugging Face directory holds `config.json`, the weights as one `model.safetensors`
 or as shards listed in `model.safetensors.index.json`, and optionally
-`generation_config.json` and tokenizer files. Each HF tensor maps onto the stacked,
+`generation_config.json` and tokenizer files. Each HF tensor maps onto the per-layer,
 fused, transposed layout of `mdjax.models.transformer`::
 
     model.embed_tokens.weight                    [V, D]     -> embed       [V, D]
     model.layers.{i}.self_attn.q_proj.weight     [N*H, D]  \\
-    model.layers.{i}.self_attn.k_proj.weight     [K*H, D]   -> wqkv[i]     [D, (N+2K)*H]
+    model.layers.{i}.self_attn.k_proj.weight     [K*H, D]   -> layers[i].wqkv [D, (N+2K)*H]
     model.layers.{i}.self_attn.v_proj.weight     [K*H, D]  /
-    model.layers.{i}.self_attn.o_proj.weight     [D, N*H]   -> wo[i]       [N*H, D]
+    model.layers.{i}.self_attn.o_proj.weight     [D, N*H]   -> layers[i].wo   [N*H, D]
     model.layers.{i}.mlp.gate_proj.weight        [F, D]    \\
-    model.layers.{i}.mlp.up_proj.weight          [F, D]     -> w_gate_up[i] [D, 2F]
-    model.layers.{i}.mlp.down_proj.weight        [D, F]     -> w_down[i]   [F, D]
+    model.layers.{i}.mlp.up_proj.weight          [F, D]     -> layers[i].w_gate_up [D, 2F]
+    model.layers.{i}.mlp.down_proj.weight        [D, F]     -> layers[i].w_down [F, D]
     lm_head.weight                               [V, D]     -> lm_head     [D, V]
 
 (biases, norms and q/k norms map the same way without the transpose). Safetensors
@@ -335,7 +335,7 @@ class _Weights:
 
 
 def _params_from_hf(config: ModelConfig, weights: _Weights, dtype) -> Params:
-  """HF tensors -> the stacked, fused, transposed params of `transformer`."""
+  """HF tensors -> the per-layer, fused, transposed params of `transformer`."""
   c = config
   d, f, h = c.hidden_size, c.intermediate_size, c.head_dim
   qkv_sizes = (c.num_heads * h, c.num_kv_heads * h, c.num_kv_heads * h)
@@ -343,34 +343,34 @@ def _params_from_hf(config: ModelConfig, weights: _Weights, dtype) -> Params:
   def get(name, *shape):
     return weights.get(name, shape).astype(dtype, copy=False)
 
-  def stack(fn):
-    return jnp.asarray(np.stack([fn(f"model.layers.{i}.") for i in range(c.num_layers)]))
+  def layer(p):
+    lp = {
+        "attn_norm": get(p + "input_layernorm.weight", d),
+        "wqkv": np.concatenate(
+            [get(f"{p}self_attn.{x}_proj.weight", n, d).T for x, n in zip("qkv", qkv_sizes)],
+            axis=1),  # [D, (N + 2K) * H]
+        "wo": get(p + "self_attn.o_proj.weight", d, c.num_heads * h).T,
+        "mlp_norm": get(p + "post_attention_layernorm.weight", d),
+        "w_gate_up": np.concatenate(
+            [get(f"{p}mlp.{x}_proj.weight", f, d).T for x in ("gate", "up")], axis=1),  # [D, 2F]
+        "w_down": get(p + "mlp.down_proj.weight", d, f).T,
+    }
+    if c.qkv_bias:
+      lp["bqkv"] = np.concatenate(
+          [get(f"{p}self_attn.{x}_proj.bias", n) for x, n in zip("qkv", qkv_sizes)])
+    if c.o_bias:
+      lp["bo"] = get(p + "self_attn.o_proj.bias", d)
+    if c.mlp_bias:
+      lp["b_gate_up"] = np.concatenate(
+          [get(f"{p}mlp.{x}_proj.bias", f) for x in ("gate", "up")])
+      lp["b_down"] = get(p + "mlp.down_proj.bias", d)
+    if c.qk_norm:
+      lp["q_norm"] = get(p + "self_attn.q_norm.weight", h)
+      lp["k_norm"] = get(p + "self_attn.k_norm.weight", h)
+    return {name: jnp.asarray(np.ascontiguousarray(w)) for name, w in lp.items()}
 
-  layers = {
-      "attn_norm": stack(lambda p: get(p + "input_layernorm.weight", d)),
-      "wqkv": stack(lambda p: np.concatenate(
-          [get(f"{p}self_attn.{x}_proj.weight", n, d).T for x, n in zip("qkv", qkv_sizes)],
-          axis=1)),  # [D, (N + 2K) * H]
-      "wo": stack(lambda p: get(p + "self_attn.o_proj.weight", d, c.num_heads * h).T),
-      "mlp_norm": stack(lambda p: get(p + "post_attention_layernorm.weight", d)),
-      "w_gate_up": stack(lambda p: np.concatenate(
-          [get(f"{p}mlp.{x}_proj.weight", f, d).T for x in ("gate", "up")], axis=1)),  # [D, 2F]
-      "w_down": stack(lambda p: get(p + "mlp.down_proj.weight", d, f).T),
-  }
-  if c.qkv_bias:
-    layers["bqkv"] = stack(lambda p: np.concatenate(
-        [get(f"{p}self_attn.{x}_proj.bias", n) for x, n in zip("qkv", qkv_sizes)]))
-  if c.o_bias:
-    layers["bo"] = stack(lambda p: get(p + "self_attn.o_proj.bias", d))
-  if c.mlp_bias:
-    layers["b_gate_up"] = stack(lambda p: np.concatenate(
-        [get(f"{p}mlp.{x}_proj.bias", f) for x in ("gate", "up")]))
-    layers["b_down"] = stack(lambda p: get(p + "mlp.down_proj.bias", d))
-  if c.qk_norm:
-    layers["q_norm"] = stack(lambda p: get(p + "self_attn.q_norm.weight", h))
-    layers["k_norm"] = stack(lambda p: get(p + "self_attn.k_norm.weight", h))
   params = {"embed": jnp.asarray(get("model.embed_tokens.weight", c.vocab_size, d)),
-            "layers": layers,
+            "layers": [layer(f"model.layers.{i}.") for i in range(c.num_layers)],
             "final_norm": jnp.asarray(get("model.norm.weight", d))}
   if not c.tie_word_embeddings:
     params["lm_head"] = jnp.asarray(get("lm_head.weight", c.vocab_size, d).T)  # [D, V]
@@ -382,30 +382,30 @@ def _params_to_hf(config: ModelConfig, params: Params, dtype) -> dict[str, np.nd
   c = config
   h = c.head_dim
   qkv_split = np.cumsum([c.num_heads * h, c.num_kv_heads * h])
-  lp = {k: np.asarray(v) for k, v in params["layers"].items()}
   out = {"model.embed_tokens.weight": np.asarray(params["embed"])}
-  for i in range(c.num_layers):
+  for i, layer in enumerate(params["layers"]):
     p = f"model.layers.{i}."
-    out[p + "input_layernorm.weight"] = lp["attn_norm"][i]
-    for x, w in zip("qkv", np.split(lp["wqkv"][i], qkv_split, axis=1)):
+    lp = {name: np.asarray(w) for name, w in layer.items()}
+    out[p + "input_layernorm.weight"] = lp["attn_norm"]
+    for x, w in zip("qkv", np.split(lp["wqkv"], qkv_split, axis=1)):
       out[f"{p}self_attn.{x}_proj.weight"] = w.T
     if c.qkv_bias:
-      for x, b in zip("qkv", np.split(lp["bqkv"][i], qkv_split)):
+      for x, b in zip("qkv", np.split(lp["bqkv"], qkv_split)):
         out[f"{p}self_attn.{x}_proj.bias"] = b
     if c.qk_norm:
-      out[p + "self_attn.q_norm.weight"] = lp["q_norm"][i]
-      out[p + "self_attn.k_norm.weight"] = lp["k_norm"][i]
-    out[p + "self_attn.o_proj.weight"] = lp["wo"][i].T
+      out[p + "self_attn.q_norm.weight"] = lp["q_norm"]
+      out[p + "self_attn.k_norm.weight"] = lp["k_norm"]
+    out[p + "self_attn.o_proj.weight"] = lp["wo"].T
     if c.o_bias:
-      out[p + "self_attn.o_proj.bias"] = lp["bo"][i]
-    out[p + "post_attention_layernorm.weight"] = lp["mlp_norm"][i]
-    for x, w in zip(("gate", "up"), np.split(lp["w_gate_up"][i], 2, axis=1)):
+      out[p + "self_attn.o_proj.bias"] = lp["bo"]
+    out[p + "post_attention_layernorm.weight"] = lp["mlp_norm"]
+    for x, w in zip(("gate", "up"), np.split(lp["w_gate_up"], 2, axis=1)):
       out[f"{p}mlp.{x}_proj.weight"] = w.T
     if c.mlp_bias:
-      for x, b in zip(("gate", "up"), np.split(lp["b_gate_up"][i], 2)):
+      for x, b in zip(("gate", "up"), np.split(lp["b_gate_up"], 2)):
         out[f"{p}mlp.{x}_proj.bias"] = b
-      out[p + "mlp.down_proj.bias"] = lp["b_down"][i]
-    out[p + "mlp.down_proj.weight"] = lp["w_down"][i].T
+      out[p + "mlp.down_proj.bias"] = lp["b_down"]
+    out[p + "mlp.down_proj.weight"] = lp["w_down"].T
   out["model.norm.weight"] = np.asarray(params["final_norm"])
   if not c.tie_word_embeddings:
     out["lm_head.weight"] = np.asarray(params["lm_head"]).T
