@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import pathlib
 
+import numpy as np
 import tokenizers
 import transformers
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -63,3 +64,14 @@ def bytes_per_token(tokenizer: tokenizers.Tokenizer, texts: list[str]) -> float:
   encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
   tokens = sum(len(e.ids) for e in encodings)
   return sum(len(t.encode("utf-8")) for t in texts) / max(tokens, 1)
+
+
+def token_byte_lengths(tokenizer: tokenizers.Tokenizer) -> np.ndarray:
+  """int64 `[V]`: the UTF-8 bytes each token stands for (0 for special tokens).
+
+  In the byte-level alphabet every character of a token's string is one byte.
+  """
+  lengths = np.zeros(tokenizer.get_vocab_size(), np.int64)
+  for token, index in tokenizer.get_vocab().items():
+    lengths[index] = 0 if token in SPECIAL_TOKENS else len(token)
+  return lengths

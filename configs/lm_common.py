@@ -1,0 +1,42 @@
+"""The fields every LM training config shares; `lm_target.py`, `lm_draft.py` and
+`lm_tiny_test.py` set the model size and the schedule.
+
+    python -m experiments.train_lm --config=configs/lm_target.py --config.run_dir=/tmp/run
+
+Strings stand for "none": `data_dir=""` trains on the running Python's standard
+library, `tokenizer=""` trains a byte-level BPE of `vocab_size` into the run dir,
+`export_dir=""` exports into `run_dir/export`, `card_notes=""` adds nothing to the
+model card.
+"""
+
+import ml_collections
+
+
+def get_base_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.run_dir = ""  # required: checkpoints, metrics, plot, export
+  config.data_dir = ""  # any folder of text/code; "" = the standard library
+  config.data_pattern = "*.py"  # glob of the files to read, recursively
+  config.heldout_fraction = 0.05
+  config.tokenizer = ""  # a directory with tokenizer.json; "" = train one
+  config.vocab_size = 8192
+  config.seed = 0
+  config.seq_len = 256
+  config.batch_size = 16
+  config.steps = 1000
+  config.model = ml_collections.ConfigDict({
+      "hidden_size": 128, "intermediate_size": 384, "num_layers": 2, "num_heads": 4,
+      "num_kv_heads": 2, "head_dim": 32, "rope_theta": 10000.0, "tie_word_embeddings": True})
+  config.optim = ml_collections.ConfigDict({
+      "lr": 3e-3, "warmup_steps": 100, "min_lr_ratio": 0.1, "weight_decay": 0.1, "b1": 0.9,
+      "b2": 0.95, "clip_norm": 1.0})
+  config.log_every = 10
+  config.eval_every = 200
+  config.eval_sequences = 64  # the fixed, evenly spaced held-out subset
+  config.checkpoint_every = 100
+  config.keep_checkpoints = 3
+  config.export_dir = ""
+  config.export_dtype = "bfloat16"  # or "float32"
+  config.export_only = False  # export the latest checkpoint without training further
+  config.card_notes = ""  # a markdown file appended to the model card
+  return config

@@ -1,0 +1,53 @@
+"""Train (or resume) a causal LM and export it in Hugging Face format.
+
+    python -m experiments.train_lm --config=configs/lm_target.py --config.run_dir=/tmp/target
+    python -m experiments.train_lm --config=configs/lm_draft.py --config.run_dir=/tmp/draft \
+        --config.tokenizer=/tmp/target/tokenizer
+    python -m experiments.train_lm --config=configs/lm_target.py --config.run_dir=/tmp/target \
+        --config.export_only=True       # export the latest checkpoint now
+
+Killed at any point, the same command resumes from the latest checkpoint in
+`run_dir` and ends with the parameters an uninterrupted run would have. The final
+line is the training summary as JSON. Bad input: one `error: ...` line, exit 1.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shlex
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from mdjax.train import export, lm
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config, e.g. configs/lm_target.py.")
+flags.mark_flag_as_required("config")
+
+
+def run(config) -> dict:
+  """Trains to `config.steps` (nothing when `export_only` or already there), then exports."""
+  result = lm.train(config, restore_only=config.export_only)
+  directory = config.export_dir or pathlib.Path(config.run_dir) / "export"
+  command = shlex.join(["python", "-m", "experiments.train_lm", *sys.argv[1:]])
+  return export.export(result, config, directory, command=command)
+
+
+def main(argv):
+  if len(argv) > 1:
+    print(f"error: unexpected arguments {argv[1:]!r}", file=sys.stderr)
+    sys.exit(2)
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  try:
+    summary = run(_CONFIG.value)
+  except (ValueError, OSError) as e:  # MdjaxError is a ValueError; OSError: files
+    print("error: " + " ".join(str(e).split()), file=sys.stderr)
+    sys.exit(1)
+  print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+  app.run(main)

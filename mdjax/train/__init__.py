@@ -1,0 +1,1 @@
+"""Training: data (`data`), tokenizer (`tokenizer`), the LM trainer (`lm`), export (`export`)."""

@@ -1,0 +1,108 @@
+"""A trained run -> a Hugging Face directory that `mdjax.load` and transformers both read.
+
+    export/
+      config.json, generation_config.json, model.safetensors   (`mdjax.models.hf.save_hf`)
+      tokenizer.json, tokenizer_config.json
+      heldout_files.json     the files no training token came from (evaluate on these)
+      training_summary.json  data, tokens seen, and held-out loss / accuracy measured on
+                             the *exported* weights (after any bfloat16 rounding)
+      README.md              the model card (+ the markdown file `config.card_notes`)
+
+The recorded held-out numbers come from reloading the written files, so a shipped
+model can be checked against its own card.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import platform
+import shlex
+import shutil
+import sys
+
+import jax
+import ml_collections
+
+from mdjax.models import hf
+from mdjax.models.model import Model
+from mdjax.train.lm import Run, evaluate
+
+
+def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.PathLike,
+           command: str | None = None) -> dict:
+  """Writes `run` into `directory` (replaced atomically); returns the training summary."""
+  directory = pathlib.Path(directory)
+  run_dir = pathlib.Path(config.run_dir)
+  model = Model(config=run.model_config, params=run.params, tokenizer=run.tokenizer,
+                name=directory.name)
+  hf.save_hf(model, directory, dtype=config.export_dtype)
+  shutil.copyfile(run_dir / "heldout_files.json", directory / "heldout_files.json")
+  exported = hf.load_hf_dir(directory)
+  result = evaluate(exported.params, run.data.heldout, exported.config, config.batch_size)
+  device = jax.devices()[0]
+  summary = {
+      "command": command or shlex.join([sys.executable, *sys.argv]),
+      "trained_on": f"{device.platform}: {device.device_kind}",
+      "python": platform.python_version(),
+      "data_root": str(run.corpus.root),
+      "data_pattern": config.data_pattern,
+      "train_files": len(run.corpus.train),
+      "heldout_files": len(run.corpus.heldout),
+      "train_tokens": run.data.train_tokens,
+      "steps": run.step,
+      "batch_size": config.batch_size,
+      "seq_len": config.seq_len,
+      "tokens_seen": run.step * config.batch_size * config.seq_len,
+      "num_params": run.model_config.num_params,
+      "vocab_size": run.model_config.vocab_size,
+      "weights_dtype": config.export_dtype,
+      "eval_sequences": len(run.data.heldout),
+      "heldout_loss": result["loss"],
+      "heldout_accuracy": result["accuracy"],
+      "heldout_bytes_per_token": run.data.heldout_bytes_per_token,
+      "heldout_nats_per_byte": result["loss"] / run.data.heldout_bytes_per_token,
+  }
+  (directory / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+  card = model_card(directory.name, run.model_config, summary)
+  if config.card_notes:
+    card += "\n" + pathlib.Path(config.card_notes).read_text()
+  (directory / "README.md").write_text(card)
+  return summary
+
+
+def model_card(name: str, config, summary: dict) -> str:
+  """The README of an exported model: what it is, how it was made, how well it does."""
+  c = config
+  s = summary
+  return f"""# {name}
+
+A {c.num_params / 1e6:.2f}M-parameter llama (hidden {c.hidden_size}, {c.num_layers} layers,
+{c.num_heads} heads of {c.head_dim} with {c.num_kv_heads} KV heads, MLP {c.intermediate_size},
+{"tied" if c.tie_word_embeddings else "untied"} embeddings, context {c.max_position_embeddings})
+trained by mdjax's own trainer (`mdjax.train.lm`). Weights: {s["weights_dtype"]} safetensors.
+
+    import mdjax
+    model = mdjax.load("{name}")
+
+## Data
+
+The `{s["data_pattern"]}` files under `{s["data_root"]}` (Python {s["python"]}), split by file:
+{s["train_files"]} training files ({s["train_tokens"]:,} tokens), {s["heldout_files"]} held-out
+files listed in `heldout_files.json`. Byte-level BPE tokenizer, vocabulary {c.vocab_size}
+(`<bos>` 0, `<eos>` 1 after every file, `<pad>` 2).
+
+## Training
+
+    {s["command"]}
+
+{s["steps"]} steps x {s["batch_size"]} sequences x {s["seq_len"]} tokens = {s["tokens_seen"]:,}
+tokens seen, AdamW with warmup + cosine decay, trained on {s["trained_on"]}.
+
+## Held-out results (measured on these exported weights)
+
+| held-out sequences | loss (nats/token) | top-1 next-token accuracy | bytes/token | nats/byte |
+|---|---|---|---|---|
+| {s["eval_sequences"]} x {s["seq_len"]} tokens | {s["heldout_loss"]:.4f} | {s["heldout_accuracy"]:.4f} | {s["heldout_bytes_per_token"]:.3f} | {s["heldout_nats_per_byte"]:.4f} |
+"""

@@ -1,0 +1,269 @@
+"""Causal LM training over mdjax's own transformer (`forward_causal` + `lm_head`).
+
+One run lives in `run_dir`::
+
+    run_dir/
+      config.json          the training config (ml_collections, as JSON)
+      heldout_files.json   data root, python version, the held-out relative paths
+      tokenizer/           tokenizer.json + tokenizer_config.json (trained here unless
+                           `config.tokenizer` names an existing one)
+      checkpoints/<step>/  orbax: params + optimizer state, written atomically, last N kept
+      metrics.jsonl        train loss (mean since the last record), grad norm, lr,
+                           tokens per s; held-out loss, top-1 accuracy, nats per byte
+      loss.png             the loss curves
+      export/              Hugging Face format (see `mdjax.train.export`)
+
+Determinism: the initial params come from `config.seed`, the batch of step i is a
+pure function of (seed, i) (`data.Batches`), and the step is one jitted XLA program.
+The model has no dropout, so the step itself draws no random numbers. Hence a run
+killed at any point and restarted from its latest checkpoint ends with bitwise the
+same parameters as a run that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import pathlib
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+from mdjax.errors import MdjaxError
+from mdjax.models.config import ModelConfig
+from mdjax.models.random_init import init_params
+from mdjax.models.transformer import Params, forward_causal, lm_head
+from mdjax.train import data
+from mdjax.train import tokenizer as tokenizer_lib
+from mdjax.train.metrics import MetricsLog, plot_losses
+
+DECAYED = ("embed", "wqkv", "wo", "w_gate_up", "w_down", "lm_head")  # matrices, not norms/biases
+
+
+def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
+  """The llama architecture of `config.model` over the tokenizer's vocabulary.
+
+  Context length = `seq_len`: positions past what training saw are not trusted.
+  """
+  m = config.model
+  return ModelConfig(family="llama", vocab_size=vocab_size, hidden_size=m.hidden_size,
+                     intermediate_size=m.intermediate_size, num_layers=m.num_layers,
+                     num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                     rope_theta=m.rope_theta, tie_word_embeddings=m.tie_word_embeddings,
+                     max_position_embeddings=config.seq_len, rms_norm_eps=1e-6,
+                     bos_token_id=0, eos_token_id=(1,), pad_token_id=2)
+
+
+def lr_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+  """Linear warmup to `optim.lr`, then cosine decay to `lr * min_lr_ratio` at `steps`."""
+  o = config.optim
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=o.lr, warmup_steps=o.warmup_steps,
+      decay_steps=max(config.steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio)
+
+
+def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """Global-norm clipping, then AdamW (no decay on norms) under `lr_schedule`."""
+  o = config.optim
+
+  def decay_mask(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: path[-1].key in DECAYED, params)
+
+  return optax.chain(optax.clip_by_global_norm(o.clip_norm),
+                     optax.adamw(lr_schedule(config), b1=o.b1, b2=o.b2, weight_decay=o.weight_decay,
+                                 mask=decay_mask))
+
+
+def token_losses(params: Params, sequences: jax.Array, config: ModelConfig):
+  """Per-token loss and correctness of `sequences` `[B, T + 1]`: both `[B, T]`."""
+  logits = lm_head(params, forward_causal(params, sequences[:, :-1], config=config))  # [B, T, V]
+  targets = sequences[:, 1:]  # [B, T]
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  return losses, jnp.argmax(logits, axis=-1) == targets
+
+
+def make_train_step(config: ModelConfig, optimizer: optax.GradientTransformation):
+  """`step(state, batch) -> (state, metrics)`, jitted, `state` donated.
+
+  state: {"params", "opt_state"}; batch: int32 `[B, T + 1]`.
+  """
+
+  def loss_fn(params, batch):
+    losses, _ = token_losses(params, batch, config)
+    return losses.mean()
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def step(state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    return ({"params": params, "opt_state": opt_state},
+            {"loss": loss, "grad_norm": optax.tree.norm(grads)})
+
+  return step
+
+
+def evaluate(params: Params, sequences: np.ndarray, config: ModelConfig,
+             batch_size: int) -> dict[str, float]:
+  """Mean loss (nats per token) and top-1 next-token accuracy over `sequences`."""
+  total_loss, total_correct, count = 0.0, 0, 0
+  for start in range(0, len(sequences), batch_size):
+    losses, correct = _eval_batch(params, jnp.asarray(sequences[start:start + batch_size]),
+                                  config=config)
+    total_loss += float(losses)
+    total_correct += int(correct)
+    count += sequences[start:start + batch_size, 1:].size
+  return {"loss": total_loss / count, "accuracy": total_correct / count}
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _eval_batch(params, sequences, *, config):
+  losses, correct = token_losses(params, sequences, config)
+  return losses.sum(), correct.sum()
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+  """Everything the loop reads: batches, the fixed held-out subset, unit conversions."""
+
+  batches: data.Batches
+  heldout: np.ndarray  # [eval_sequences, seq_len + 1]
+  heldout_bytes_per_token: float  # of the subset's targets: loss / this = nats per byte
+  train_tokens: int
+
+
+def prepare_data(config: ml_collections.ConfigDict, corpus: data.Corpus, fast_tokenizer) -> Data:
+  """Tokenizes and packs both splits; the held-out subset is evenly spaced and fixed."""
+  eos = fast_tokenizer.token_to_id(tokenizer_lib.EOS)
+  train = data.token_stream(corpus.texts("train"), fast_tokenizer, eos)
+  heldout = data.pack(data.token_stream(corpus.texts("heldout"), fast_tokenizer, eos),
+                      config.seq_len)
+  picked = heldout[np.unique(np.linspace(0, len(heldout) - 1, config.eval_sequences).astype(int))]
+  target_bytes = tokenizer_lib.token_byte_lengths(fast_tokenizer)[picked[:, 1:]]  # [E, T]
+  return Data(batches=data.Batches(data.pack(train, config.seq_len), config.batch_size,
+                                   config.seed),
+              heldout=picked, heldout_bytes_per_token=float(target_bytes.mean()),
+              train_tokens=len(train))
+
+
+def load_or_train_tokenizer(config: ml_collections.ConfigDict, corpus: data.Corpus,
+                            run_dir: pathlib.Path):
+  """`config.tokenizer` if set, else the run's own (trained on the train split once)."""
+  if config.tokenizer:
+    return tokenizer_lib.load(config.tokenizer)
+  directory = run_dir / "tokenizer"
+  if not (directory / "tokenizer.json").is_file():
+    tokenizer_lib.save(tokenizer_lib.train_bpe(corpus.texts("train"), config.vocab_size), directory)
+  return tokenizer_lib.load(directory)
+
+
+def _write_run_files(config, corpus: data.Corpus, run_dir: pathlib.Path) -> None:
+  (run_dir / "config.json").write_text(config.to_json(indent=2) + "\n")
+  (run_dir / "heldout_files.json").write_text(json.dumps(
+      {"root": str(corpus.root), "python": platform.python_version(),
+       "train_files": len(corpus.train), "heldout": list(corpus.heldout)}, indent=1) + "\n")
+
+
+def _checkpoint_manager(config, run_dir: pathlib.Path) -> ocp.CheckpointManager:
+  options = ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True,
+                                         enable_async_checkpointing=False,
+                                         cleanup_tmp_directories=True)
+  return ocp.CheckpointManager(run_dir / "checkpoints", options=options)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """What a finished `train` hands back."""
+
+  params: Params
+  model_config: ModelConfig
+  tokenizer: object  # transformers.PreTrainedTokenizerFast
+  corpus: data.Corpus
+  data: Data
+  step: int
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Rejects values the loop cannot run with, naming them."""
+  if not config.run_dir:
+    raise MdjaxError("config.run_dir is required (where checkpoints and metrics go)")
+  for name in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "checkpoint_every",
+               "keep_checkpoints", "eval_sequences"):
+    if config[name] < 1:
+      raise MdjaxError(f"config.{name} must be >= 1, got {config[name]}")
+
+
+def train(config: ml_collections.ConfigDict, *, progress: bool = True,
+          restore_only: bool = False) -> Run:
+  """Trains (or resumes) up to `config.steps`; returns the final params and what made them.
+
+  `restore_only`: run no step, return the latest checkpoint's params (for an export).
+  """
+  validate(config)
+  run_dir = pathlib.Path(config.run_dir)
+  run_dir.mkdir(parents=True, exist_ok=True)
+  corpus = data.load_corpus(config.data_dir, config.data_pattern, config.heldout_fraction)
+  _write_run_files(config, corpus, run_dir)
+  tokenizer = load_or_train_tokenizer(config, corpus, run_dir)
+  fast = tokenizer.backend_tokenizer
+  cfg = model_config(config, fast.get_vocab_size())
+  run_data = prepare_data(config, corpus, fast)
+  optimizer = make_optimizer(config)
+  params = init_params(cfg, config.seed)
+  state = {"params": params, "opt_state": optimizer.init(params)}
+
+  manager = _checkpoint_manager(config, run_dir)
+  start = manager.latest_step() or 0
+  if start:
+    state = manager.restore(start, args=ocp.args.StandardRestore(state))
+  log = MetricsLog(run_dir / "metrics.jsonl")
+  log.truncate_after(start)
+  previous = [r["wall_s"] for r in log.records() if "wall_s" in r]
+  wall_offset = previous[-1] if previous else 0.0
+  train_step = make_train_step(cfg, optimizer)
+  tokens_per_step = config.batch_size * config.seq_len
+  lr = lr_schedule(config)
+
+  end = start if restore_only else config.steps
+  if restore_only and not start:
+    raise MdjaxError(f"no checkpoint to export in {str(run_dir / 'checkpoints')!r}")
+  bar = tqdm(total=end, initial=start, disable=not progress, dynamic_ncols=True,
+             desc=run_dir.name)
+  session_start = last_time = time.perf_counter()
+  last_step, loss_sum = start, 0.0
+  for step in range(start + 1, end + 1):
+    state, metrics = train_step(state, jnp.asarray(run_data.batches.batch(step - 1)))
+    loss_sum = loss_sum + metrics["loss"]  # on device: no host sync between logs
+    if step % config.log_every == 0 or step == end:
+      now = time.perf_counter()
+      loss = float(loss_sum) / (step - last_step)
+      rate = tokens_per_step * (step - last_step) / (now - last_time)
+      log.write({"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+                 "lr": float(lr(step - 1)), "tokens_per_s": rate,
+                 "tokens_seen": step * tokens_per_step,
+                 "wall_s": wall_offset + now - session_start})
+      bar.update(step - last_step)
+      bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
+      last_time, last_step, loss_sum = now, step, 0.0
+    if step % config.eval_every == 0 or step == end:
+      result = evaluate(state["params"], run_data.heldout, cfg, config.batch_size)
+      log.write({"step": step, "heldout_loss": result["loss"],
+                 "heldout_accuracy": result["accuracy"],
+                 "heldout_nats_per_byte": result["loss"] / run_data.heldout_bytes_per_token})
+      plot_losses(log.records(), run_dir / "loss.png", run_dir.name)
+    if step % config.checkpoint_every == 0 or step == end:
+      manager.save(step, args=ocp.args.StandardSave(state), force=True)
+  bar.close()
+  manager.wait_until_finished()
+  return Run(params=state["params"], model_config=cfg, tokenizer=tokenizer, corpus=corpus,
+             data=run_data, step=max(start, end))
+

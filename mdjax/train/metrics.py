@@ -1,0 +1,53 @@
+"""Training metrics: one JSON object per line, and the loss-curve plot drawn from them.
+
+Records carry a `step`; a resumed run first drops the records past the checkpoint it
+restarts from, so the file never holds two histories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+
+class MetricsLog:
+  """Append-only JSONL at `path`."""
+
+  def __init__(self, path: str | os.PathLike):
+    self.path = pathlib.Path(path)
+
+  def records(self) -> list[dict]:
+    if not self.path.is_file():
+      return []
+    return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+  def truncate_after(self, step: int) -> None:
+    """Keeps only the records of steps `<= step` (the restored checkpoint's)."""
+    kept = [r for r in self.records() if r["step"] <= step]
+    self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+  def write(self, record: dict) -> None:
+    with open(self.path, "a") as f:
+      f.write(json.dumps(record) + "\n")
+
+
+def plot_losses(records: list[dict], path: str | os.PathLike, title: str) -> None:
+  """Train loss (every logged step) and held-out loss (every evaluation) against step."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+  heldout = [(r["step"], r["heldout_loss"]) for r in records if "heldout_loss" in r]
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  if train:
+    ax.plot(*zip(*train), label="train", linewidth=1)
+  if heldout:
+    ax.plot(*zip(*heldout), "o-", label="held-out", linewidth=1.5)
+  ax.set(xlabel="step", ylabel="loss (nats / token)", title=title)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

@@ -1,0 +1,151 @@
+"""The trainer: data split, tokenizer round trip, overfitting, kill-and-resume, export parity.
+
+Small configs on small folders (the standard library's `json` package), so the whole
+file runs in well under a minute and a half on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+
+import mdjax
+from configs import lm_tiny_test
+from mdjax.models.random_init import init_params
+from mdjax.models.transformer import forward_causal, lm_head
+from mdjax.train import data, export, lm
+from mdjax.train import tokenizer as tokenizer_lib
+from tests.helpers import torch_logits
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+SMALL_DATA = data.stdlib_dir() / "json"
+
+
+def tiny_config(run_dir, **overrides):
+  config = lm_tiny_test.get_config()
+  config.update(run_dir=str(run_dir), data_dir=str(SMALL_DATA), **overrides)
+  return config
+
+
+@pytest.fixture(scope="module")
+def stdlib():
+  return data.load_corpus()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """An uninterrupted tiny run (20 steps) and its config."""
+  config = tiny_config(tmp_path_factory.mktemp("uninterrupted"))
+  return lm.train(config, progress=False), config
+
+
+def test_split_is_deterministic_disjoint_by_file_and_at_least_5_percent(stdlib):
+  again = data.load_corpus()
+  assert (again.train, again.heldout) == (stdlib.train, stdlib.heldout)
+  names = data.list_files(data.stdlib_dir(), "*.py")
+  assert not set(stdlib.train) & set(stdlib.heldout)
+  assert sorted(stdlib.train + stdlib.heldout) == names
+  assert len(stdlib.heldout) >= 0.05 * len(names)
+  assert not any("site-packages" in n for n in names)
+  shuffled = list(np.random.default_rng(0).permutation(names))
+  assert data.split_files(shuffled, 0.05)[1] == sorted(stdlib.heldout, key=shuffled.index)
+
+
+def test_tokenizer_round_trips_heldout_files(stdlib, tmp_path):
+  tokenizer_lib.save(tokenizer_lib.train_bpe(stdlib.texts("train")[:40], 1024), tmp_path)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+  assert [tokenizer.convert_tokens_to_ids(t) for t in tokenizer_lib.SPECIAL_TOKENS] == [0, 1, 2]
+  assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == tokenizer_lib.SPECIAL_TOKENS
+  texts = stdlib.texts("heldout")[:8]
+  for text in texts:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+  assert tokenizer.decode(tokenizer.encode("naïve → λ\t\n  x", add_special_tokens=False)) == (
+      "naïve → λ\t\n  x")
+
+
+def test_batches_are_a_pure_function_of_the_step():
+  sequences = np.arange(10 * 3).reshape(10, 3)
+  first, second = data.Batches(sequences, 4, seed=1), data.Batches(sequences, 4, seed=1)
+  assert np.array_equal(first.batch(7), second.batch(7))
+  assert np.array_equal(first.batch(3), data.Batches(sequences, 4, seed=1).batch(3))
+  epoch = np.concatenate([first.batch(s) for s in range(5)])[:10, 0]  # 20 samples = 2 epochs
+  assert sorted(epoch) == list(sequences[:, 0])
+  assert not np.array_equal(first.batch(0), data.Batches(sequences, 4, seed=2).batch(0))
+
+
+def test_pack_overlaps_windows_by_one_token():
+  packed = data.pack(np.arange(10), 3)
+  assert packed.tolist() == [[0, 1, 2, 3], [3, 4, 5, 6], [6, 7, 8, 9]]
+
+
+def test_trainer_overfits_one_batch():
+  config = lm_tiny_test.get_config()
+  config.optim.update(lr=1e-2, warmup_steps=10, weight_decay=0.0)
+  config.steps = 300
+  cfg = lm.model_config(config, vocab_size=64)
+  optimizer = lm.make_optimizer(config)
+  params = init_params(cfg, 0)
+  state = {"params": params, "opt_state": optimizer.init(params)}
+  step = lm.make_train_step(cfg, optimizer)
+  batch = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 17)), jnp.int32)
+  for _ in range(config.steps):
+    state, metrics = step(state, batch)
+  assert float(metrics["loss"]) < 0.1
+
+
+def _train_command(run_dir) -> list[str]:
+  return [sys.executable, "-m", "experiments.train_lm", "--config=configs/lm_tiny_test.py",
+          f"--config.run_dir={run_dir}", f"--config.data_dir={SMALL_DATA}"]
+
+
+def test_killed_run_resumes_to_bitwise_the_same_params(trained, tmp_path):
+  result, config = trained
+  run_dir = tmp_path / "killed"
+  process = subprocess.Popen(_train_command(run_dir), cwd=REPO, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+  checkpoints = run_dir / "checkpoints"
+  deadline = time.time() + 120
+  while not (checkpoints / "10").is_dir():
+    assert process.poll() is None and time.time() < deadline, "no checkpoint at step 10"
+    time.sleep(0.01)
+  os.kill(process.pid, signal.SIGKILL)
+  process.wait()
+  done = [int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()]
+  assert max(done) < config.steps, "the run finished before it was killed"
+
+  resumed = lm.train(tiny_config(run_dir), progress=False)
+  for got, want in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(result.params)):
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+  steps = [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+           if "loss" in r]
+  assert steps == sorted(set(steps)) and steps[-1] == config.steps
+
+
+def test_export_loads_in_mdjax_and_transformers_with_the_same_logits(trained, tmp_path):
+  result, config = trained
+  summary = export.export(result, config, tmp_path / "export")
+  model = mdjax.load(tmp_path / "export")
+  assert model.tokenizer is not None and model.tokenizer.eos_token_id == 1
+  ids = result.data.heldout[0, :24]
+  ours = mdjax.forward_logits(model, ids)
+  in_memory = np.asarray(lm_head(result.params, forward_causal(
+      result.params, jnp.asarray(ids)[None], config=result.model_config))[0])
+  torch_model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "export"))
+  np.testing.assert_allclose(ours, torch_logits(torch_model.eval(), ids), atol=1e-4)
+  np.testing.assert_allclose(ours, in_memory, atol=1e-4)
+  again = lm.evaluate(model.params, result.data.heldout, model.config, config.batch_size)
+  assert again["accuracy"] == pytest.approx(summary["heldout_accuracy"], abs=1e-6)
+  assert json.loads((tmp_path / "export" / "heldout_files.json").read_text())["heldout"] == list(
+      result.corpus.heldout)
