@@ -1,0 +1,398 @@
+"""Greedy decoding speed: mdjax vs transformers (PyTorch) on the same weights.
+
+For each model and batch size, on random prompts of `--prompt_len` tokens:
+
+* mdjax `generate(strategy="greedy")` for `--new_tokens` tokens and for 1 token
+  (prefill alone); compile time is reported apart from the run time.
+* transformers `generate(do_sample=False)` for the same two lengths.
+* the jitted `decode_step` alone at T=1 on a cache of the size `generate` uses, so
+  `loop_ratio` = (mdjax decode time per step) / (bare step time) measures what the
+  on-device loop (sampling, stopping, bookkeeping) costs on top of the model.
+* the memory-bandwidth roofline: bytes a decode step must read (weights, the
+  embedding rows it gathers, the K/V it attends to) / numpy's read bandwidth.
+
+Timings are medians over `--repeats` repetitions in which the contenders are
+interleaved (rotating order), so machine noise hits them alike and ratios are
+meaningful even when absolute times are not. Per-token times are per step of the
+whole batch: `ms_per_token` = wall / new_tokens (prefill included);
+`decode_ms_per_token` = (wall(new_tokens) - wall(1)) / (new_tokens - 1).
+
+A random model name (`mdjax.models.registry.RANDOM_MODELS`) is created in mdjax and
+exported with `save_hf` for transformers; a directory or shipped name is loaded by
+both. Writes `bench_decode.json` and `bench_decode.png` to `--out_dir`:
+
+    python -m experiments.bench_decode [--models=random-llama,DIR] [--batches=1,8] [--quick]
+
+On a shared machine, torch's default of one intra-op thread per core stalls at
+every op's barrier whenever another process holds a core (10-50x slower decoding);
+`--torch_threads=1` measures transformers without that effect, and the JSON records
+the load average so a reader can tell which case a result is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import platform
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+import torch
+import tqdm
+import transformers
+
+import mdjax
+from mdjax import strategies
+from mdjax.cache import KVCache
+from mdjax.generate import bucket
+from mdjax.models import hf
+from mdjax.models.registry import RANDOM_MODELS
+
+matplotlib.use("Agg")
+from matplotlib import pyplot as plt  # noqa: E402 -- after choosing the headless backend
+
+_MODELS = flags.DEFINE_list("models", ["random-llama"],
+                            "Model names (random or shipped) or Hugging Face directories.")
+_BATCHES = flags.DEFINE_list("batches", ["1", "8"], "Batch sizes.")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "Prompt tokens per row.")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Generated tokens per row (no early stop).")
+_REPEATS = flags.DEFINE_integer("repeats", 7, "Timed repetitions of every contender (median).")
+_BANDWIDTH_MIB = flags.DEFINE_integer("bandwidth_mib", 1024, "Array size of the bandwidth probe.")
+_TORCH_THREADS = flags.DEFINE_integer(
+    "torch_threads", 0, "torch intra-op threads (0: torch's default, one per core, which "
+    "stalls at every op's barrier when another process holds a core; 1 avoids that).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the random weights and prompts.")
+_OUT_DIR = flags.DEFINE_string("out_dir", "results/bench_decode", "Where the JSON and PNG go.")
+_QUICK = flags.DEFINE_bool("quick", False, "Smoke test: tiny model, short runs, few repeats.")
+
+FIRST_PROMPT_ID = 3  # prompts avoid the low special ids (pad, bos, eos of the random models)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Settings:
+  """What to measure (from the flags, or `QUICK` for the smoke test)."""
+
+  models: tuple[str, ...]
+  batches: tuple[int, ...]
+  prompt_len: int
+  new_tokens: int
+  repeats: int
+  bandwidth_mib: int
+  seed: int
+
+
+QUICK = dict(models=("random-llama-tiny",), batches=(2,), prompt_len=16, new_tokens=8,
+             repeats=2, bandwidth_mib=64)
+
+
+def memory_bandwidth(mib: int, trials: int = 5) -> dict:
+  """Best-of-`trials` bandwidth (GB/s) of summing (read) and copying (read + write)
+  a float32 array of `mib` MiB, split over one thread per CPU (numpy releases the GIL)."""
+  source = np.ones(mib * 2**20 // 4, np.float32)
+  target = np.empty_like(source)
+  workers = os.cpu_count() or 1
+  sources, targets = np.array_split(source, workers), np.array_split(target, workers)
+  with ThreadPoolExecutor(workers) as pool:
+
+    def best(work) -> float:
+      times = []
+      for _ in range(trials):
+        start = time.perf_counter()
+        list(pool.map(work, range(workers)))
+        times.append(time.perf_counter() - start)
+      return min(times)
+
+    read_s = best(lambda i: sources[i].sum())
+    copy_s = best(lambda i: np.copyto(targets[i], sources[i]))
+  return dict(read_gbps=source.nbytes / read_s / 1e9, copy_gbps=2 * source.nbytes / copy_s / 1e9,
+              array_mib=mib, threads=workers)
+
+
+def load_pair(name: str, seed: int, scratch: pathlib.Path):
+  """The model in mdjax and in transformers with identical float32 weights."""
+  if name in RANDOM_MODELS:
+    model = mdjax.load(name, seed=seed)
+    directory = scratch / name
+    hf.save_hf(model, directory)
+  else:
+    directory = hf.resolve(name)
+    model = hf.load_hf_dir(directory, name=name)
+  reference = transformers.AutoModelForCausalLM.from_pretrained(str(directory),
+                                                                dtype=torch.float32).eval()
+  # No EOS: every row runs the full budget in both libraries and the logits are untouched.
+  reference.generation_config.eos_token_id = None
+  return model, reference
+
+
+def step_bytes(model: mdjax.Model, batch: int, keys: float) -> float:
+  """Bytes one decode step must read: every weight except the embedding table, of
+  which only the `batch` gathered rows (all of it when tied to the head), plus the
+  K/V of `keys` cached tokens per row."""
+  params, config = model.params, model.config
+  embed = params["embed"]
+  total = sum(x.nbytes for x in jax.tree.leaves(params))
+  if "lm_head" in params:
+    total += batch * embed.shape[1] * embed.dtype.itemsize - embed.nbytes
+  kv = 2 * config.num_layers * batch * keys * config.num_kv_heads * config.head_dim
+  return total + kv * embed.dtype.itemsize
+
+
+def run_mdjax(model: mdjax.Model, prompts: np.ndarray, new_tokens: int):
+  """One greedy `mdjax.generate`: (seconds, sequences, compile seconds)."""
+  out = mdjax.generate(model, prompts, strategy="greedy", max_new_tokens=new_tokens,
+                       eos_token_id=[])
+  expected = prompts.shape[0] * new_tokens
+  if out.stats["generated_tokens"] != expected:
+    raise RuntimeError(f"mdjax generated {out.stats['generated_tokens']} tokens, not {expected}")
+  return out.stats["wall_s"], out.sequences, out.stats["compile_s"]
+
+
+def run_transformers(reference, prompts: torch.Tensor, new_tokens: int):
+  """One greedy transformers `generate`: (seconds, generated ids `[B, new_tokens]`)."""
+  start = time.perf_counter()
+  out = reference.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+  seconds = time.perf_counter() - start
+  if out.shape != (prompts.shape[0], prompts.shape[1] + new_tokens):
+    raise RuntimeError(f"transformers returned shape {tuple(out.shape)}")
+  return seconds, out[:, prompts.shape[1]:].numpy()
+
+
+class BareStep:
+  """The jitted `decode_step` alone at T=1 (one token per row), on the cache
+  `generate` would allocate, after a prefill of the prompts."""
+
+  def __init__(self, model: mdjax.Model, prompts: np.ndarray, new_tokens: int):
+    self.model = model
+    config = model.config
+    batch, prompt_len = prompts.shape
+    slots = strategies.build("greedy", config, {}).cache_slots(bucket(prompt_len),
+                                                               bucket(new_tokens))
+    self.topology = mdjax.Topology.causal(batch)
+    positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), prompts.shape)
+    cache = KVCache.create(config, batch, slots, model.params["embed"].dtype)
+    _, _, self.prefilled = mdjax.decode_step(
+        model.params, cache, jnp.asarray(prompts, jnp.int32), positions,
+        jnp.zeros_like(positions), self.topology, config=config,
+        logits_at=jnp.full((batch, 1), prompt_len - 1))
+    self.tokens = jnp.full((batch, 1), FIRST_PROMPT_ID, jnp.int32)  # any id costs the same
+    self.segments = jnp.zeros((batch, 1), jnp.int32)
+    self.positions = [jnp.full((batch, 1), prompt_len + i, jnp.int32)
+                      for i in range(new_tokens - 1)]
+
+  def run(self) -> list[float]:
+    """Seconds of each of the `new_tokens - 1` steps generate's loop makes (cache
+    filling from the prompt on), each waited for on its own."""
+    # A fresh copy: the step donates its cache, the prefilled one must survive.
+    cache = jax.tree.map(jnp.copy, self.prefilled)
+    times = []
+    for positions in self.positions:
+      start = time.perf_counter()
+      logits, _, cache = mdjax.decode_step(self.model.params, cache, self.tokens, positions,
+                                           self.segments, self.topology,
+                                           config=self.model.config)
+      jax.block_until_ready((logits, cache))
+      times.append(time.perf_counter() - start)
+    return times
+
+
+def agreement(ours: list[list[int]], theirs: np.ndarray) -> dict:
+  """Matching tokens, position by position, and the shortest identical prefix."""
+  ours = np.asarray(ours)
+  same = ours == theirs
+  prefix = [int(row.argmin()) if not row.all() else len(row) for row in same]
+  return dict(matching_tokens=int(same.sum()), total_tokens=int(same.size),
+              identical_prefix=min(prefix))
+
+
+def bench_batch(model: mdjax.Model, reference, batch: int, settings: Settings,
+                bandwidth_gbps: float) -> dict:
+  """Every number of one (model, batch) cell."""
+  rng = np.random.default_rng(settings.seed)
+  prompts = rng.integers(FIRST_PROMPT_ID, model.config.vocab_size,
+                         (batch, settings.prompt_len)).astype(np.int32)
+  torch_prompts = torch.from_numpy(prompts.astype(np.int64))
+  n = settings.new_tokens
+
+  # First calls compile (mdjax) or warm up (transformers); they are not timed.
+  _, ours, compile_s = run_mdjax(model, prompts, n)
+  _, _, prefill_compile_s = run_mdjax(model, prompts, 1)
+  _, theirs = run_transformers(reference, torch_prompts, n)
+  run_transformers(reference, torch_prompts, 1)
+  bare = BareStep(model, prompts, n)
+  bare.run()
+
+  contenders = {
+      "mdjax": lambda: run_mdjax(model, prompts, n)[0],
+      "mdjax_prefill": lambda: run_mdjax(model, prompts, 1)[0],
+      "transformers": lambda: run_transformers(reference, torch_prompts, n)[0],
+      "transformers_prefill": lambda: run_transformers(reference, torch_prompts, 1)[0],
+      "bare_step": bare.run,
+  }
+  times = {name: [] for name in contenders}
+  names = list(contenders)
+  for rep in tqdm.trange(settings.repeats, desc=f"{model.name} batch {batch}", leave=False):
+    for name in names[rep % len(names):] + names[:rep % len(names)]:
+      times[name].append(contenders[name]())
+
+  def per_token(lib: str) -> dict:
+    full, prefill = times[lib], times[f"{lib}_prefill"]
+    decode = [(a - b) / (n - 1) for a, b in zip(full, prefill)]  # paired within a repetition
+    return dict(ms_per_token=statistics.median(full) / n * 1e3,
+                prefill_ms=statistics.median(prefill) * 1e3,
+                decode_ms_per_token=statistics.median(decode) * 1e3,
+                tokens_per_s=batch * n / statistics.median(full))
+
+  ours_t, theirs_t = per_token("mdjax"), per_token("transformers")
+  bare_ms = statistics.median(t for run in times["bare_step"] for t in run) * 1e3
+  roofline_ms = step_bytes(model, batch, settings.prompt_len + n / 2) / (bandwidth_gbps * 1e9) * 1e3
+  for numbers in (ours_t, theirs_t):
+    numbers["roofline_fraction"] = roofline_ms / numbers["decode_ms_per_token"]
+  return dict(
+      mdjax=dict(ours_t, compile_s=compile_s, prefill_compile_s=prefill_compile_s),
+      transformers=theirs_t,
+      speedup=theirs_t["ms_per_token"] / ours_t["ms_per_token"],
+      decode_speedup=theirs_t["decode_ms_per_token"] / ours_t["decode_ms_per_token"],
+      bare_step_ms=bare_ms,
+      loop_ratio=ours_t["decode_ms_per_token"] / bare_ms,
+      roofline_ms=roofline_ms,
+      tokens=agreement(ours, theirs),
+  )
+
+
+def machine_info(bandwidth: dict) -> dict:
+  """Versions, threads and the bandwidth probe; `load_average` (1 min) tells how busy
+  the machine was, i.e. how far to trust absolute times."""
+  return dict(cpu_count=os.cpu_count(), load_average=os.getloadavg()[0],
+              processor=platform.processor() or platform.machine(),
+              python=platform.python_version(), jax=jax.__version__, numpy=np.__version__,
+              torch=torch.__version__, transformers=transformers.__version__,
+              torch_threads=torch.get_num_threads(), jax_devices=[str(d) for d in jax.devices()],
+              bandwidth=bandwidth)
+
+
+def run(settings: Settings) -> dict:
+  """The whole benchmark as one JSON-able dict."""
+  bandwidth = memory_bandwidth(settings.bandwidth_mib)
+  results = dict(machine=machine_info(bandwidth), settings=dataclasses.asdict(settings), models={})
+  with tempfile.TemporaryDirectory() as scratch:
+    for name in dict.fromkeys(settings.models):
+      model, reference = load_pair(name, settings.seed, pathlib.Path(scratch))
+      results["models"][name] = dict(
+          description=model.description, num_params=model.config.num_params,
+          param_bytes=sum(x.nbytes for x in jax.tree.leaves(model.params)),
+          transformers_class=type(reference).__name__,
+          transformers_attention=reference.config._attn_implementation,
+          batches={str(b): bench_batch(model, reference, b, settings, bandwidth["read_gbps"])
+                   for b in settings.batches})
+  return results
+
+
+COLUMNS = [  # header, format, path into a batch cell
+    ("mdjax ms/tok", "{:.2f}", ("mdjax", "ms_per_token")),
+    ("hf ms/tok", "{:.2f}", ("transformers", "ms_per_token")),
+    ("speedup", "{:.2f}x", ("speedup",)),
+    ("mdjax dec", "{:.2f}", ("mdjax", "decode_ms_per_token")),
+    ("hf dec", "{:.2f}", ("transformers", "decode_ms_per_token")),
+    ("dec speedup", "{:.2f}x", ("decode_speedup",)),
+    ("bare step", "{:.2f}", ("bare_step_ms",)),
+    ("loop ratio", "{:.3f}", ("loop_ratio",)),
+    ("roofline", "{:.2f}", ("roofline_ms",)),
+    ("roof mdjax", "{:.0%}", ("mdjax", "roofline_fraction")),
+    ("roof hf", "{:.0%}", ("transformers", "roofline_fraction")),
+    ("compile s", "{:.1f}", ("mdjax", "compile_s")),
+]
+
+
+def table(results: dict) -> str:
+  """A compact text table: one line per (model, batch); times in ms per step."""
+  header = ["model", "batch"] + [c[0] for c in COLUMNS] + ["same tokens"]
+  rows = []
+  for name, entry in results["models"].items():
+    for batch, cell in entry["batches"].items():
+      values = []
+      for _, fmt, path in COLUMNS:
+        value = cell
+        for key in path:
+          value = value[key]
+        values.append(fmt.format(value))
+      same = f"{cell['tokens']['matching_tokens']}/{cell['tokens']['total_tokens']}"
+      rows.append([name, batch] + values + [same])
+  widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+  return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in [header] + rows)
+
+
+def plot(results: dict, path: pathlib.Path) -> None:
+  """Per model: ms per token (prefill included) of both libraries for each batch,
+  decode-only time as a dot, the roofline as a dashed line, the speedup on top."""
+  models = results["models"]
+  fig, axes = plt.subplots(1, len(models), figsize=(max(6, 5 * len(models)), 5), squeeze=False)
+  for ax, (name, entry) in zip(axes[0], models.items()):
+    batches = list(entry["batches"])
+    x = np.arange(len(batches))
+    width = 0.38
+    for offset, lib, color in ((-width / 2, "mdjax", "tab:blue"),
+                               (width / 2, "transformers", "tab:orange")):
+      cells = [entry["batches"][b][lib] for b in batches]
+      ax.bar(x + offset, [c["ms_per_token"] for c in cells], width, color=color, label=lib)
+      ax.plot(x + offset, [c["decode_ms_per_token"] for c in cells], "ko", ms=4,
+              label="decode only" if lib == "mdjax" else None)
+    for i, b in enumerate(batches):
+      cell = entry["batches"][b]
+      ax.hlines(cell["roofline_ms"], i - width, i + width, colors="red", linestyles="--",
+                label="bandwidth roofline" if i == 0 else None)
+      top = max(cell["mdjax"]["ms_per_token"], cell["transformers"]["ms_per_token"])
+      ax.annotate(f"{cell['speedup']:.2f}x", (i, top), ha="center", va="bottom",
+                  xytext=(0, 3), textcoords="offset points")
+    ax.set_xticks(x, [f"batch {b}" for b in batches])
+    ax.set_ylabel("ms per token (per step of the batch)")
+    ax.set_title(name, fontsize=10)
+    ax.margins(y=0.15)
+    ax.legend(fontsize=8)
+  machine = results["machine"]
+  fig.suptitle(f"greedy decoding, mdjax vs transformers\n(speedup = transformers / mdjax)\n"
+               f"{machine['cpu_count']} CPUs, {machine['bandwidth']['read_gbps']:.1f} GB/s read, "
+               f"torch threads {machine['torch_threads']}, load {machine['load_average']:.1f}",
+               fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def settings_from_flags() -> Settings:
+  settings = Settings(models=tuple(_MODELS.value), batches=tuple(int(b) for b in _BATCHES.value),
+                      prompt_len=_PROMPT_LEN.value, new_tokens=_NEW_TOKENS.value,
+                      repeats=_REPEATS.value, bandwidth_mib=_BANDWIDTH_MIB.value, seed=_SEED.value)
+  return dataclasses.replace(settings, **QUICK) if _QUICK.value else settings
+
+
+def main(argv):
+  del argv
+  transformers.logging.set_verbosity_error()
+  transformers.utils.logging.disable_progress_bar()
+  settings = settings_from_flags()
+  if settings.new_tokens < 2:
+    raise app.UsageError("--new_tokens must be >= 2 (decode time is measured against 1)")
+  if _TORCH_THREADS.value:
+    torch.set_num_threads(_TORCH_THREADS.value)
+  results = run(settings)
+  results["machine"]["load_average_after"] = os.getloadavg()[0]
+  out_dir = pathlib.Path(_OUT_DIR.value)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  (out_dir / "bench_decode.json").write_text(json.dumps(results, indent=2) + "\n")
+  plot(results, out_dir / "bench_decode.png")
+  print(table(results))
+  print(f"wrote {out_dir / 'bench_decode.json'} and {out_dir / 'bench_decode.png'}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,36 @@
+"""experiments.bench_decode --quick runs end to end and writes its JSON and plot.
+
+No timing is asserted: benchmarks measure, tests check that they can.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CELL_KEYS = {"mdjax", "transformers", "speedup", "decode_speedup", "bare_step_ms", "loop_ratio",
+             "roofline_ms", "tokens"}
+TIMING_KEYS = {"ms_per_token", "prefill_ms", "decode_ms_per_token", "tokens_per_s",
+               "roofline_fraction"}
+
+
+def test_bench_decode_quick(tmp_path):
+  subprocess.run([sys.executable, "-m", "experiments.bench_decode", "--quick",
+                  f"--out_dir={tmp_path}"], cwd=REPO, check=True, timeout=120,
+                 capture_output=True)
+  results = json.loads((tmp_path / "bench_decode.json").read_text())
+  assert (tmp_path / "bench_decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+  assert {"cpu_count", "jax", "torch", "transformers", "torch_threads"} <= set(results["machine"])
+  assert results["machine"]["bandwidth"]["read_gbps"] > 0
+  (entry,) = results["models"].values()
+  assert entry["transformers_class"] == "LlamaForCausalLM"
+  assert entry["batches"]
+  for batch, cell in entry["batches"].items():
+    assert CELL_KEYS <= set(cell)
+    assert TIMING_KEYS | {"compile_s"} <= set(cell["mdjax"])
+    assert TIMING_KEYS <= set(cell["transformers"])
+    tokens = cell["tokens"]
+    assert 0 <= tokens["matching_tokens"] <= tokens["total_tokens"]
+    assert tokens["total_tokens"] == int(batch) * results["settings"]["new_tokens"]
