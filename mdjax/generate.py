@@ -106,6 +106,11 @@ _run_jit = jax.jit(_run, static_argnames=("strategy", "num_slots", "capacity", "
 _compiled: dict = {}
 
 
+def clear_compiled() -> None:
+  """Forgets every compiled program (frees their memory; the next call compiles again)."""
+  _compiled.clear()
+
+
 def _signature(tree) -> tuple:
   leaves, treedef = jax.tree.flatten(tree)
   return (treedef,) + tuple((x.shape, str(x.dtype)) for x in leaves)

@@ -84,6 +84,7 @@ def test_per_row_eos_stops_rows_independently():
 
 def test_compiled_program_is_reused_across_prompt_lengths():
   model = mdjax.load("random-llama-tiny")
+  mdjax.clear_compiled()
   first = mdjax.generate(model, [1, 2, 3], max_new_tokens=9)
   again = mdjax.generate(model, [1, 2, 3, 4, 5], max_new_tokens=10)  # same buckets
   assert first.stats["compile_s"] > 0 and again.stats["compile_s"] == 0
