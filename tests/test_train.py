@@ -149,3 +149,6 @@ def test_export_loads_in_mdjax_and_transformers_with_the_same_logits(trained, tm
   assert again["accuracy"] == pytest.approx(summary["heldout_accuracy"], abs=1e-6)
   assert json.loads((tmp_path / "export" / "heldout_files.json").read_text())["heldout"] == list(
       result.corpus.heldout)
+  fingerprint = json.loads((tmp_path / "export" / "fingerprint.json").read_text())
+  recomputed = lm.evaluate(model.params, np.asarray(fingerprint["sequences"]), model.config, 4)
+  assert recomputed == pytest.approx({k: fingerprint[k] for k in ("loss", "accuracy")}, abs=1e-6)

@@ -7,6 +7,9 @@
       training_summary.json  data, tokens seen, and held-out loss / accuracy measured on
                              the *exported* weights (after any bfloat16 rounding)
       README.md              the model card (+ the markdown file `config.card_notes`)
+      fingerprint.json       a few held-out sequences (token ids) with the loss and
+                             accuracy the exported weights give on them: a test
+                             recomputes them, so a wrong file cannot ship silently
 
 The recorded held-out numbers come from reloading the written files, so a shipped
 model can be checked against its own card.
@@ -65,11 +68,24 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
       "heldout_nats_per_byte": result["loss"] / run.data.heldout_bytes_per_token,
   }
   (directory / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+  write_fingerprint(exported, run.data.heldout[:FINGERPRINT_SEQUENCES, :FINGERPRINT_TOKENS + 1],
+                    directory)
   card = model_card(directory.name, run.model_config, summary)
   if config.card_notes:
     card += "\n" + pathlib.Path(config.card_notes).read_text()
   (directory / "README.md").write_text(card)
   return summary
+
+
+FINGERPRINT_SEQUENCES, FINGERPRINT_TOKENS = 4, 128
+
+
+def write_fingerprint(model: Model, sequences, directory: str | os.PathLike) -> dict:
+  """Records `sequences` [N, T + 1] and the loss / accuracy `model` gives on them."""
+  result = evaluate(model.params, sequences, model.config, batch_size=len(sequences))
+  fingerprint = {"sequences": [[int(t) for t in row] for row in sequences], **result}
+  (pathlib.Path(directory) / "fingerprint.json").write_text(json.dumps(fingerprint) + "\n")
+  return fingerprint
 
 
 def model_card(name: str, config, summary: dict) -> str:

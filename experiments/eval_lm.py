@@ -1,0 +1,130 @@
+"""The shipped models' goals, measured on held-out files: accuracy, draft agreement, copying.
+
+    python -m experiments.eval_lm [--target=code-tiny] [--draft=code-tiny-draft]
+
+On the held-out files recorded with the target (`heldout_files.json`, never trained on):
+* held-out loss and top-1 next-token accuracy of target and draft;
+* the draft's argmax agreement with the target (how often greedy speculation would
+  accept a drafted token);
+* a copy task: a held-out function is shown, then its first line is repeated; does
+  the target continue it greedily into an exact copy?
+
+Writes `--out` (JSON) and prints a summary.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+import mdjax
+from mdjax.models.transformer import forward_causal, lm_head
+from mdjax.train import data
+
+_TARGET = flags.DEFINE_string("target", "code-tiny", "Target model (name or directory).")
+_DRAFT = flags.DEFINE_string("draft", "code-tiny-draft", "Draft model (same tokenizer).")
+_SEQUENCES = flags.DEFINE_integer("sequences", 32, "Held-out sequences for loss/accuracy.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 256, "Tokens per held-out sequence.")
+_COPIES = flags.DEFINE_integer("copies", 8, "Functions in the copy task.")
+_OUT = flags.DEFINE_string("out", "results/eval_lm/eval_lm.json", "JSON output.")
+
+COPY_TEMPLATE = "{function}\n\n# The same function, repeated exactly:\n{first_line}"
+
+
+def heldout_texts(model: mdjax.Model) -> list[str]:
+  """The texts of the held-out files recorded beside the model."""
+  record = json.loads((pathlib.Path(model.path) / "heldout_files.json").read_text())
+  root = pathlib.Path(record["root"]) if pathlib.Path(record["root"]).is_dir() else data.stdlib_dir()
+  return [(root / name).read_text(encoding="utf-8") for name in record["heldout"]
+          if (root / name).is_file()]
+
+
+def predictions(model: mdjax.Model, sequences: np.ndarray):
+  """Per-token (argmax, log-prob of the true next token) for `sequences` [N, T + 1]."""
+  fn = jax.jit(lambda p, s: _scores(p, s, model.config))
+  argmax, logp = [], []
+  for row in tqdm(sequences, desc=model.name, leave=False):
+    a, lp = fn(model.params, jnp.asarray(row[None]))
+    argmax.append(np.asarray(a[0]))
+    logp.append(np.asarray(lp[0]))
+  return np.stack(argmax), np.stack(logp)  # [N, T]
+
+
+def _scores(params, sequences, config):
+  logits = lm_head(params, forward_causal(params, sequences[:, :-1], config=config))  # [1, T, V]
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  true = jnp.take_along_axis(logp, sequences[:, 1:, None], axis=-1)[..., 0]  # [1, T]
+  return jnp.argmax(logits, axis=-1), true
+
+
+def short_functions(texts: list[str], count: int, max_lines: int = 12) -> list[str]:
+  """Top-level functions of 4..max_lines lines from the texts, in file order."""
+  found = []
+  for text in texts:
+    try:
+      tree = ast.parse(text)
+    except SyntaxError:
+      continue
+    lines = text.splitlines()
+    for node in tree.body:
+      if isinstance(node, ast.FunctionDef) and 4 <= node.end_lineno - node.lineno + 1 <= max_lines:
+        found.append("\n".join(lines[node.lineno - 1:node.end_lineno]))
+        if len(found) == count:
+          return found
+  return found
+
+
+def copy_task(model: mdjax.Model, functions: list[str]) -> dict:
+  """Greedy continuation after the repeated first line == the rest of the function?"""
+  exact, token_match = 0, []
+  examples = []
+  for function in functions:
+    first_line, rest = function.split("\n", 1)
+    prompt = COPY_TEMPLATE.format(function=function, first_line=first_line)
+    expected = model.tokenizer.encode("\n" + rest)  # the newline starts the next token
+    out = mdjax.generate(model, prompt, max_new_tokens=len(expected), eos_token_id=[])
+    got = out.sequences[0]
+    matched = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), len(expected))
+    token_match.append(matched / len(expected))
+    exact += matched == len(expected)
+    examples.append({"function": function, "continuation": out.texts[0]})
+  return {"functions": len(functions), "exact_copies": exact,
+          "mean_prefix_copied": float(np.mean(token_match)), "examples": examples[:2]}
+
+
+def main(argv):
+  del argv
+  target, draft = mdjax.load(_TARGET.value), mdjax.load(_DRAFT.value)
+  texts = heldout_texts(target)
+  eos = target.tokenizer.convert_tokens_to_ids(target.tokenizer.eos_token)
+  stream = data.token_stream(texts, target.tokenizer.backend_tokenizer, eos)
+  packed = data.pack(stream, _SEQ_LEN.value)
+  sequences = packed[np.unique(np.linspace(0, len(packed) - 1, _SEQUENCES.value).astype(int))]
+  targets = sequences[:, 1:]
+  result = {"heldout_files": len(texts), "tokens_scored": int(targets.size)}
+  argmaxes = {}
+  for role, model in (("target", target), ("draft", draft)):
+    argmax, logp = predictions(model, sequences)
+    argmaxes[role] = argmax
+    result[role] = {"name": model.name, "params": model.config.num_params,
+                    "heldout_loss": float(-logp.mean()),
+                    "heldout_accuracy": float((argmax == targets).mean())}
+  result["draft_target_argmax_agreement"] = float((argmaxes["draft"] == argmaxes["target"]).mean())
+  result["copy_task"] = copy_task(target, short_functions(texts, _COPIES.value))
+  out = pathlib.Path(_OUT.value)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(result, indent=1) + "\n")
+  summary = {k: v for k, v in result.items() if k != "copy_task"}
+  summary["copy_task"] = {k: v for k, v in result["copy_task"].items() if k != "examples"}
+  print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+  app.run(main)
