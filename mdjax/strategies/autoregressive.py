@@ -26,10 +26,8 @@ class Autoregressive:
   attention: str = "block_sparse"
 
   def cache_slots(self, prompt_len: int, max_new_tokens: int) -> int:
+    """Slots per row: the padded prompt, then one per generated token."""
     return prompt_len + max_new_tokens
-
-  def output_rows(self, batch: int) -> int:
-    return batch
 
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits, capacity: int) -> dict:
     batch = prompt.tokens.shape[0]

@@ -1,10 +1,12 @@
 """What every strategy shares: the prompt batch, run limits and the output buffer.
 
-A strategy is a frozen dataclass of static options with pure functions over its
+A strategy is a frozen dataclass of static options (hashable: it is a static jit
+argument, and the key of the compiled-program cache) with pure functions over its
 own state pytree::
 
-    init(params, prompt, cache, limits) -> state     (prefill + first tokens)
-    step(params, state) -> state                     (propose -> decode_step -> commit)
+    cache_slots(prompt_len, capacity) -> int          (static: how big a cache it needs)
+    init(params, prompt, cache, limits, capacity) -> state   (prefill + first tokens)
+    step(params, state) -> state                      (propose -> decode_step -> commit)
     done(state) -> bool[rows]
     result(state) -> (OutputBuffer, stats: dict of int32 scalars)
 
