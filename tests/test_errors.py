@@ -126,6 +126,9 @@ CLI_CASES = {  # name: (arguments after the module, regex the one stderr line mu
     "negative temperature": (["--config=configs/sample.py", "--config.temperature=-1"],
                              r"temperature must be >= 0, got -1"),
     "top_p 1.5": (["--config=configs/sample.py", "--config.top_p=1.5"], r"top_p .*got 1\.5"),
+    "negative top_k": (["--config=configs/sample.py", "--config.top_k=-2"], r"top_k .*got -2"),
+    "negative max_new_tokens": (["--config.max_new_tokens=-1"], r"max_new_tokens .*got -1"),
+    "eos out of vocab": (["--config.eos_token_id=99999"], r"eos_token_id 99999"),
 }
 
 
