@@ -206,6 +206,22 @@ def test_save_overwrites_and_bfloat16(checkpoint, tmp_path):
                                 model.params["embed"].astype(jnp.bfloat16).astype(jnp.float32))
 
 
+def test_save_sharded(checkpoint, tmp_path):
+  """Shards of at most 40 KB with an index: both mdjax and transformers read them."""
+  path, torch_model = checkpoint("llama_gqa")
+  model = hf.load_hf_dir(path)
+  hf.save_hf(model, tmp_path / "export", max_shard_bytes=40_000)
+  shards = sorted((tmp_path / "export").glob("model-*.safetensors"))
+  assert len(shards) > 2 and not (tmp_path / "export" / "model.safetensors").exists()
+  again = hf.load_hf_dir(tmp_path / "export")
+  for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(model.params)):
+    np.testing.assert_array_equal(a, b)
+  exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export",
+                                                               attn_implementation="eager")
+  np.testing.assert_allclose(torch_logits(exported, IDS), torch_logits(torch_model, IDS),
+                             atol=1e-5, rtol=0)
+
+
 def test_save_exports_generation_config(checkpoint, tmp_path):
   model = hf.load_hf_dir(checkpoint("qwen3")[0])
   model = Model(config=dataclasses.replace(model.config, eos_token_id=(5, 7)), params=model.params)

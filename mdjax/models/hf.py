@@ -286,6 +286,28 @@ def _write_safetensors(file: pathlib.Path, tensors: dict[str, np.ndarray]) -> No
       f.write(np.ascontiguousarray(array).tobytes())
 
 
+def _write_weights(directory: pathlib.Path, tensors: dict[str, np.ndarray],
+                   max_shard_bytes: int | None) -> None:
+  """One `model.safetensors`, or shards of at most `max_shard_bytes` (a tensor larger
+  than that gets a shard of its own) plus `model.safetensors.index.json`."""
+  total = sum(a.nbytes for a in tensors.values())
+  if max_shard_bytes is None or total <= max_shard_bytes:
+    _write_safetensors(directory / WEIGHTS_FILE, tensors)
+    return
+  shards: list[dict[str, np.ndarray]] = [{}]
+  for name, array in tensors.items():
+    if shards[-1] and sum(a.nbytes for a in shards[-1].values()) + array.nbytes > max_shard_bytes:
+      shards.append({})
+    shards[-1][name] = array
+  weight_map = {}
+  for i, shard in enumerate(shards, start=1):
+    file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+    _write_safetensors(directory / file, shard)
+    weight_map.update(dict.fromkeys(shard, file))
+  index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+  (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
 class _Weights:
   """The tensors of a checkpoint directory, by HF name, across shards."""
 
@@ -460,8 +482,12 @@ def load_hf_dir(path: str | os.PathLike, dtype="float32", *, name: str | None = 
                name=name if name is not None else directory.name)
 
 
-def save_hf(model: Model, path: str | os.PathLike, dtype="float32") -> None:
+def save_hf(model: Model, path: str | os.PathLike, dtype="float32",
+            max_shard_bytes: int | None = None) -> None:
   """Exports `model` as a Hugging Face directory that transformers and `load_hf_dir` read.
+
+  `max_shard_bytes` splits the weights into shards with an index (e.g. to keep every
+  file of a shipped model small for git).
 
   Written into a temporary directory beside `path` and renamed into place, so `path`
   never holds a half-written checkpoint. An existing `path` is replaced.
@@ -475,7 +501,7 @@ def save_hf(model: Model, path: str | os.PathLike, dtype="float32") -> None:
     (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    _write_safetensors(staging / WEIGHTS_FILE, _params_to_hf(model.config, model.params, np_dtype))
+    _write_weights(staging, _params_to_hf(model.config, model.params, np_dtype), max_shard_bytes)
     if model.tokenizer is not None:
       model.tokenizer.save_pretrained(str(staging))
     if target.exists():
