@@ -145,7 +145,7 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_toke
                   eos_ids=jnp.asarray(eos or (-1,), jnp.int32), key=jax.random.key(seed))
   capacity = bucket(max_new_tokens)
   static = dict(num_slots=decoder.cache_slots(padded.shape[1], capacity), capacity=capacity,
-                cache_dtype=str(jax.tree.leaves(model.params)[0].dtype))
+                cache_dtype=str(model.params["embed"].dtype))  # K/V in the weights' dtype
   return decoder, ids, prompt, limits, static
 
 
