@@ -86,3 +86,16 @@ def choose(keys: jax.Array, logits: Float[Array, "B V"], params: SamplingParams)
 def row_keys(key: jax.Array, rows: Int[Array, "B"], steps: Int[Array, "B"]) -> jax.Array:
   """Independent keys per (row, step): a row's randomness does not depend on the batch."""
   return jax.vmap(lambda r, s: jax.random.fold_in(jax.random.fold_in(key, r), s))(rows, steps)
+
+
+def greedy_accept(proposal: Int[Array, "B D"], count: Int[Array, "B"],
+                  choice: Int[Array, "B D+1"]) -> Int[Array, "B"]:
+  """How many leading proposed tokens equal the target's argmax `choice` (the
+  target's choice after the last emitted token, then after each proposed token).
+
+  The tokens to emit are then `choice[:, :accepted + 1]`: the accepted proposal
+  (equal to the target's choices) and the target's own next token, which is
+  exactly what greedy decoding would have produced.
+  """
+  agree = (proposal == choice[:, :-1]) & (jnp.arange(proposal.shape[1]) < count[:, None])
+  return jnp.cumprod(agree, axis=1).sum(axis=1, dtype=jnp.int32)

@@ -6,6 +6,7 @@ from mdjax.errors import MdjaxError
 from mdjax.models.config import ModelConfig
 from mdjax.sampling import SamplingParams
 from mdjax.strategies.autoregressive import Autoregressive
+from mdjax.strategies.lookup import PromptLookup
 
 SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p")
 
@@ -19,7 +20,14 @@ def _sample(config: ModelConfig, options: dict):
   return Autoregressive(config=config, sampling=SamplingParams(**sampling), **options)
 
 
-BUILDERS = {"greedy": (_greedy, ()), "sample": (_sample, SAMPLING_OPTIONS)}
+def _prompt_lookup(config: ModelConfig, options: dict):
+  if "prompt_lookup_num_tokens" in options:
+    options["num_tokens"] = options.pop("prompt_lookup_num_tokens")
+  return PromptLookup(config=config, **options)
+
+
+BUILDERS = {"greedy": (_greedy, ()), "sample": (_sample, SAMPLING_OPTIONS),
+            "prompt_lookup": (_prompt_lookup, ("prompt_lookup_num_tokens", "max_ngram_size"))}
 COMMON_OPTIONS = ("attention",)
 
 

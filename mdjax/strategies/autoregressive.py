@@ -15,8 +15,7 @@ from mdjax.cache import KVCache
 from mdjax.models.config import ModelConfig
 from mdjax.sampling import SamplingParams, choose, row_keys
 from mdjax.step import decode_step
-from mdjax.strategies.base import Limits, OutputBuffer, Prompt, emit
-from mdjax.topology import Topology
+from mdjax.strategies.base import Limits, OutputBuffer, Prompt, emit, prefill
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,15 +30,11 @@ class Autoregressive:
 
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits, capacity: int) -> dict:
     batch = prompt.tokens.shape[0]
-    topology = Topology.causal(batch)
-    logits, _, cache = decode_step(params, cache, prompt.tokens, prompt.positions(),
-                                   prompt.segments(), topology, config=self.config,
-                                   logits_at=(prompt.lengths - 1)[:, None],
-                                   attention=self.attention)  # [B, 1, V]
+    logits, cache, topology = prefill(params, prompt, cache, self.config, self.attention)
     state = dict(cache=cache, topology=topology, limits=limits,
                  buffer=OutputBuffer.empty(batch, capacity), next_pos=prompt.lengths,
                  last=jnp.zeros((batch,), jnp.int32), passes=jnp.zeros((), jnp.int32))
-    return self._commit(state, logits[:, 0])
+    return self._commit(state, logits)
 
   def step(self, params, state: dict) -> dict:
     segments = jnp.where(state["buffer"].done, -1, 0)[:, None]  # [B, 1]

@@ -20,7 +20,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Float, Int
+
+from mdjax.cache import KVCache
+from mdjax.models.config import ModelConfig
+from mdjax.step import decode_step
+from mdjax.topology import Topology
 
 
 @jax.tree_util.register_dataclass
@@ -82,3 +87,15 @@ def emit(buffer: OutputBuffer, new: Int[Array, "R A"], num_new: Int[Array, "R"],
   count = buffer.count + taken.sum(axis=1, dtype=jnp.int32)
   done = buffer.done | (taken & is_eos).any(axis=1) | (count >= limits.max_new_tokens)
   return OutputBuffer(tokens=tokens, count=count, done=done), taken
+
+
+def prefill(params, prompt: Prompt, cache: KVCache, config: ModelConfig, attention: str
+            ) -> tuple[Float[Array, "B V"], KVCache, Topology]:
+  """The prompts into segment 0 of their rows: the logits after each row's last
+  prompt token, the cache, and the one-segment causal topology."""
+  topology = Topology.causal(prompt.tokens.shape[0])
+  logits, _, cache = decode_step(params, cache, prompt.tokens, prompt.positions(),
+                                 prompt.segments(), topology, config=config,
+                                 logits_at=(prompt.lengths - 1)[:, None],
+                                 attention=attention)  # [B, 1, V]
+  return logits[:, 0], cache, topology

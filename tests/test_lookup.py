@@ -1,0 +1,93 @@
+"""prompt_lookup: the proposal rule, the greedy acceptance rule, and exactness vs greedy."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mdjax
+from mdjax.sampling import greedy_accept
+from mdjax.strategies.lookup import latest_ngram_continuation, propose_by_lookup
+
+
+def test_latest_ngram_continuation_by_hand():
+  history = jnp.asarray([[5, 6, 7, 5, 6, 9, 5, 6, 0, 0],    # "5 6" occurs at 0 and 3: latest 3
+                         [1, 2, 3, 4, 0, 0, 0, 0, 0, 0],    # "4" never occurred before
+                         [8, 8, 8, 0, 0, 0, 0, 0, 0, 0]])   # "8" at 1 (latest earlier), then 8
+  length = jnp.asarray([8, 4, 3])
+  proposal, count = latest_ngram_continuation(history, length, ngram=2, num_tokens=3)
+  assert count.tolist() == [3, 0, 1]
+  assert proposal[0].tolist() == [9, 5, 6]
+  assert proposal[2, 0] == 8
+  proposal, count = latest_ngram_continuation(history, length, ngram=1, num_tokens=4)
+  assert count.tolist() == [3, 0, 1]  # row 0: "6" last seen at 4; only 3 tokens follow it
+  assert proposal[0].tolist()[:3] == [9, 5, 6]
+
+
+def test_proposal_never_reaches_past_the_text():
+  history = jnp.asarray([[3, 4, 3, 4, 3, 0, 0, 0]])
+  proposal, count = propose_by_lookup(history, jnp.asarray([5]), max_ngram_size=3, num_tokens=6)
+  # last 3 tokens "3 4 3" occur at 0, followed by "4 3": only 2 real tokens
+  assert count.tolist() == [2] and proposal[0, :2].tolist() == [4, 3]
+
+
+def test_greedy_accept_by_hand():
+  proposal = jnp.asarray([[4, 5, 6], [4, 5, 6], [4, 5, 6], [9, 9, 9]])
+  count = jnp.asarray([3, 3, 1, 0])
+  choice = jnp.asarray([[4, 5, 6, 7], [4, 0, 6, 7], [4, 5, 6, 7], [9, 9, 9, 9]])
+  assert greedy_accept(proposal, count, choice).tolist() == [3, 1, 1, 0]
+
+
+@pytest.fixture(scope="module")
+def models():
+  qwen3 = mdjax.ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48,
+                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
+                            max_position_embeddings=256)
+  return [mdjax.load("random-llama-tiny"),
+          mdjax.Model(config=qwen3, params=mdjax.init_params(qwen3, seed=4), name="qwen3")]
+
+
+@pytest.mark.parametrize("options", [dict(), dict(prompt_lookup_num_tokens=3, max_ngram_size=1),
+                                     dict(prompt_lookup_num_tokens=7, max_ngram_size=4)])
+def test_prompt_lookup_equals_greedy(models, options):
+  rng = np.random.default_rng(0)
+  for model in models:
+    vocab = model.config.vocab_size
+    motif = rng.integers(3, vocab, 5).tolist()
+    prompts = [motif * 3 + [7], rng.integers(3, vocab, 9).tolist(), motif[:2]]
+    greedy = mdjax.generate(model, prompts, max_new_tokens=37, eos_token_id=[])
+    lookup = mdjax.generate(model, prompts, strategy="prompt_lookup", max_new_tokens=37,
+                            eos_token_id=[], **options)
+    assert lookup.sequences == greedy.sequences
+    assert lookup.stats["target_passes"] <= greedy.stats["target_passes"]
+    assert 0 <= lookup.stats["accepted"] <= lookup.stats["drafted"]
+
+
+def test_prompt_lookup_stops_at_eos_inside_an_accepted_block(models):
+  model = models[0]
+  prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 11, 12]]
+  free = mdjax.generate(model, prompts, max_new_tokens=30, eos_token_id=[]).sequences
+  for eos in {free[0][5], free[1][3]}:
+    greedy = mdjax.generate(model, prompts, max_new_tokens=30, eos_token_id=eos)
+    lookup = mdjax.generate(model, prompts, strategy="prompt_lookup", max_new_tokens=30,
+                            eos_token_id=eos)
+    assert lookup.sequences == greedy.sequences
+
+
+def test_prompt_lookup_saves_passes_on_repetitive_text(models):
+  """Random models fall into loops; copying them is what prompt lookup is for."""
+  model = models[0]
+  prompt = [4, 5, 6]
+  greedy = mdjax.generate(model, prompt, max_new_tokens=64, eos_token_id=[])
+  seq = greedy.sequences[0]
+  assert len(set(seq[-20:])) < 10, "the test expects the random model to loop"
+  lookup = mdjax.generate(model, prompt, strategy="prompt_lookup", max_new_tokens=64,
+                          eos_token_id=[])
+  assert lookup.sequences == greedy.sequences
+  assert lookup.stats["target_passes"] * 2 <= greedy.stats["target_passes"]
+
+
+@pytest.mark.parametrize("option,value", [("prompt_lookup_num_tokens", 0),
+                                          ("max_ngram_size", 0), ("max_ngram_size", 1.5)])
+def test_bad_options_name_the_value(models, option, value):
+  with pytest.raises(mdjax.MdjaxError, match=f"{option} must be an integer >= 1, got {value}"):
+    mdjax.generate(models[0], [1, 2], strategy="prompt_lookup", **{option: value})
