@@ -21,7 +21,7 @@ from mdjax import strategies
 from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
 from mdjax.models.model import Model
-from mdjax.strategies.base import Limits, Prompt
+from mdjax.strategies.base import Limits, Prompt, layout_prompts
 
 MIN_BUCKET = 16
 
@@ -127,26 +127,46 @@ def _compile(strategy, params, prompt, limits, **static):
   return program, time.perf_counter() - start
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """A validated request: the strategy, its device inputs and how to read the output."""
+
+  decoder: Any
+  prompt: Prompt
+  limits: Limits
+  static: dict
+  prompt_tokens: int
+  output_rows: list[int]  # buffer rows that are real branches, prompt-major
+
+
 def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_token_id, seed: int,
-             options: dict):
+             options: dict) -> _Plan:
   if not isinstance(strategy, str):
     raise MdjaxError(f"strategy must be a name, got {strategy!r}")
   if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
     raise MdjaxError(f"seed must be an integer, got {seed!r}")
+  options = dict(options)
+  branch_value = options.pop(strategies.BRANCH_OPTIONS.get(strategy, ""), None)
   decoder = strategies.build(strategy, model.config, options)
   ids = encode_prompts(model, prompts)
-  check_context(model, ids, max_new_tokens)
-  padded = np.zeros((len(ids), bucket(max(len(p) for p in ids))), np.int32)
-  for row, p in enumerate(ids):
-    padded[row, :len(p)] = p
-  prompt = Prompt(tokens=jnp.asarray(padded), lengths=jnp.asarray([len(p) for p in ids], jnp.int32))
+  extra = strategies.branches(strategy, branch_value, len(ids), lambda p: encode_prompts(model, p))
+  rows = ids if extra is None else [c + max(b, key=len) for c, b in zip(ids, extra)]
+  check_context(model, rows, max_new_tokens)
+  total = [len(c) + (0 if extra is None else sum(len(b) for b in extra[i]))
+           for i, c in enumerate(ids)]
+  prompt = layout_prompts(ids, extra, bucket(max(total)))
   eos = eos_ids(model, eos_token_id)
   limits = Limits(max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
                   eos_ids=jnp.asarray(eos or (-1,), jnp.int32), key=jax.random.key(seed))
   capacity = bucket(max_new_tokens)
-  static = dict(num_slots=decoder.cache_slots(padded.shape[1], capacity), capacity=capacity,
+  num_branches = prompt.branch_segment.shape[1]
+  static = dict(num_slots=decoder.cache_slots(prompt.tokens.shape[1], capacity, num_branches),
+                capacity=capacity,
                 cache_dtype=str(model.params["embed"].dtype))  # K/V in the weights' dtype
-  return decoder, ids, prompt, limits, static
+  counts = [1] * len(ids) if extra is None else [len(b) for b in extra]
+  output_rows = [i * num_branches + j for i, n in enumerate(counts) for j in range(n)]
+  return _Plan(decoder=decoder, prompt=prompt, limits=limits, static=static,
+               prompt_tokens=sum(total), output_rows=output_rows)
 
 
 def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int = 32,
@@ -157,16 +177,16 @@ def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: in
   its first EOS (kept) or after `max_new_tokens`. `options` are the strategy's
   (e.g. temperature, top_k, top_p, min_p for "sample").
   """
-  decoder, ids, prompt, limits, static = _prepare(model, prompts, strategy, max_new_tokens,
-                                                  eos_token_id, seed, options)
-  program, compile_s = _compile(decoder, model.params, prompt, limits, **static)
+  plan = _prepare(model, prompts, strategy, max_new_tokens, eos_token_id, seed, options)
+  program, compile_s = _compile(plan.decoder, model.params, plan.prompt, plan.limits,
+                                **plan.static)
   start = time.perf_counter()
-  buffer, stats = program(model.params, prompt, limits)
+  buffer, stats = program(model.params, plan.prompt, plan.limits)
   tokens, counts = jax.device_get((buffer.tokens, buffer.count))
   wall_s = time.perf_counter() - start
-  sequences = [row[:n].tolist() for row, n in zip(tokens, counts)]
+  sequences = [tokens[r, :counts[r]].tolist() for r in plan.output_rows]
   stats = {k: int(v) for k, v in jax.device_get(stats).items()}
-  stats.update(generated_tokens=int(sum(counts)), prompt_tokens=sum(len(p) for p in ids),
+  stats.update(generated_tokens=sum(len(s) for s in sequences), prompt_tokens=plan.prompt_tokens,
                wall_s=wall_s, compile_s=compile_s)
   stats["tokens_per_pass"] = stats["generated_tokens"] / max(1, stats["target_passes"] + 1)
   texts = None
@@ -191,15 +211,15 @@ def stream(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int 
   The same strategy and step as `generate`, driven from Python: one host sync per
   pass, so it is slower than `generate`, which runs the loop on the device.
   """
-  decoder, _, prompt, limits, static = _prepare(model, prompts, strategy, max_new_tokens,
-                                                eos_token_id, seed, options)
-  init, step = _stepper(decoder, tuple(sorted(static.items())))
-  state = init(model.params, prompt, limits)
-  shown = np.zeros(prompt.tokens.shape[0], np.int64)
+  plan = _prepare(model, prompts, strategy, max_new_tokens, eos_token_id, seed, options)
+  init, step = _stepper(plan.decoder, tuple(sorted(plan.static.items())))
+  state = init(model.params, plan.prompt, plan.limits)
+  shown = np.zeros(len(plan.output_rows), np.int64)
   while True:
-    buffer, _ = decoder.result(state)
+    buffer, _ = plan.decoder.result(state)
     tokens, counts, done = jax.device_get((buffer.tokens, buffer.count, buffer.done))
-    yield [row[s:n].tolist() for row, s, n in zip(tokens, shown, counts)]
+    counts = counts[plan.output_rows]
+    yield [tokens[r, s:n].tolist() for r, s, n in zip(plan.output_rows, shown, counts)]
     shown = counts
     if done.all():
       return

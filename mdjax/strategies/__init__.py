@@ -20,6 +20,13 @@ def _sample(config: ModelConfig, options: dict):
   return Autoregressive(config=config, sampling=SamplingParams(**sampling), **options)
 
 
+def _greedy_unless_sampling(config: ModelConfig, options: dict):
+  """Greedy by default; sampling when a sampling option is given (temperature 1 unless set)."""
+  if not any(k in options for k in SAMPLING_OPTIONS):
+    return _greedy(config, options)
+  return _sample(config, options)
+
+
 def _prompt_lookup(config: ModelConfig, options: dict):
   if "prompt_lookup_num_tokens" in options:
     options["num_tokens"] = options.pop("prompt_lookup_num_tokens")
@@ -27,7 +34,11 @@ def _prompt_lookup(config: ModelConfig, options: dict):
 
 
 BUILDERS = {"greedy": (_greedy, ()), "sample": (_sample, SAMPLING_OPTIONS),
-            "prompt_lookup": (_prompt_lookup, ("prompt_lookup_num_tokens", "max_ngram_size"))}
+            "prompt_lookup": (_prompt_lookup, ("prompt_lookup_num_tokens", "max_ngram_size")),
+            "multi_question": (_greedy_unless_sampling, SAMPLING_OPTIONS),
+            "parallel_sample": (_sample, SAMPLING_OPTIONS)}
+# Strategies whose branches come from one required option (popped before `build`).
+BRANCH_OPTIONS = {"multi_question": "questions", "parallel_sample": "num_samples"}
 COMMON_OPTIONS = ("attention",)
 
 
@@ -35,16 +46,56 @@ def option_names(name: str) -> tuple[str, ...]:
   """The options (keyword arguments of `mdjax.generate`) strategy `name` takes."""
   if not isinstance(name, str) or name not in BUILDERS:
     raise MdjaxError(f"unknown strategy {name!r}; valid strategies: {', '.join(BUILDERS)}")
-  return BUILDERS[name][1] + COMMON_OPTIONS
+  branch_option = (BRANCH_OPTIONS[name],) if name in BRANCH_OPTIONS else ()
+  return BUILDERS[name][1] + branch_option + COMMON_OPTIONS
 
 
 def build(name: str, config: ModelConfig, options: dict):
-  """The strategy `name` for `config`, with its options validated."""
+  """The strategy `name` for `config`, with its options validated; its branch
+  option (see `branches`) must have been taken out of `options`."""
   allowed = option_names(name)
   for option in options:
-    if option not in allowed:
+    if option not in allowed or option == BRANCH_OPTIONS.get(name):
       raise MdjaxError(f"unknown option {option!r} for strategy {name!r}; "
                        f"valid options: {', '.join(allowed)}")
   if options.get("attention", "block_sparse") not in ("block_sparse", "dense"):
     raise MdjaxError(f"attention must be 'block_sparse' or 'dense', got {options['attention']!r}")
   return BUILDERS[name][0](config, dict(options))
+
+
+def branches(name: str, value, num_prompts: int, encode) -> list[list[list[int]]] | None:
+  """Per prompt, the token lists its branches append after it (None: one plain branch).
+
+  multi_question: `questions` is one list of questions for every prompt or one such
+  list per prompt (a question is text or token ids; `encode(list) -> ids`).
+  parallel_sample: `num_samples` empty branches per prompt, sampled independently.
+  """
+  if name not in BRANCH_OPTIONS:
+    return None
+  option = BRANCH_OPTIONS[name]
+  if value is None:
+    raise MdjaxError(f"strategy {name!r} needs the option {option!r}")
+  if name == "parallel_sample":
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise MdjaxError(f"num_samples must be an integer >= 1, got {value!r}")
+    return [[[] for _ in range(value)] for _ in range(num_prompts)]
+  per_prompt = (isinstance(value, (list, tuple)) and value and
+                all(isinstance(q, (list, tuple)) and q and not isinstance(q[0], (int, str))
+                    for q in value))
+  lists = list(value) if per_prompt else [value] * num_prompts
+  if len(lists) != num_prompts:
+    raise MdjaxError(f"questions has {len(lists)} lists for {num_prompts} prompts")
+  result = []
+  for i, questions in enumerate(lists):
+    if not isinstance(questions, (list, tuple)) or not questions:
+      raise MdjaxError(f"prompt {i} needs at least one question, got {questions!r}")
+    result.append([_question(encode, q, i, j) for j, q in enumerate(questions)])
+  return result
+
+
+def _question(encode, question, prompt: int, index: int) -> list[int]:
+  try:
+    (ids,) = encode([question])
+  except MdjaxError as e:
+    raise MdjaxError(f"question {index} of prompt {prompt}: {e}") from None
+  return ids

@@ -1,8 +1,15 @@
-"""`greedy` and `sample`: one token per row per model pass (the baseline).
+"""`greedy`, `sample`, `multi_question`, `parallel_sample`: one token per branch per pass.
 
-Cache of each row: the prompt in segment 0 at positions 0..len-1, then one
-generated token per step at the next position; a finished row feeds padding
-(segment -1), which takes no slot.
+Every row holds N branches (N = 1 for plain prompts). Branch j of a row decodes in
+its own segment (see `mdjax.strategies.base.Prompt`); each pass feeds one token per
+live branch, at that branch's next position, so all branches of all rows advance in
+one `decode_step` over one shared cache. A branch that finished feeds padding
+(segment -1), which takes no slot. Two questions over one context, after prefill
+and one pass::
+
+    slot   0 1 2 | 3 4 | 5 6 | 7 8
+    seg    0 0 0 | 1 1 | 2 2 | 1 2       context at 0..2; questions at 3..4
+    pos    0 1 2 | 3 4 | 3 4 | 5 5       answers continue at 5, 6, ... in their segment
 """
 
 from __future__ import annotations
@@ -24,32 +31,37 @@ class Autoregressive:
   sampling: SamplingParams = SamplingParams(temperature=0.0)
   attention: str = "block_sparse"
 
-  def cache_slots(self, prompt_len: int, max_new_tokens: int) -> int:
-    """Slots per row: the padded prompt, then one per generated token."""
-    return prompt_len + max_new_tokens
+  def cache_slots(self, prompt_len: int, max_new_tokens: int, branches: int = 1) -> int:
+    """Slots per row: the padded prompt, then one per generated token of every branch."""
+    return prompt_len + max_new_tokens * branches
 
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits, capacity: int) -> dict:
-    batch = prompt.tokens.shape[0]
     logits, cache, topology = prefill(params, prompt, cache, self.config, self.attention)
-    state = dict(cache=cache, topology=topology, limits=limits,
-                 buffer=OutputBuffer.empty(batch, capacity), next_pos=prompt.lengths,
-                 last=jnp.zeros((batch,), jnp.int32), passes=jnp.zeros((), jnp.int32))
+    absent = (prompt.branch_segment < 0).reshape(-1)  # [B * N] rows of missing branches
+    buffer = dataclasses.replace(OutputBuffer.empty(absent.shape[0], capacity), done=absent)
+    state = dict(cache=cache, topology=topology, limits=limits, buffer=buffer,
+                 branch_segment=prompt.branch_segment, next_pos=prompt.branch_positions(),
+                 last=jnp.zeros(prompt.branch_segment.shape, jnp.int32),
+                 passes=jnp.zeros((), jnp.int32))
     return self._commit(state, logits)
 
   def step(self, params, state: dict) -> dict:
-    segments = jnp.where(state["buffer"].done, -1, 0)[:, None]  # [B, 1]
-    logits, _, cache = decode_step(params, state["cache"], state["last"][:, None],
-                                   state["next_pos"][:, None], segments, state["topology"],
-                                   config=self.config, attention=self.attention)  # [B, 1, V]
+    done = state["buffer"].done.reshape(state["last"].shape)  # [B, N]
+    segments = jnp.where(done, -1, state["branch_segment"])  # [B, N]
+    logits, _, cache = decode_step(params, state["cache"], state["last"], state["next_pos"],
+                                   segments, state["topology"], config=self.config,
+                                   attention=self.attention)  # [B, N, V]
     state = dict(state, cache=cache, next_pos=state["next_pos"] + 1, passes=state["passes"] + 1)
-    return self._commit(state, logits[:, 0])
+    return self._commit(state, logits)
 
   def _commit(self, state: dict, logits) -> dict:
+    """Chooses every branch's next token from `logits` [B, N, V] and emits it."""
     buffer = state["buffer"]
-    keys = row_keys(state["limits"].key, jnp.arange(buffer.count.shape[0]), buffer.count)
-    token = choose(keys, logits, self.sampling)  # [B]
+    rows = buffer.count.shape[0]  # B * N
+    keys = row_keys(state["limits"].key, jnp.arange(rows), buffer.count)
+    token = choose(keys, logits.reshape(rows, -1), self.sampling)  # [B * N]
     buffer, _ = emit(buffer, token[:, None], jnp.ones_like(token), state["limits"])
-    return dict(state, buffer=buffer, last=token)
+    return dict(state, buffer=buffer, last=token.reshape(state["last"].shape))
 
   def done(self, state: dict):
     return state["buffer"].done

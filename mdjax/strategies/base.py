@@ -20,6 +20,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from mdjax.cache import KVCache
@@ -31,17 +32,66 @@ from mdjax.topology import Topology
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Prompt:
-  """Right-padded prompts: `tokens` int32[B, P] (padding ignored), `lengths` int32[B]."""
+  """What every row prefills, and where its branches start decoding.
+
+    tokens, positions, segments  int32[B, P]   right-padded (segment -1 = padding)
+    lengths                      int32[B]      real tokens per row
+    parent, fork                 int32[B, G]   the segment tree (`mdjax.topology`)
+    branch_segment               int32[B, N]   segment each branch decodes in (-1: none)
+    branch_last                  int32[B, N]   token whose logits give the branch's first token
+
+  A plain prompt is one branch in segment 0. Questions over one context (see
+  `layout_prompts`): the context is segment 0 at positions 0..c-1, question j is
+  segment j+1 forked at c, at positions c, c+1, ...; branch j continues after it.
+  """
 
   tokens: Int[Array, "B P"]
+  positions: Int[Array, "B P"]
+  segments: Int[Array, "B P"]
   lengths: Int[Array, "B"]
+  parent: Int[Array, "B G"]
+  fork: Int[Array, "B G"]
+  branch_segment: Int[Array, "B N"]
+  branch_last: Int[Array, "B N"]
 
-  def segments(self) -> Int[Array, "B P"]:
-    """Segment 0 for real tokens, -1 for padding (takes no cache slot)."""
-    return jnp.where(jnp.arange(self.tokens.shape[1]) < self.lengths[:, None], 0, -1)
+  def topology(self) -> Topology:
+    return Topology(parent=self.parent, fork=self.fork)
 
-  def positions(self) -> Int[Array, "B P"]:
-    return jnp.broadcast_to(jnp.arange(self.tokens.shape[1], dtype=jnp.int32), self.tokens.shape)
+  def branch_positions(self) -> Int[Array, "B N"]:
+    """Position of each branch's first generated token."""
+    return jnp.take_along_axis(self.positions, self.branch_last, axis=1) + 1
+
+
+def layout_prompts(contexts: list[list[int]], branches: list[list[list[int]]] | None,
+                   width: int) -> Prompt:
+  """Prompts (padded to `width` tokens) with, per row, branches that each append
+  their own tokens (possibly none) after the shared context. `branches` None: one
+  plain branch per row, decoding in the context's own segment 0."""
+  batch = len(contexts)
+  num_branches = 1 if branches is None else max(len(b) for b in branches)
+  tokens, positions = np.zeros((batch, width), np.int32), np.zeros((batch, width), np.int32)
+  segments = np.full((batch, width), -1, np.int32)
+  parent = np.full((batch, num_branches + 1), -1, np.int32)
+  fork = np.zeros((batch, num_branches + 1), np.int32)
+  branch_segment = np.full((batch, num_branches), -1, np.int32)
+  branch_last = np.zeros((batch, num_branches), np.int32)
+  lengths = np.zeros((batch,), np.int32)
+  for row, context in enumerate(contexts):
+    c = len(context)
+    tokens[row, :c], positions[row, :c], segments[row, :c] = context, np.arange(c), 0
+    end = c
+    if branches is None:
+      branch_segment[row, 0], branch_last[row, 0] = 0, c - 1
+    for j, extra in enumerate([] if branches is None else branches[row]):
+      n = len(extra)
+      tokens[row, end:end + n], positions[row, end:end + n] = extra, c + np.arange(n)
+      segments[row, end:end + n] = j + 1
+      parent[row, j + 1], fork[row, j + 1] = 0, c
+      branch_segment[row, j], branch_last[row, j] = j + 1, end + n - 1 if n else c - 1
+      end += n
+    lengths[row] = end
+  return Prompt(*(jnp.asarray(a) for a in (tokens, positions, segments, lengths, parent, fork,
+                                           branch_segment, branch_last)))
 
 
 @jax.tree_util.register_dataclass
@@ -90,12 +140,11 @@ def emit(buffer: OutputBuffer, new: Int[Array, "R A"], num_new: Int[Array, "R"],
 
 
 def prefill(params, prompt: Prompt, cache: KVCache, config: ModelConfig, attention: str
-            ) -> tuple[Float[Array, "B V"], KVCache, Topology]:
-  """The prompts into segment 0 of their rows: the logits after each row's last
-  prompt token, the cache, and the one-segment causal topology."""
-  topology = Topology.causal(prompt.tokens.shape[0])
-  logits, _, cache = decode_step(params, cache, prompt.tokens, prompt.positions(),
-                                 prompt.segments(), topology, config=config,
-                                 logits_at=(prompt.lengths - 1)[:, None],
-                                 attention=attention)  # [B, 1, V]
-  return logits[:, 0], cache, topology
+            ) -> tuple[Float[Array, "B N V"], KVCache, Topology]:
+  """Every row's context and branch tokens in one pass: the logits that start each
+  branch, the cache, and the prompt's topology."""
+  topology = prompt.topology()
+  logits, _, cache = decode_step(params, cache, prompt.tokens, prompt.positions,
+                                 prompt.segments, topology, config=config,
+                                 logits_at=prompt.branch_last, attention=attention)  # [B, N, V]
+  return logits, cache, topology

@@ -78,14 +78,15 @@ class PromptLookup:
         option = "prompt_lookup_num_tokens" if name == "num_tokens" else name
         raise MdjaxError(f"{option} must be an integer >= 1, got {value!r}")
 
-  def cache_slots(self, prompt_len: int, capacity: int) -> int:
-    """The padded prompt, the generated tokens, and room for one rejected proposal."""
+  def cache_slots(self, prompt_len: int, capacity: int, branches: int = 1) -> int:
+    """The padded prompt, the generated tokens, and room for one rejected proposal
+    (one branch per row)."""
     return prompt_len + capacity + self.num_tokens + 1
 
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits, capacity: int) -> dict:
     batch, prompt_len = prompt.tokens.shape
     logits, cache, topology = prefill(params, prompt, cache, self.config, self.attention)
-    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
+    first = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)  # [B] (one branch per row)
     buffer, _ = emit(OutputBuffer.empty(batch, capacity), first[:, None],
                      jnp.ones_like(first), limits)
     history = jnp.zeros((batch, prompt_len + capacity + self.num_tokens + 1), jnp.int32)

@@ -1,0 +1,98 @@
+"""MultiDecode branches over one shared cache: each answer == its sequential counterpart."""
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+import mdjax
+from tests.test_generate import expected_first_token_law
+
+
+@pytest.fixture(scope="module")
+def models():
+  qwen3 = mdjax.ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48,
+                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
+                            max_position_embeddings=256)
+  return [mdjax.load("random-llama-tiny"),
+          mdjax.Model(config=qwen3, params=mdjax.init_params(qwen3, seed=4, std=0.3), name="qwen3")]
+
+
+def sequential(model, context, questions, **kwargs):
+  return [mdjax.generate(model, context + q, **kwargs).sequences[0] for q in questions]
+
+
+@pytest.mark.parametrize("attention", ["block_sparse", "dense"])
+def test_multi_question_answers_equal_greedy_on_context_plus_question(models, attention):
+  rng = np.random.default_rng(0)
+  for model in models:
+    vocab = model.config.vocab_size
+    contexts = [rng.integers(3, vocab, n).tolist() for n in (11, 4, 7)]
+    questions = [[rng.integers(3, vocab, n).tolist() for n in lengths]
+                 for lengths in ((3, 1, 5), (2,), (4, 4))]  # ragged counts and lengths
+    out = mdjax.generate(model, contexts, strategy="multi_question", questions=questions,
+                         max_new_tokens=14, eos_token_id=[], attention=attention)
+    expected = [a for c, qs in zip(contexts, questions)
+                for a in sequential(model, c, qs, max_new_tokens=14, eos_token_id=[])]
+    assert out.sequences == expected
+    assert out.stats["target_passes"] == 13  # all branches advance together
+
+
+def test_multi_question_branches_stop_at_their_own_eos(models):
+  model = models[0]
+  context, questions = [5, 6, 7, 8], [[20, 21], [22], [23, 24, 25]]
+  free = sequential(model, context, questions, max_new_tokens=16, eos_token_id=[])
+  eos = free[1][4]
+  out = mdjax.generate(model, context, strategy="multi_question", questions=questions,
+                       max_new_tokens=16, eos_token_id=eos)
+  assert out.sequences == sequential(model, context, questions, max_new_tokens=16,
+                                     eos_token_id=eos)
+  assert len(out.sequences[1]) == 5
+
+
+def test_one_question_list_serves_every_prompt(models):
+  model = models[0]
+  contexts, questions = [[4, 5, 6], [9, 9]], [[30], [31, 32]]
+  out = mdjax.generate(model, contexts, strategy="multi_question", questions=questions,
+                       max_new_tokens=6, eos_token_id=[])
+  assert out.sequences == [a for c in contexts
+                           for a in sequential(model, c, questions, max_new_tokens=6,
+                                               eos_token_id=[])]
+
+
+def test_parallel_samples_are_seeded_and_differ(models):
+  model = models[0]
+  kwargs = dict(strategy="parallel_sample", num_samples=4, max_new_tokens=10, eos_token_id=[],
+                temperature=1.0)
+  a = mdjax.generate(model, [[4, 5, 6], [7, 8]], seed=3, **kwargs).sequences
+  assert len(a) == 8
+  assert a == mdjax.generate(model, [[4, 5, 6], [7, 8]], seed=3, **kwargs).sequences
+  assert len({tuple(s) for s in a[:4]}) == 4
+
+
+def test_parallel_sample_first_tokens_follow_the_sampling_law(models):
+  """Chi-square (p > 1e-3) of 2000 samples' first tokens over one shared prompt."""
+  model = mdjax.load("random-llama-tiny", seed=2)
+  prompt, options = [4, 5, 6, 7], dict(temperature=1.5, top_k=20)
+  law = expected_first_token_law(mdjax.forward_logits(model, prompt)[-1], **options)
+  out = mdjax.generate(model, prompt, strategy="parallel_sample", num_samples=2000,
+                       max_new_tokens=1, eos_token_id=[], seed=5, **options)
+  counts = np.bincount([s[0] for s in out.sequences], minlength=law.size)
+  big = law * 2000 >= 5
+  observed = np.append(counts[big], counts[~big].sum())
+  expected = np.append(law[big], law[~big].sum()) * 2000
+  keep = expected > 0
+  assert scipy_stats.chisquare(observed[keep], expected[keep]).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(strategy="parallel_sample", num_samples=0), r"num_samples must be an integer >= 1, got 0"),
+    (dict(strategy="parallel_sample"), r"needs the option 'num_samples'"),
+    (dict(strategy="multi_question"), r"needs the option 'questions'"),
+    (dict(strategy="multi_question", questions=[]), r"at least one question"),
+    (dict(strategy="multi_question", questions=[[5], []]), r"question 1 of prompt 0: .*empty"),
+    (dict(strategy="multi_question", questions=[[5], [300]]), r"question 1 .* token id 300"),
+    (dict(strategy="multi_question", questions=[[5] * 600]), r"max_position_embeddings=512"),
+])
+def test_bad_branch_options(models, kwargs, match):
+  with pytest.raises(mdjax.MdjaxError, match=match):
+    mdjax.generate(models[0], [1, 2, 3], **kwargs)
