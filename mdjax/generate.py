@@ -132,6 +132,7 @@ class _Plan:
   """A validated request: the strategy, its device inputs and how to read the output."""
 
   decoder: Any
+  params: Any  # what the decoder runs on (the model's params, or target + draft)
   prompt: Prompt
   limits: Limits
   static: dict
@@ -148,6 +149,7 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_toke
   options = dict(options)
   branch_value = options.pop(strategies.BRANCH_OPTIONS.get(strategy, ""), None)
   decoder = strategies.build(strategy, model.config, options)
+  params = strategies.run_params(strategy, model.params, options)
   ids = encode_prompts(model, prompts)
   extra = strategies.branches(strategy, branch_value, len(ids), lambda p: encode_prompts(model, p))
   rows = ids if extra is None else [c + max(b, key=len) for c, b in zip(ids, extra)]
@@ -165,7 +167,7 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_toke
                 cache_dtype=str(model.params["embed"].dtype))  # K/V in the weights' dtype
   counts = [1] * len(ids) if extra is None else [len(b) for b in extra]
   output_rows = [i * num_branches + j for i, n in enumerate(counts) for j in range(n)]
-  return _Plan(decoder=decoder, prompt=prompt, limits=limits, static=static,
+  return _Plan(decoder=decoder, params=params, prompt=prompt, limits=limits, static=static,
                prompt_tokens=sum(total), output_rows=output_rows)
 
 
@@ -178,10 +180,10 @@ def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: in
   (e.g. temperature, top_k, top_p, min_p for "sample").
   """
   plan = _prepare(model, prompts, strategy, max_new_tokens, eos_token_id, seed, options)
-  program, compile_s = _compile(plan.decoder, model.params, plan.prompt, plan.limits,
+  program, compile_s = _compile(plan.decoder, plan.params, plan.prompt, plan.limits,
                                 **plan.static)
   start = time.perf_counter()
-  buffer, stats = program(model.params, plan.prompt, plan.limits)
+  buffer, stats = program(plan.params, plan.prompt, plan.limits)
   tokens, counts = jax.device_get((buffer.tokens, buffer.count))
   wall_s = time.perf_counter() - start
   sequences = [tokens[r, :counts[r]].tolist() for r in plan.output_rows]
@@ -213,7 +215,7 @@ def stream(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int 
   """
   plan = _prepare(model, prompts, strategy, max_new_tokens, eos_token_id, seed, options)
   init, step = _stepper(plan.decoder, tuple(sorted(plan.static.items())))
-  state = init(model.params, plan.prompt, plan.limits)
+  state = init(plan.params, plan.prompt, plan.limits)
   shown = np.zeros(len(plan.output_rows), np.int64)
   while True:
     buffer, _ = plan.decoder.result(state)
@@ -223,4 +225,4 @@ def stream(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int 
     shown = counts
     if done.all():
       return
-    state = step(model.params, state)
+    state = step(plan.params, state)

@@ -7,6 +7,7 @@ from mdjax.models.config import ModelConfig
 from mdjax.sampling import SamplingParams
 from mdjax.strategies.autoregressive import Autoregressive
 from mdjax.strategies.lookup import PromptLookup
+from mdjax.strategies.speculative import Speculative
 
 SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p")
 
@@ -33,10 +34,18 @@ def _prompt_lookup(config: ModelConfig, options: dict):
   return PromptLookup(config=config, **options)
 
 
+def _speculative(config: ModelConfig, options: dict):
+  draft = options.pop("draft", None)
+  if draft is None or not hasattr(draft, "config") or not hasattr(draft, "params"):
+    raise MdjaxError(f"strategy 'speculative' needs draft=<an mdjax Model>, got {draft!r}")
+  return Speculative(config=config, draft_config=draft.config, **options)
+
+
 BUILDERS = {"greedy": (_greedy, ()), "sample": (_sample, SAMPLING_OPTIONS),
             "prompt_lookup": (_prompt_lookup, ("prompt_lookup_num_tokens", "max_ngram_size")),
             "multi_question": (_greedy_unless_sampling, SAMPLING_OPTIONS),
-            "parallel_sample": (_sample, SAMPLING_OPTIONS)}
+            "parallel_sample": (_sample, SAMPLING_OPTIONS),
+            "speculative": (_speculative, ("draft", "num_draft_tokens"))}
 # Strategies whose branches come from one required option (popped before `build`).
 BRANCH_OPTIONS = {"multi_question": "questions", "parallel_sample": "num_samples"}
 COMMON_OPTIONS = ("attention",)
@@ -99,3 +108,10 @@ def _question(encode, question, prompt: int, index: int) -> list[int]:
   except MdjaxError as e:
     raise MdjaxError(f"question {index} of prompt {prompt}: {e}") from None
   return ids
+
+
+def run_params(name: str, params, options: dict):
+  """The params pytree strategy `name` runs on: the model's, or target and draft's."""
+  if name == "speculative":
+    return {"target": params, "draft": options["draft"].params}
+  return params
