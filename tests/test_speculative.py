@@ -28,14 +28,17 @@ def draft():
 
 
 def test_draft_equal_to_target_accepts_every_token(targets):
+  """Also a run that fills the cache exactly: prompt and budget are whole buckets
+  (16 and 64), so a slot leaked per step would overflow it and change the output."""
   target = targets[0]
+  prompt = list(range(3, 19))
+  greedy = mdjax.generate(target, [prompt], max_new_tokens=64, eos_token_id=[]).sequences
   for gamma in (1, 3):
-    out = mdjax.generate(target, [[5, 6, 7]], strategy="speculative", draft=target,
-                         num_draft_tokens=gamma, max_new_tokens=33, eos_token_id=[])
+    out = mdjax.generate(target, [prompt], strategy="speculative", draft=target,
+                         num_draft_tokens=gamma, max_new_tokens=64, eos_token_id=[])
     assert out.stats["accepted"] == out.stats["drafted"]
-    assert out.stats["target_passes"] == -(-32 // (gamma + 1))  # (gamma + 1) tokens per pass
-    assert out.sequences == mdjax.generate(target, [[5, 6, 7]], max_new_tokens=33,
-                                           eos_token_id=[]).sequences
+    assert out.stats["target_passes"] == -(-63 // (gamma + 1))  # (gamma + 1) tokens per pass
+    assert out.sequences == greedy
 
 
 @pytest.mark.parametrize("gamma", [1, 2, 5])
