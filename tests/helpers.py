@@ -10,7 +10,9 @@ import torch
 import transformers
 
 from mdjax.cache import KVCache
+from mdjax.models.config import ModelConfig
 from mdjax.models.model import Model
+from mdjax.models.random_init import init_params
 from mdjax.step import decode_step
 from mdjax.topology import Topology
 
@@ -69,3 +71,16 @@ def mdjax_logits(model: Model, ids, attention: str = "block_sparse") -> np.ndarr
   logits, _, _ = decode_step(model.params, cache, tokens, positions, segments, Topology.causal(1),
                              config=model.config, attention=attention)
   return np.asarray(logits[0])
+
+
+def random_model(family: str = "llama", seed: int = 0, *, vocab_size: int = 64, layers: int = 2,
+                 hidden: int = 32, heads: int = 4, kv_heads: int = 2, std: float = 0.3,
+                 **extra) -> Model:
+  """A tiny seeded random mdjax model (no checkpoint); std 0.3 keeps attention peaked,
+  so a wrong mask or position changes the output."""
+  config = ModelConfig(family=family, vocab_size=vocab_size, hidden_size=hidden,
+                       intermediate_size=48, num_layers=layers, num_heads=heads,
+                       num_kv_heads=kv_heads, head_dim=8, max_position_embeddings=256,
+                       qk_norm=family == "qwen3", **extra)
+  return Model(config=config, params=init_params(config, seed=seed, std=std),
+               name=f"random-{family}-{seed}")

@@ -5,16 +5,13 @@ import pytest
 from scipy import stats as scipy_stats
 
 import mdjax
+from tests.helpers import random_model
 from tests.test_generate import expected_first_token_law
 
 
 @pytest.fixture(scope="module")
 def models():
-  qwen3 = mdjax.ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48,
-                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
-                            max_position_embeddings=256)
-  return [mdjax.load("random-llama-tiny"),
-          mdjax.Model(config=qwen3, params=mdjax.init_params(qwen3, seed=4, std=0.3), name="qwen3")]
+  return [mdjax.load("random-llama-tiny"), random_model("qwen3", seed=4)]
 
 
 def sequential(model, context, questions, **kwargs):

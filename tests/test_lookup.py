@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import mdjax
+from tests.helpers import random_model
 from mdjax.sampling import greedy_accept
 from mdjax.strategies.lookup import latest_ngram_continuation, propose_by_lookup
 
@@ -39,11 +40,7 @@ def test_greedy_accept_by_hand():
 
 @pytest.fixture(scope="module")
 def models():
-  qwen3 = mdjax.ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48,
-                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
-                            max_position_embeddings=256)
-  return [mdjax.load("random-llama-tiny"),
-          mdjax.Model(config=qwen3, params=mdjax.init_params(qwen3, seed=4), name="qwen3")]
+  return [mdjax.load("random-llama-tiny"), random_model("qwen3", seed=4, std=0.02)]
 
 
 @pytest.mark.parametrize("options", [dict(), dict(prompt_lookup_num_tokens=3, max_ngram_size=1),

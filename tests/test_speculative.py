@@ -4,27 +4,19 @@ import numpy as np
 import pytest
 
 import mdjax
+from tests.helpers import random_model
 
-VOCAB = 64
-
-
-def _model(family, seed, layers=2, hidden=32, heads=4, kv_heads=2, **extra):
-  config = mdjax.ModelConfig(family=family, vocab_size=VOCAB, hidden_size=hidden,
-                             intermediate_size=48, num_layers=layers, num_heads=heads,
-                             num_kv_heads=kv_heads, head_dim=8, max_position_embeddings=256,
-                             **extra)
-  return mdjax.Model(config=config, params=mdjax.init_params(config, seed=seed, std=0.3),
-                     name=f"{family}-{seed}")
+VOCAB = 64  # random_model's
 
 
 @pytest.fixture(scope="module")
 def targets():
-  return [_model("llama", 1), _model("qwen3", 2, qk_norm=True)]
+  return [random_model("llama", 1), random_model("qwen3", 2)]
 
 
 @pytest.fixture(scope="module")
 def draft():
-  return _model("llama", 7, layers=1, hidden=16, heads=2, kv_heads=1)  # another architecture
+  return random_model("llama", 7, layers=1, hidden=16, heads=2, kv_heads=1)  # another shape
 
 
 def test_draft_equal_to_target_accepts_every_token(targets):
@@ -47,7 +39,7 @@ def test_speculative_equals_target_greedy(targets, draft, gamma):
   for target in targets:
     prompts = [rng.integers(3, VOCAB, n).tolist() for n in (9, 2, 5)]
     greedy = mdjax.generate(target, prompts, max_new_tokens=29, eos_token_id=[])
-    for d in (draft, _model(target.config.family, 11, qk_norm=target.config.qk_norm)):
+    for d in (draft, random_model(target.config.family, 11)):
       out = mdjax.generate(target, prompts, strategy="speculative", draft=d,
                            num_draft_tokens=gamma, max_new_tokens=29, eos_token_id=[])
       assert out.sequences == greedy.sequences
