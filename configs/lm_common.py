@@ -40,3 +40,16 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.export_only = False  # export the latest checkpoint without training further
   config.card_notes = ""  # a markdown file appended to the model card
   return config
+
+
+def get_shipped_config(steps: int, lr: float, **model) -> ml_collections.ConfigDict:
+  """The run settings the shipped target and draft share, for the architecture `model`."""
+  config = get_base_config()
+  config.model.update(**model)
+  config.seq_len = 512
+  config.batch_size = 8
+  config.steps = steps
+  config.optim.update(lr=lr, warmup_steps=50)
+  config.eval_every = 100
+  config.checkpoint_every = 50
+  return config

@@ -92,11 +92,16 @@ def check_context(model: Model, prompts: list[list[int]], max_new_tokens) -> Non
                      f"max_position_embeddings={limit}")
 
 
-def _run(strategy, params, prompt: Prompt, limits: Limits, *, num_slots: int, capacity: int,
-         cache_dtype):
-  """The whole generation: prefill, then `strategy.step` until every row is done."""
+def _start(strategy, params, prompt: Prompt, limits: Limits, *, num_slots: int, capacity: int,
+           cache_dtype):
+  """An empty cache of `num_slots` per row, then the strategy's prefill: its first state."""
   cache = KVCache.create(strategy.config, prompt.tokens.shape[0], num_slots, cache_dtype)
-  state = strategy.init(params, prompt, cache, limits, capacity)
+  return strategy.init(params, prompt, cache, limits, capacity)
+
+
+def _run(strategy, params, prompt: Prompt, limits: Limits, **static):
+  """The whole generation: prefill, then `strategy.step` until every row is done."""
+  state = _start(strategy, params, prompt, limits, **static)
   state = jax.lax.while_loop(lambda s: ~strategy.done(s).all(),
                              functools.partial(strategy.step, params), state)
   return strategy.result(state)
@@ -199,11 +204,9 @@ def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: in
 
 @functools.lru_cache(maxsize=32)
 def _stepper(decoder, static_items):
-  static = dict(static_items)
-  init = jax.jit(lambda params, prompt, limits: decoder.init(
-      params, prompt, KVCache.create(decoder.config, prompt.tokens.shape[0], static["num_slots"],
-                                     static["cache_dtype"]), limits, static["capacity"]))
-  return init, jax.jit(decoder.step)
+  """Jitted first state and step of `decoder`, for the Python-driven `stream`."""
+  start = functools.partial(_start, decoder, **dict(static_items))
+  return jax.jit(start), jax.jit(decoder.step)
 
 
 def stream(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int = 32,

@@ -74,10 +74,6 @@ class Topology:
     zeros = jnp.zeros((batch, num_segments), jnp.int32)
     return cls(parent=zeros - 1, fork=zeros)
 
-  @property
-  def num_segments(self) -> int:
-    return self.parent.shape[1]
-
   def add_segment(self, segment: Int[Array, "B"], parent: Int[Array, "B"],
                   fork: Int[Array, "B"]) -> "Topology":
     """Sets `segment`'s parent and fork position in every row (pure)."""

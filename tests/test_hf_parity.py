@@ -336,21 +336,16 @@ def test_unsupported_rope_type(broken):
     hf.load_hf_dir(broken)
 
 
-def test_missing_tensor(broken):
+@pytest.mark.parametrize("tensor,match", [
+    ("model.layers.1.mlp.up_proj.weight", r"layers\.1\.mlp\.up_proj\.weight.*model\.safetensors"),
+    ("lm_head.weight", "lm_head.weight"),  # the model is untied: the head is required
+])
+def test_missing_tensor(broken, tensor, match):
   file = broken / hf.WEIGHTS_FILE
   tensors = {name: hf._read_tensor(file, info) for name, info in hf._read_header(file).items()}
-  del tensors["model.layers.1.mlp.up_proj.weight"]
+  del tensors[tensor]
   hf._write_safetensors(file, tensors)
-  with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.up_proj\.weight.*model\.safetensors"):
-    hf.load_hf_dir(broken)
-
-
-def test_missing_lm_head_when_untied(broken):
-  file = broken / hf.WEIGHTS_FILE
-  tensors = {name: hf._read_tensor(file, info) for name, info in hf._read_header(file).items()}
-  del tensors["lm_head.weight"]
-  hf._write_safetensors(file, tensors)
-  with pytest.raises(CheckpointError, match="lm_head.weight"):
+  with pytest.raises(CheckpointError, match=match):
     hf.load_hf_dir(broken)
 
 
