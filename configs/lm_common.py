@@ -6,7 +6,9 @@
 Strings stand for "none": `data_dir=""` trains on the running Python's standard
 library, `tokenizer=""` trains a byte-level BPE of `vocab_size` into the run dir,
 `export_dir=""` exports into `run_dir/export`, `card_notes=""` adds nothing to the
-model card.
+model card, `init_from=""` starts from random weights (else: a Hugging Face directory of
+the same architecture whose weights the run continues from, e.g. an earlier float32
+export).
 """
 
 import ml_collections
@@ -21,6 +23,8 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.tokenizer = ""  # a directory with tokenizer.json; "" = train one
   config.vocab_size = 8192
   config.seed = 0
+  config.init_from = ""  # a model directory to continue from; "" = random init
+  config.copy_fraction = 0.0  # share of sequences whose second half repeats the first
   config.seq_len = 256
   config.batch_size = 16
   config.steps = 1000

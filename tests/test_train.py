@@ -85,6 +85,21 @@ def test_batches_are_a_pure_function_of_the_step():
   assert not np.array_equal(first.batch(0), data.Batches(sequences, 4, seed=2).batch(0))
 
 
+def test_copy_rows_repeat_their_first_half_at_the_requested_rate():
+  sequences = np.arange(2000 * 9).reshape(2000, 9) % 1000
+  plain, copying = data.Batches(sequences, 50, seed=3), data.Batches(sequences, 50, seed=3, copy_fraction=0.3)
+  batches = [(plain.batch(s), copying.batch(s)) for s in range(40)]
+  changed = np.concatenate([(a != b).any(axis=1) for a, b in batches])  # [2000]
+  assert 0.25 < changed.mean() < 0.35
+  for a, b in batches:
+    rows = (a != b).any(axis=1)
+    assert np.array_equal(b[rows, :5], a[rows, :5]) and np.array_equal(b[rows, 5:], a[rows, :4])
+    assert np.array_equal(b[~rows], a[~rows])
+  assert np.array_equal(copying.batch(11), data.Batches(sequences, 50, 3, 0.3).batch(11))
+  with pytest.raises(ValueError, match="copy_fraction must be in"):
+    data.Batches(sequences, 4, seed=0, copy_fraction=1.5)
+
+
 def test_pack_overlaps_windows_by_one_token():
   packed = data.pack(np.arange(10), 3)
   assert packed.tolist() == [[0, 1, 2, 3], [3, 4, 5, 6], [6, 7, 8, 9]]
@@ -152,3 +167,19 @@ def test_export_loads_in_mdjax_and_transformers_with_the_same_logits(trained, tm
   fingerprint = json.loads((tmp_path / "export" / "fingerprint.json").read_text())
   recomputed = lm.evaluate(model.params, np.asarray(fingerprint["sequences"]), model.config, 4)
   assert recomputed == pytest.approx({k: fingerprint[k] for k in ("loss", "accuracy")}, abs=1e-6)
+
+
+def test_init_from_continues_an_export_and_counts_all_tokens(trained, tmp_path):
+  result, config = trained
+  export.export(result, config, tmp_path / "first")
+  continued = tiny_config(tmp_path / "continued", init_from=str(tmp_path / "first"), steps=5)
+  before = lm.initial_params(continued, result.model_config)
+  for got, want in zip(jax.tree.leaves(before), jax.tree.leaves(result.params)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  summary = export.export(lm.train(continued, progress=False), continued, tmp_path / "second")
+  assert summary["tokens_seen_total"] == summary["tokens_seen"] + config.steps * 4 * 32
+  assert "Continued from the weights of" in (tmp_path / "second" / "README.md").read_text()
+  wider = tiny_config(tmp_path / "wider", init_from=str(tmp_path / "first"))
+  wider.model.hidden_size = 64
+  with pytest.raises(ValueError, match="hidden_size: 32 vs 64"):
+    lm.initial_params(wider, lm.model_config(wider, result.model_config.vocab_size))

@@ -58,6 +58,8 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
       "batch_size": config.batch_size,
       "seq_len": config.seq_len,
       "tokens_seen": run.step * config.batch_size * config.seq_len,
+      "copy_fraction": config.copy_fraction,
+      **continued_from(config.init_from, run.step * config.batch_size * config.seq_len),
       "num_params": run.model_config.num_params,
       "vocab_size": run.model_config.vocab_size,
       "weights_dtype": config.export_dtype,
@@ -77,6 +79,16 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
   return summary
 
 
+def continued_from(init_from: str, tokens_seen: int) -> dict:
+  """`init_from` and the tokens seen over the whole lineage (this run's + its start's)."""
+  before = 0
+  summary_file = pathlib.Path(init_from) / "training_summary.json" if init_from else None
+  if summary_file and summary_file.is_file():
+    earlier = json.loads(summary_file.read_text())
+    before = earlier.get("tokens_seen_total", earlier["tokens_seen"])
+  return {"init_from": init_from, "tokens_seen_total": tokens_seen + before}
+
+
 FINGERPRINT_SEQUENCES, FINGERPRINT_TOKENS = 4, 128
 
 
@@ -86,6 +98,18 @@ def write_fingerprint(model: Model, sequences, directory: str | os.PathLike) -> 
   fingerprint = {"sequences": [[int(t) for t in row] for row in sequences], **result}
   (pathlib.Path(directory) / "fingerprint.json").write_text(json.dumps(fingerprint) + "\n")
   return fingerprint
+
+
+def continuation_line(summary: dict) -> str:
+  """The card's sentence on copy rows and on the run this one continued."""
+  lines = []
+  if summary["copy_fraction"]:
+    lines.append(f"{summary['copy_fraction']:.0%} of the sequences repeat their first half "
+                 "(copy rows, see `mdjax.train.data`).")
+  if summary["init_from"]:
+    lines.append(f"Continued from the weights of `{summary['init_from']}`: "
+                 f"{summary['tokens_seen_total']:,} tokens seen in all.")
+  return "\n".join(lines) + ("\n" if lines else "")
 
 
 def model_card(name: str, config, summary: dict) -> str:
@@ -115,7 +139,7 @@ files listed in `heldout_files.json`. Byte-level BPE tokenizer, vocabulary {c.vo
 
 {s["steps"]} steps x {s["batch_size"]} sequences x {s["seq_len"]} tokens = {s["tokens_seen"]:,}
 tokens seen, AdamW with warmup + cosine decay, trained on {s["trained_on"]}.
-
+{continuation_line(s)}
 ## Held-out results (measured on these exported weights)
 
 | held-out sequences | loss (nats/token) | top-1 next-token accuracy | bytes/token | nats/byte |

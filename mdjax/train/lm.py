@@ -38,6 +38,7 @@ import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 from mdjax.errors import MdjaxError
+from mdjax.models import hf
 from mdjax.models.config import ModelConfig
 from mdjax.models.random_init import init_params
 from mdjax.models.transformer import Params, forward_causal, lm_head
@@ -150,7 +151,7 @@ def prepare_data(config: ml_collections.ConfigDict, corpus: data.Corpus, fast_to
   picked = heldout[np.unique(np.linspace(0, len(heldout) - 1, config.eval_sequences).astype(int))]
   target_bytes = tokenizer_lib.token_byte_lengths(fast_tokenizer)[picked[:, 1:]]  # [E, T]
   return Data(batches=data.Batches(data.pack(train, config.seq_len), config.batch_size,
-                                   config.seed),
+                                   config.seed, config.copy_fraction),
               heldout=picked, heldout_bytes_per_token=float(target_bytes.mean()),
               train_tokens=len(train))
 
@@ -164,6 +165,21 @@ def load_or_train_tokenizer(config: ml_collections.ConfigDict, corpus: data.Corp
   if not (directory / "tokenizer.json").is_file():
     tokenizer_lib.save(tokenizer_lib.train_bpe(corpus.texts("train"), config.vocab_size), directory)
   return tokenizer_lib.load(directory)
+
+
+def initial_params(config: ml_collections.ConfigDict, cfg: ModelConfig) -> Params:
+  """Seeded random weights, or float32 copies of `config.init_from`'s (same architecture)."""
+  if not config.init_from:
+    return init_params(cfg, config.seed)
+  start = hf.load_hf_dir(config.init_from, dtype="float32")
+  fields = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+            "num_kv_heads", "head_dim", "tie_word_embeddings")
+  differ = [f"{f}: {getattr(start.config, f)} vs {getattr(cfg, f)}" for f in fields
+            if getattr(start.config, f) != getattr(cfg, f)]
+  if differ:
+    raise MdjaxError(f"init_from {config.init_from!r} does not match the config's model "
+                     f"({'; '.join(differ)})")
+  return start.params
 
 
 def _write_run_files(config, corpus: data.Corpus, run_dir: pathlib.Path) -> None:
@@ -218,7 +234,7 @@ def train(config: ml_collections.ConfigDict, *, progress: bool = True,
   cfg = model_config(config, fast.get_vocab_size())
   run_data = prepare_data(config, corpus, fast)
   optimizer = make_optimizer(config)
-  params = init_params(cfg, config.seed)
+  params = initial_params(config, cfg)
   state = {"params": params, "opt_state": optimizer.init(params)}
 
   manager = _checkpoint_manager(config, run_dir)
