@@ -4,22 +4,43 @@ Conventions (ConfigDict overrides cannot express None or lists well, so these ar
 strings):
 - `prompt`: text, tokenized by the model's tokenizer. When empty, `prompt_ids` is
   the prompt: comma-separated token ids (random models have no tokenizer).
+  The default asks the shipped code model to complete a function of the standard
+  library's `secrets.py`, a file held out of its training data, from its signature
+  and docstring.
 - `eos_token_id`: "" = the model's own EOS ids, "none" = no EOS (always generate
   `max_new_tokens`), else comma-separated ids such as "2" or "2,7".
 """
 
 import ml_collections
 
+HELDOUT_FUNCTION = '''def token_bytes(nbytes=None):
+    """Return a random byte string containing *nbytes* bytes.
+
+    If *nbytes* is ``None`` or not supplied, a reasonable
+    default is used.
+    """
+    if nbytes is None:
+        nbytes = DEFAULT_ENTROPY
+    return _sysrand.randbytes(nbytes)
+
+def token_hex(nbytes=None):
+    """Return a random text string, in hexadecimal.
+
+    The string has *nbytes* random bytes, each byte converted to two
+    hex digits.  If *nbytes* is ``None`` or not supplied, a reasonable
+    default is used.
+    """'''  # no newline: the tokenizer merges it with the next line's indent
+
 
 def get_base_config(strategy: str) -> ml_collections.ConfigDict:
-  """The shared fields, set to decode 32 tokens of the seeded random llama."""
+  """The shared fields, set to complete a held-out function with the shipped `code-tiny`."""
   config = ml_collections.ConfigDict()
-  config.model = "random-llama"  # HF directory, hub id, shipped or built-in random model name
+  config.model = "code-tiny"  # HF directory, hub id, shipped or built-in random model name
   config.dtype = "float32"  # or "bfloat16"
   config.strategy = strategy
-  config.prompt = ""
-  config.prompt_ids = "1,15,27,100,7,42"
-  config.max_new_tokens = 32
+  config.prompt = HELDOUT_FUNCTION
+  config.prompt_ids = ""
+  config.max_new_tokens = 48
   config.eos_token_id = ""
   config.seed = 0  # seeds sampling; a random model always has its canonical (seed 0) weights
   return config

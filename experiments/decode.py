@@ -85,15 +85,23 @@ def _eos(text: str) -> list[int] | None:
 def decode(config) -> dict:
   """Loads the model, decodes, prints the text; returns the JSON summary."""
   options = {k: config[k] for k in strategies.option_names(config.strategy) if k in config}
+  if "questions" in options:
+    options["questions"] = list(options["questions"])
   model = mdjax.load(config.model, dtype=config.dtype)
   print(model.description)
+  if "draft" in options:  # a model name or directory in the config
+    options["draft"] = mdjax.load(options["draft"], dtype=config.dtype)
+    print("draft: " + options["draft"].description)
   prompt = config.prompt or _ids("prompt_ids", config.prompt_ids)
   (prompt_ids,) = mdjax.encode_prompts(model, [prompt])
   out = mdjax.generate(model, [prompt_ids], strategy=config.strategy,
                        max_new_tokens=config.max_new_tokens,
                        eos_token_id=_eos(config.eos_token_id),
                        seed=config.seed, **options)
-  print(out.texts[0] if out.texts else " ".join(map(str, out.sequences[0])))
+  for i, sequence in enumerate(out.sequences):
+    if len(out.sequences) > 1:
+      print(f"--- branch {i}")
+    print(out.texts[i] if out.texts else " ".join(map(str, sequence)))
   return dict(model=config.model, strategy=config.strategy, prompt_tokens=prompt_ids,
               sequences=out.sequences, texts=out.texts, stats=out.stats)
 

@@ -38,14 +38,6 @@ _OUT = flags.DEFINE_string("out", "results/eval_lm/eval_lm.json", "JSON output."
 COPY_TEMPLATE = "{function}\n\n# The same function, repeated exactly:\n{first_line}"
 
 
-def heldout_texts(model: mdjax.Model) -> list[str]:
-  """The texts of the held-out files recorded beside the model."""
-  record = json.loads((pathlib.Path(model.path) / "heldout_files.json").read_text())
-  root = pathlib.Path(record["root"]) if pathlib.Path(record["root"]).is_dir() else data.stdlib_dir()
-  return [(root / name).read_text(encoding="utf-8") for name in record["heldout"]
-          if (root / name).is_file()]
-
-
 def predictions(model: mdjax.Model, sequences: np.ndarray):
   """Per-token (argmax, log-prob of the true next token) for `sequences` [N, T + 1]."""
   fn = jax.jit(lambda p, s: _scores(p, s, model.config))
@@ -102,7 +94,7 @@ def copy_task(model: mdjax.Model, functions: list[str]) -> dict:
 def main(argv):
   del argv
   target, draft = mdjax.load(_TARGET.value), mdjax.load(_DRAFT.value)
-  texts = heldout_texts(target)
+  texts = data.recorded_heldout_texts(target.path)
   eos = target.tokenizer.convert_tokens_to_ids(target.tokenizer.eos_token)
   stream = data.token_stream(texts, target.tokenizer.backend_tokenizer, eos)
   packed = data.pack(stream, _SEQ_LEN.value)

@@ -31,7 +31,7 @@ class GenerationOutput:
   sequences: list[list[int]]  # generated ids per output row, ending at EOS or the budget
   stats: dict[str, Any]
   texts: list[str] | None = None  # decoded sequences when the model has a tokenizer
-  beams: list | None = None
+  beams: list | None = None  # beam: per prompt, its hypotheses {"tokens", "score"}, best first
 
 
 def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
@@ -176,30 +176,42 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_toke
                prompt_tokens=sum(total), output_rows=output_rows)
 
 
+def _ranked_hypotheses(tokens: np.ndarray, counts: np.ndarray, scores: np.ndarray,
+                      num_prompts: int) -> list[list[dict]]:
+  """Per prompt, its scored hypotheses best first, from rank-major output rows (row
+  r * num_prompts + i is prompt i's r-th best); a slot never filled (score -inf) is left out."""
+  return [[{"tokens": tokens[r, :counts[r]].tolist(), "score": float(scores[r])}
+           for r in range(i, len(scores), num_prompts) if np.isfinite(scores[r])]
+          for i in range(num_prompts)]
+
+
 def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int = 32,
              eos_token_id=None, seed: int = 0, **options) -> GenerationOutput:
   """Generates from one prompt or a batch (texts or token-id lists, any lengths).
 
   `eos_token_id`: an int or list of ints (None: the model's own). Each row stops at
   its first EOS (kept) or after `max_new_tokens`. `options` are the strategy's
-  (e.g. temperature, top_k, top_p, min_p for "sample").
+  (e.g. temperature, top_k, top_p, min_p for "sample"; num_beams, length_penalty,
+  early_stopping for "beam", which also fills `beams`).
   """
   plan = _prepare(model, prompts, strategy, max_new_tokens, eos_token_id, seed, options)
   program, compile_s = _compile(plan.decoder, plan.params, plan.prompt, plan.limits,
                                 **plan.static)
   start = time.perf_counter()
   buffer, stats = program(plan.params, plan.prompt, plan.limits)
-  tokens, counts = jax.device_get((buffer.tokens, buffer.count))
+  tokens, counts, scores = jax.device_get((buffer.tokens, buffer.count, buffer.scores))
   wall_s = time.perf_counter() - start
   sequences = [tokens[r, :counts[r]].tolist() for r in plan.output_rows]
-  stats = {k: int(v) for k, v in jax.device_get(stats).items()}
+  stats = {k: np.asarray(v).tolist() for k, v in jax.device_get(stats).items()}
   stats.update(generated_tokens=sum(len(s) for s in sequences), prompt_tokens=plan.prompt_tokens,
                wall_s=wall_s, compile_s=compile_s)
   stats["tokens_per_pass"] = stats["generated_tokens"] / max(1, stats["target_passes"] + 1)
   texts = None
   if model.tokenizer is not None:
     texts = [model.tokenizer.decode(s) for s in sequences]
-  return GenerationOutput(sequences=sequences, stats=stats, texts=texts)
+  beams = None if scores is None else _ranked_hypotheses(tokens, counts, scores,
+                                                          len(plan.output_rows))
+  return GenerationOutput(sequences=sequences, stats=stats, texts=texts, beams=beams)
 
 
 @functools.lru_cache(maxsize=32)
@@ -214,8 +226,11 @@ def stream(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int 
   """Yields, after every model pass, the tokens each row gained (for demos).
 
   The same strategy and step as `generate`, driven from Python: one host sync per
-  pass, so it is slower than `generate`, which runs the loop on the device.
+  pass, so it is slower than `generate`, which runs the loop on the device. Not for
+  "beam": its best hypothesis is known only at the end.
   """
+  if strategy == "beam":
+    raise MdjaxError("stream does not support strategy 'beam'; use generate")
   plan = _prepare(model, prompts, strategy, max_new_tokens, eos_token_id, seed, options)
   init, step = _stepper(plan.decoder, tuple(sorted(plan.static.items())))
   state = init(plan.params, plan.prompt, plan.limits)

@@ -99,3 +99,33 @@ def greedy_accept(proposal: Int[Array, "B D"], count: Int[Array, "B"],
   """
   agree = (proposal == choice[:, :-1]) & (jnp.arange(proposal.shape[1]) < count[:, None])
   return jnp.cumprod(agree, axis=1).sum(axis=1, dtype=jnp.int32)
+
+
+def speculative_accept(keys: jax.Array, chain: Int[Array, "B D"], count: Int[Array, "B"],
+                       q: Float[Array, "B D V"], p: Float[Array, "B D+1 V"]
+                       ) -> tuple[Int[Array, "B"], Int[Array, "B"]]:
+  """The speculative sampling rule (Leviathan et al. 2023; Chen et al. 2023).
+
+  `chain[b, :count[b]]` was sampled from the draft's distributions `q`; `p[:, i]`
+  is the target's distribution after the emitted prefix and `chain[:, :i]`. Token
+  i is kept with probability min(1, p_i(x) / q_i(x)); at the first rejection the
+  next token is drawn from norm(max(0, p_i - q_i)); when all `count` tokens are
+  kept, it is drawn from `p[:, count]` (the bonus token). Every emitted token is
+  then distributed exactly as sampling the target alone. Returns (accepted [B],
+  next_token [B]): emit `chain[:, :accepted]`, then `next_token`.
+  """
+  accept_keys, next_keys = jax.vmap(lambda k: tuple(jax.random.split(k)))(keys)
+  uniform = jax.vmap(lambda k: jax.random.uniform(k, chain.shape[1:]))(accept_keys)  # [B, D]
+  p_token = jnp.take_along_axis(p[:, :-1], chain[..., None], axis=-1)[..., 0]  # [B, D]
+  q_token = jnp.take_along_axis(q, chain[..., None], axis=-1)[..., 0]
+  keep = (uniform * q_token < p_token) & (jnp.arange(chain.shape[1]) < count[:, None])
+  accepted = jnp.cumprod(keep, axis=1).sum(axis=1, dtype=jnp.int32)  # [B]
+  p_next = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]  # [B, V]
+  q_next = jnp.take_along_axis(jnp.pad(q, ((0, 0), (0, 1), (0, 0))), accepted[:, None, None],
+                               axis=1)[:, 0]  # [B, V]; zeros at the bonus position
+  rejected = (accepted < count)[:, None]
+  residual = jnp.where(rejected, jnp.maximum(p_next - q_next, 0.0), p_next)
+  # A rejection implies p_next != q_next, so the residual has mass; guard rounding anyway.
+  residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_next)
+  next_token = jax.vmap(jax.random.categorical)(next_keys, jnp.log(residual))
+  return accepted, next_token.astype(jnp.int32)

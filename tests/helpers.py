@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
+from scipy import stats as scipy_stats
 
 from mdjax.cache import KVCache
 from mdjax.models.config import ModelConfig
@@ -84,3 +85,38 @@ def random_model(family: str = "llama", seed: int = 0, *, vocab_size: int = 64, 
                        qk_norm=family == "qwen3", **extra)
   return Model(config=config, params=init_params(config, seed=seed, std=std),
                name=f"random-{family}-{seed}")
+
+
+def expected_first_token_law(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
+  """The sampling law written out independently of mdjax.sampling (numpy)."""
+  z = logits.astype(np.float64) / temperature
+  probs = np.exp(z - z.max())
+  probs /= probs.sum()
+  keep = np.ones_like(probs, bool)
+  if top_k:
+    keep &= probs >= np.sort(probs)[-top_k]
+  if top_p < 1:
+    order = np.argsort(-probs)
+    before = np.cumsum(probs[order]) - probs[order]
+    keep_sorted = np.zeros_like(keep)
+    keep_sorted[order] = before < top_p
+    keep &= keep_sorted
+  filtered = np.where(keep, probs, 0)
+  if min_p:
+    filtered = np.where(filtered >= min_p * filtered.max(), filtered, 0)
+  return filtered / filtered.sum()
+
+
+def chi_square_p_value(samples, law: np.ndarray, min_expected: float = 5.0) -> float:
+  """Goodness of fit of integer `samples` to the probabilities `law` [V]; tokens
+  expected fewer than `min_expected` times are pooled into one bin (so the test is
+  valid). Tests assert p > 1e-3: a correct sampler fails 1 time in 1000."""
+  samples = np.asarray(samples)
+  counts = np.bincount(samples, minlength=law.size)
+  big = law * samples.size >= min_expected
+  assert big.sum() >= 3, "the law is too peaked for a meaningful test"
+  observed = np.append(counts[big], counts[~big].sum())
+  expected = np.append(law[big], law[~big].sum()) * samples.size
+  keep = expected > 0
+  assert observed[~keep].sum() == 0, "sampled a token of probability 0"
+  return float(scipy_stats.chisquare(observed[keep], expected[keep]).pvalue)

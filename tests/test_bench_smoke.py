@@ -34,3 +34,20 @@ def test_bench_decode_quick(tmp_path):
     tokens = cell["tokens"]
     assert 0 <= tokens["matching_tokens"] <= tokens["total_tokens"]
     assert tokens["total_tokens"] == int(batch) * results["settings"]["new_tokens"]
+
+
+def test_bench_speculative_quick(tmp_path):
+  """Every lossless contender reproduces greedy's tokens; the theory columns exist."""
+  subprocess.run([sys.executable, "-m", "experiments.bench_speculative", "--quick",
+                  f"--out_dir={tmp_path}"], cwd=REPO, check=True, timeout=600,
+                 capture_output=True)
+  results = json.loads((tmp_path / "bench_speculative.json").read_text())
+  assert (tmp_path / "bench_speculative.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  cells = results["batches"]["1"]
+  for name, cell in cells.items():
+    if not name.startswith("hf_"):
+      assert cell["tokens"]["matching_tokens"] == cell["tokens"]["total_tokens"], name
+  for gamma in results["settings"]["gammas"]:
+    cell = cells[f"gamma_{gamma}"]
+    assert 0 <= cell["alpha"] <= 1 and 1 <= cell["predicted_tokens_per_verify"] <= gamma + 1
+  assert cells["hf_assisted"]["gamma"] in results["settings"]["gammas"]

@@ -21,6 +21,8 @@ import mdjax
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TINY = "random-llama-tiny"  # vocab 256, max_position_embeddings 512, EOS 2
+# The default model and prompt are the shipped code model's; the tiny one has no tokenizer.
+TINY_ARGS = [f"--config.model={TINY}", "--config.prompt=", "--config.prompt_ids=1,15,27,100,7,42"]
 CLI_WORKERS = 3
 CLI_TIMEOUT_S = 300
 HAPPY_NEW_TOKENS = 8
@@ -129,6 +131,12 @@ CLI_CASES = {  # name: (arguments after the module, regex the one stderr line mu
     "negative top_k": (["--config=configs/sample.py", "--config.top_k=-2"], r"top_k .*got -2"),
     "negative max_new_tokens": (["--config.max_new_tokens=-1"], r"max_new_tokens .*got -1"),
     "eos out of vocab": (["--config.eos_token_id=99999"], r"eos_token_id 99999"),
+    "draft of another vocabulary": (["--config=configs/speculative.py", "--config.draft=random-llama"],
+                                    r"draft's vocabulary \(4096 tokens\) .* target's \(256"),
+    "draft schedule": (["--config=configs/speculative.py", f"--config.draft={TINY}",
+                        "--config.draft_schedule=fast"], r"draft_schedule .* got 'fast'"),
+    "question text, no tokenizer": (["--config=configs/multi_question.py", "--config.questions=('a',)"],
+                       r"has no tokenizer"),
 }
 
 
@@ -136,7 +144,7 @@ def _cli_args(args: list[str]) -> list[str]:
   """`args` on the tiny model, with configs/greedy.py unless they name a config (first:
   config_flags rejects overrides before it)."""
   config = [a for a in args if a.startswith("--config=")] or ["--config=configs/greedy.py"]
-  return config + [f"--config.model={TINY}"] + [a for a in args if a not in config]
+  return config + TINY_ARGS + [a for a in args if a not in config]
 
 
 def _decode(args: list[str]) -> subprocess.CompletedProcess:
@@ -148,7 +156,7 @@ def _decode(args: list[str]) -> subprocess.CompletedProcess:
 def cli_runs(tmp_path_factory):
   """Every CLI case, plus the happy path (key None), running concurrently."""
   output_json = tmp_path_factory.mktemp("decode") / "out.json"
-  happy = ["--config=configs/greedy.py", f"--config.model={TINY}",
+  happy = ["--config=configs/greedy.py", *TINY_ARGS,
            f"--config.max_new_tokens={HAPPY_NEW_TOKENS}", f"--output_json={output_json}"]
   with concurrent.futures.ThreadPoolExecutor(CLI_WORKERS) as pool:
     runs = {None: pool.submit(_decode, happy)}

@@ -3,10 +3,9 @@
 import numpy as np
 import pytest
 import torch
-from scipy import stats as scipy_stats
 
 import mdjax
-from tests.helpers import write_tiny_checkpoint
+from tests.helpers import chi_square_p_value, expected_first_token_law, write_tiny_checkpoint
 
 NEAR_TIE = 1e-5  # ARCHITECTURE §4: a divergence is allowed only at such a near-tie
 
@@ -122,26 +121,6 @@ def test_top_k_one_is_greedy():
   assert sampled == mdjax.generate(model, prompts, max_new_tokens=12, eos_token_id=[]).sequences
 
 
-def expected_first_token_law(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
-  """The sampling law written out independently of mdjax.sampling (numpy)."""
-  z = logits.astype(np.float64) / temperature
-  probs = np.exp(z - z.max())
-  probs /= probs.sum()
-  keep = np.ones_like(probs, bool)
-  if top_k:
-    keep &= probs >= np.sort(probs)[-top_k]
-  if top_p < 1:
-    order = np.argsort(-probs)
-    before = np.cumsum(probs[order]) - probs[order]
-    keep_sorted = np.zeros_like(keep)
-    keep_sorted[order] = before < top_p
-    keep &= keep_sorted
-  filtered = np.where(keep, probs, 0)
-  if min_p:
-    filtered = np.where(filtered >= min_p * filtered.max(), filtered, 0)
-  return filtered / filtered.sum()
-
-
 @pytest.mark.parametrize("options", [
     dict(temperature=1.5),
     dict(temperature=0.8, top_k=5),
@@ -159,11 +138,4 @@ def test_first_token_frequencies_match_the_sampling_law(options):
                        eos_token_id=[], seed=11, **options)
   first = np.array([s[0] for s in out.sequences])
   assert law[first].min() > 0, "sampled a token the filters remove"
-  counts = np.bincount(first, minlength=law.size)
-  big = law * draws >= 5  # pool rare tokens into one bin so the test is valid
-  observed = np.append(counts[big], counts[~big].sum())
-  expected = np.append(law[big], law[~big].sum()) * draws
-  observed, expected = observed[expected > 0], expected[expected > 0]
-  assert big.sum() >= 3, "the law is too peaked for a meaningful test"
-  p_value = scipy_stats.chisquare(observed, expected).pvalue
-  assert p_value > 1e-3, f"p = {p_value}"
+  assert chi_square_p_value(first, law) > 1e-3

@@ -1,10 +1,20 @@
-"""speculative (greedy): output == the target's greedy decoding, whatever the draft."""
+"""speculative: greedy output == the target's greedy decoding, whatever the draft and
+the draft schedule; sampled output follows the target's sampling law (chi-square)."""
 
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import mdjax
-from tests.helpers import random_model
+from mdjax.models.transformer import forward_causal, lm_head
+from mdjax.sampling import speculative_accept
+from tests.helpers import chi_square_p_value, expected_first_token_law, random_model
 
 VOCAB = 64  # random_model's
 
@@ -57,8 +67,115 @@ def test_eos_inside_an_accepted_block(targets):
                                          eos_token_id=eos).sequences
 
 
+@pytest.mark.parametrize("schedule", [
+    dict(draft_schedule="heuristic", num_draft_tokens=2, max_draft_tokens=6),
+    dict(confidence_threshold=0.3, num_draft_tokens=4),
+    dict(draft_schedule="heuristic", num_draft_tokens=1, confidence_threshold=0.2),
+])
+def test_draft_schedules_stay_greedy_exact(targets, draft, schedule):
+  prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3]]
+  for target in targets:
+    greedy = mdjax.generate(target, prompts, max_new_tokens=25, eos_token_id=[]).sequences
+    for d in (draft, target):
+      out = mdjax.generate(target, prompts, strategy="speculative", draft=d,
+                           max_new_tokens=25, eos_token_id=[], **schedule)
+      assert out.sequences == greedy
+
+
+def test_heuristic_grows_the_chain_while_everything_is_accepted(targets):
+  """Draft == target: budgets 1, 3, 5, 6, 6, ... tokens (+2 per full accept, capped)."""
+  target = targets[0]
+  out = mdjax.generate(target, [[4, 5, 6]], strategy="speculative", draft=target,
+                       draft_schedule="heuristic", num_draft_tokens=1, max_draft_tokens=6,
+                       max_new_tokens=1 + 2 + 4 + 6 + 7 + 7, eos_token_id=[])
+  assert out.stats["drafted_at"] == [5, 4, 4, 3, 3, 2]
+  assert out.stats["acceptance_rate_at"] == [1.0] * 6
+
+
+def test_confidence_threshold_one_drafts_a_single_token(targets, draft):
+  out = mdjax.generate(targets[0], [[4, 5, 6]], strategy="speculative", draft=draft,
+                       num_draft_tokens=5, confidence_threshold=1.0, max_new_tokens=20,
+                       eos_token_id=[])
+  assert out.stats["drafted_at"][1:] == [0] * 4 and out.stats["drafted_at"][0] > 0
+  assert out.stats["draft_passes"] == out.stats["target_passes"]
+
+
+def _accept(p, q, chain, count, draws, seed=0):
+  """`speculative_accept` for one row repeated over `draws` keys."""
+  keys = jax.random.split(jax.random.key(seed), draws)
+  tile = lambda x: jnp.broadcast_to(jnp.asarray(x), (draws, *np.shape(x)))
+  accepted, token = speculative_accept(keys, tile(chain), tile(count), tile(q), tile(p))
+  return np.asarray(accepted), np.asarray(token)
+
+
+def test_acceptance_rule_hand_computed_cases():
+  # p == q: every drafted token is kept, then the bonus token comes from p[count].
+  q = np.array([[0.2, 0.3, 0.5], [0.6, 0.2, 0.2]])
+  p = np.concatenate([q, [[0.0, 0.0, 1.0]]])
+  accepted, token = _accept(p, q, [1, 0], 2, 50)
+  assert (accepted == 2).all() and (token == 2).all()
+  # count 1: only chain[0] is verified; the bonus comes from p[1].
+  accepted, token = _accept(np.array([q[0], [0, 1.0, 0], [1.0, 0, 0]]), q, [1, 0], 1, 50)
+  assert (accepted == 1).all() and (token == 1).all()
+  # p(x) = 0: always rejected, next token from norm(max(0, p - q)) = [0, 1, 0].
+  accepted, token = _accept(np.array([[0, 0.5, 0.5], [1.0, 0, 0]]), np.array([[0.5, 0, 0.5]]),
+                            [0], 1, 50)
+  assert (accepted == 0).all() and (token == 1).all()
+  # p = [.5, .5, 0], q = [1, 0, 0]: keep token 0 with probability 1/2, else emit 1.
+  accepted, token = _accept(np.array([[0.5, 0.5, 0], [0, 0, 1.0]]), np.array([[1.0, 0, 0]]),
+                            [0], 1, 4000)
+  assert set(zip(accepted, token)) == {(1, 2), (0, 1)}
+  assert abs(accepted.mean() - 0.5) < 0.03  # 4000 draws: sd 0.008
+
+
+def test_acceptance_rule_emits_the_target_law():
+  """The first emitted token ~ p[0] and the acceptance rate == sum(min(p, q)),
+  for random p, q over 6 tokens with q's sample as the drafted token."""
+  rng = np.random.default_rng(0)
+  p, q = rng.dirichlet(np.ones(6), 2), rng.dirichlet(np.ones(6), 1)
+  draws = 6000
+  chains = jax.random.categorical(jax.random.key(9), jnp.log(q[0]), shape=(draws,))
+  keys = jax.random.split(jax.random.key(1), draws)
+  accepted, token = speculative_accept(
+      keys, chains[:, None].astype(jnp.int32), jnp.ones(draws, jnp.int32),
+      jnp.broadcast_to(q, (draws, 1, 6)), jnp.broadcast_to(p, (draws, 2, 6)))
+  first = np.where(np.asarray(accepted) == 1, np.asarray(chains), np.asarray(token))
+  assert chi_square_p_value(first, p[0]) > 1e-3
+  assert abs(np.asarray(accepted).mean() - np.minimum(p[0], q[0]).sum()) < 0.025  # sd < 0.0065
+
+
+def _target_law(model, prompt, position, options):
+  """Exact law of generated token `position` (0 or 1) under target sampling: the
+  mixture over the first token of the law after it."""
+  run = jax.jit(lambda ids: lm_head(model.params, forward_causal(model.params, ids,
+                                                                  config=model.config)))
+  first = expected_first_token_law(np.asarray(run(jnp.asarray([prompt]))[0, -1]), **options)
+  if position == 0:
+    return first
+  extended = np.concatenate([np.tile(prompt, (first.size, 1)),
+                             np.arange(first.size)[:, None]], axis=1)  # [V, P + 1]
+  after = np.asarray(run(jnp.asarray(extended))[:, -1])  # [V, V]
+  return sum(first[t] * expected_first_token_law(after[t], **options)
+             for t in range(first.size) if first[t] > 0)
+
+
+@pytest.mark.parametrize("options", [dict(temperature=0.8), dict(temperature=1.2, top_k=12)])
+def test_speculative_sampling_follows_the_target_law(targets, draft, options):
+  """3000 independent rows; the second token is the first one speculation decides
+  (accepted draft token or resample). Chi-square p > 1e-3 (fails 1 in 1000)."""
+  target, prompt, draws = targets[0], [4, 5, 6, 7], 3000
+  out = mdjax.generate(target, [prompt] * draws, strategy="speculative", draft=draft,
+                       num_draft_tokens=2, max_new_tokens=3, eos_token_id=[], seed=3, **options)
+  assert 0 < out.stats["accepted"] < out.stats["drafted"]  # both branches of the rule ran
+  second = [s[1] for s in out.sequences]
+  assert chi_square_p_value(second, _target_law(target, prompt, 1, options)) > 1e-3
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_draft_tokens=0), r"num_draft_tokens must be an integer >= 1, got 0"),
+    (dict(draft_schedule="fast"), r"draft_schedule must be one of constant, heuristic, got 'fast'"),
+    (dict(num_draft_tokens=4, max_draft_tokens=2), r"max_draft_tokens \(2\) must be >= "),
+    (dict(confidence_threshold=1.5), r"confidence_threshold must be in \[0, 1\], got 1.5"),
     (dict(draft=None), r"needs draft=<an mdjax Model>, got None"),
 ])
 def test_bad_options(targets, draft, kwargs, match):
@@ -70,3 +187,18 @@ def test_draft_with_another_vocabulary_is_refused(targets):
   other = mdjax.load("random-llama-tiny")
   with pytest.raises(mdjax.MdjaxError, match=r"draft's vocabulary \(256 tokens\).*target's \(64"):
     mdjax.generate(targets[0], [1, 2], strategy="speculative", draft=other)
+
+
+def test_cli_takes_the_draft_by_name(tmp_path):
+  """configs/speculative.py with the draft named in the config == greedy via the API."""
+  out_json = tmp_path / "out.json"
+  args = ["--config=configs/speculative.py", "--config.model=random-llama-tiny",
+          "--config.draft=random-llama-tiny", "--config.prompt=", "--config.prompt_ids=5,6,7",
+          "--config.max_new_tokens=12", f"--output_json={out_json}"]
+  result = subprocess.run([sys.executable, "-m", "experiments.decode", *args], capture_output=True,
+                          text=True, cwd=pathlib.Path(__file__).resolve().parent.parent, timeout=300)
+  assert result.returncode == 0, result.stderr
+  summary = json.loads(out_json.read_text())
+  model = mdjax.load("random-llama-tiny")
+  assert summary["sequences"] == mdjax.generate(model, [5, 6, 7], max_new_tokens=12).sequences
+  assert summary["stats"]["accepted"] == summary["stats"]["drafted"]

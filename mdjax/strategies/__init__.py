@@ -6,7 +6,9 @@ from mdjax.errors import MdjaxError
 from mdjax.models.config import ModelConfig
 from mdjax.sampling import SamplingParams
 from mdjax.strategies.autoregressive import Autoregressive
+from mdjax.strategies.beam import Beam
 from mdjax.strategies.lookup import PromptLookup
+from mdjax.strategies.self_speculative import SelfSpeculative, draft_config, draft_params
 from mdjax.strategies.speculative import Speculative
 
 SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p")
@@ -17,15 +19,18 @@ def _greedy(config: ModelConfig, options: dict):
 
 
 def _sample(config: ModelConfig, options: dict):
+  return Autoregressive(config=config, sampling=_pop_sampling(options), **options)
+
+
+def _pop_sampling(options: dict) -> SamplingParams:
+  """Takes the sampling options out of `options`: greedy when there are none, else
+  sampling (temperature 1 unless set)."""
   sampling = {k: options.pop(k) for k in SAMPLING_OPTIONS if k in options}
-  return Autoregressive(config=config, sampling=SamplingParams(**sampling), **options)
+  return SamplingParams(**sampling) if sampling else SamplingParams(temperature=0.0)
 
 
 def _greedy_unless_sampling(config: ModelConfig, options: dict):
-  """Greedy by default; sampling when a sampling option is given (temperature 1 unless set)."""
-  if not any(k in options for k in SAMPLING_OPTIONS):
-    return _greedy(config, options)
-  return _sample(config, options)
+  return Autoregressive(config=config, sampling=_pop_sampling(options), **options)
 
 
 def _prompt_lookup(config: ModelConfig, options: dict):
@@ -38,14 +43,34 @@ def _speculative(config: ModelConfig, options: dict):
   draft = options.pop("draft", None)
   if draft is None or not hasattr(draft, "config") or not hasattr(draft, "params"):
     raise MdjaxError(f"strategy 'speculative' needs draft=<an mdjax Model>, got {draft!r}")
-  return Speculative(config=config, draft_config=draft.config, **options)
+  return Speculative(config=config, draft_config=draft.config, sampling=_pop_sampling(options),
+                     **options)
+
+
+def _self_speculative(config: ModelConfig, options: dict):
+  layers = options.pop("draft_layers", None)
+  if layers is None:
+    raise MdjaxError("strategy 'self_speculative' needs draft_layers=<how many of the target's "
+                     f"{config.num_layers} layers draft>")
+  return SelfSpeculative(config=config, draft_config=draft_config(config, layers),
+                         sampling=_pop_sampling(options), **options)
+
+
+def _beam(config: ModelConfig, options: dict):
+  return Beam(config=config, **options)
 
 
 BUILDERS = {"greedy": (_greedy, ()), "sample": (_sample, SAMPLING_OPTIONS),
+            "beam": (_beam, ("num_beams", "length_penalty", "early_stopping")),
             "prompt_lookup": (_prompt_lookup, ("prompt_lookup_num_tokens", "max_ngram_size")),
             "multi_question": (_greedy_unless_sampling, SAMPLING_OPTIONS),
             "parallel_sample": (_sample, SAMPLING_OPTIONS),
-            "speculative": (_speculative, ("draft", "num_draft_tokens"))}
+            "speculative": (_speculative, ("draft", "num_draft_tokens", "draft_schedule",
+                                           "max_draft_tokens", "confidence_threshold",
+                                           *SAMPLING_OPTIONS)),
+            "self_speculative": (_self_speculative, ("draft_layers", "num_draft_tokens",
+                                                     "draft_schedule", "max_draft_tokens",
+                                                     "confidence_threshold", *SAMPLING_OPTIONS))}
 # Strategies whose branches come from one required option (popped before `build`).
 BRANCH_OPTIONS = {"multi_question": "questions", "parallel_sample": "num_samples"}
 COMMON_OPTIONS = ("attention",)
@@ -114,4 +139,6 @@ def run_params(name: str, params, options: dict):
   """The params pytree strategy `name` runs on: the model's, or target and draft's."""
   if name == "speculative":
     return {"target": params, "draft": options["draft"].params}
+  if name == "self_speculative":
+    return {"target": params, "draft": draft_params(params, options["draft_layers"])}
   return params

@@ -107,11 +107,13 @@ class Limits:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class OutputBuffer:
-  """Generated tokens per output row: `tokens` int32[R, N] (-1 past `count`)."""
+  """Generated tokens per output row: `tokens` int32[R, N] (-1 past `count`); `scores`
+  float32[R] for strategies that score their outputs (beam search), else None."""
 
   tokens: Int[Array, "R N"]
   count: Int[Array, "R"]
   done: Bool[Array, "R"]
+  scores: Float[Array, "R"] | None = None
 
   @classmethod
   def empty(cls, rows: int, capacity: int) -> "OutputBuffer":

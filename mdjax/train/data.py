@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import pathlib
 import sysconfig
@@ -105,6 +106,16 @@ def load_corpus(data_dir: str = "", pattern: str = "*.py",
     raise MdjaxError(f"no UTF-8 files matching {pattern!r} under {str(root)!r}")
   train, heldout = split_files(names, heldout_fraction)
   return Corpus(root=root, train=tuple(train), heldout=tuple(heldout))
+
+
+def recorded_heldout_texts(model_dir) -> list[str]:
+  """The held-out files recorded beside an exported model (`heldout_files.json`), read
+  from the recorded root, or this interpreter's standard library when that is gone."""
+  record = json.loads((pathlib.Path(model_dir) / "heldout_files.json").read_text())
+  root = pathlib.Path(record["root"])
+  root = root if root.is_dir() else stdlib_dir()
+  return [(root / name).read_text(encoding="utf-8") for name in record["heldout"]
+          if (root / name).is_file()]
 
 
 def token_stream(texts: list[str], tokenizer, eos_id: int) -> np.ndarray:

@@ -1,0 +1,289 @@
+"""Speculative decoding and prompt lookup: speed, target passes and acceptance vs theory.
+
+On the shipped pair (code-tiny target, code-tiny-draft) and prompts cut from the
+target's held-out files (never trained on), each row generating `--new_tokens`
+tokens with no early stop:
+
+* mdjax greedy, speculative with a constant chain of gamma = 1..8 tokens, the
+  heuristic schedule, and prompt lookup, at every batch size: ms per token (per step
+  of the batch, prefill included), target passes, tokens per target pass, and that
+  the tokens equal greedy's;
+* for each gamma: the measured acceptance alpha (the rate of the first drafted token,
+  which is always verified) and the tokens per verify pass Leviathan et al.'s i.i.d.
+  model predicts from it, (1 - alpha^(gamma+1)) / (1 - alpha), beside the measured
+  value (plotted together);
+* a copy-heavy task (a held-out code chunk, then the instruction to repeat it and its
+  first tokens): greedy vs prompt lookup vs speculative;
+* at batch 1 (transformers' assisted generation takes one row), transformers on the
+  same float32 weights: greedy, assisted generation with the draft (the same gamma
+  as mdjax's best, constant schedule) and prompt lookup.
+
+Contenders are interleaved over `--repeats` repetitions and timed by median, so
+ratios within one run are meaningful on a noisy machine. Writes
+`bench_speculative.json` and `bench_speculative.png` to `--out_dir`:
+
+    python -m experiments.bench_speculative [--batches=1,8] [--gammas=1,2,3,4,5,6,7,8] [--quick]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import statistics
+import time
+
+from absl import app, flags
+import matplotlib
+import numpy as np
+import torch
+import tqdm
+import transformers
+
+import mdjax
+from experiments.benchlib import agreement, load_pair, machine_info, memory_bandwidth
+from mdjax.train import data
+
+matplotlib.use("Agg")
+from matplotlib import pyplot as plt  # noqa: E402 -- after choosing the headless backend
+
+_TARGET = flags.DEFINE_string("target", "code-tiny", "Target model (name or directory).")
+_DRAFT = flags.DEFINE_string("draft", "code-tiny-draft", "Draft model (same tokenizer).")
+_BATCHES = flags.DEFINE_list("batches", ["1", "8"], "Batch sizes.")
+_GAMMAS = flags.DEFINE_list("gammas", [str(g) for g in range(1, 9)], "Draft chain lengths.")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 256, "Prompt tokens per row.")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "Generated tokens per row.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions of every contender (median).")
+_TORCH_THREADS = flags.DEFINE_integer("torch_threads", 0, "torch intra-op threads (0: default).")
+_OUT_DIR = flags.DEFINE_string("out_dir", "results/bench_speculative", "Where JSON and PNG go.")
+_QUICK = flags.DEFINE_bool("quick", False, "Smoke test: 1 row, gammas 1-2, 8 tokens, 1 repeat.")
+
+COPY_INSTRUCTION = "\n# The code above, repeated exactly:\n"
+LOOKUP = dict(prompt_lookup_num_tokens=10, max_ngram_size=2)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Settings:
+  batches: tuple[int, ...]
+  gammas: tuple[int, ...]
+  prompt_len: int
+  new_tokens: int
+  repeats: int
+
+
+QUICK = dict(batches=(1,), gammas=(1, 2), prompt_len=64, new_tokens=8, repeats=1)
+
+
+def heldout_prompts(model: mdjax.Model, count: int, length: int) -> np.ndarray:
+  """`[count, length]` windows of the held-out token stream, evenly spaced."""
+  eos = model.tokenizer.convert_tokens_to_ids(model.tokenizer.eos_token)
+  stream = data.token_stream(data.recorded_heldout_texts(model.path), model.tokenizer.backend_tokenizer, eos)
+  starts = np.linspace(0, len(stream) - length - 1, count).astype(int)
+  return np.stack([stream[s:s + length] for s in starts]).astype(np.int32)
+
+
+def copy_prompts(model: mdjax.Model, count: int, length: int) -> np.ndarray:
+  """`[count, length]`: a held-out chunk, the repeat instruction, the chunk's first
+  8 tokens; the continuation that copies is the rest of the chunk."""
+  instruction = model.tokenizer.encode(COPY_INSTRUCTION)
+  chunk = length - len(instruction) - 8
+  chunks = heldout_prompts(model, count, chunk)
+  return np.stack([np.concatenate([c, instruction, c[:8]]) for c in chunks]).astype(np.int32)
+
+
+def run_mdjax(model, prompts: np.ndarray, new_tokens: int, strategy: str, **options) -> dict:
+  out = mdjax.generate(model, prompts, strategy=strategy, max_new_tokens=new_tokens,
+                       eos_token_id=[], **options)
+  return dict(seconds=out.stats["wall_s"], sequences=out.sequences, stats=out.stats)
+
+
+def run_transformers(reference, prompts: np.ndarray, new_tokens: int, **options) -> dict:
+  """One transformers greedy `generate` per row (assisted generation takes one row)."""
+  sequences, seconds = [], 0.0
+  for row in prompts:
+    ids = torch.from_numpy(row[None].astype(np.int64))
+    start = time.perf_counter()
+    out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             pad_token_id=0, **options)
+    seconds += time.perf_counter() - start
+    sequences.append(out[0, ids.shape[1]:].tolist())
+  return dict(seconds=seconds, sequences=sequences)
+
+
+def predicted_tokens_per_pass(alpha: float, gamma: int) -> float:
+  """Leviathan et al.: expected tokens per verify pass for i.i.d. acceptance alpha."""
+  return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def timed(contenders: dict, repeats: int, label: str) -> dict:
+  """Each contender once untimed (compile, warm up), then `repeats` interleaved timed
+  runs; returns per contender the last run's result with the median seconds."""
+  results = {name: run() for name, run in contenders.items()}
+  times = {name: [] for name in contenders}
+  names = list(contenders)
+  for rep in tqdm.trange(repeats, desc=label, leave=False):
+    for name in names[rep % len(names):] + names[:rep % len(names)]:
+      times[name].append(contenders[name]()["seconds"])
+  return {name: dict(results[name], seconds=statistics.median(times[name])) for name in names}
+
+
+def summarize(result: dict, greedy: dict, new_tokens: int) -> dict:
+  """The numbers of one contender beside greedy's (same prompts, same budget)."""
+  cell = dict(ms_per_token=result["seconds"] / new_tokens * 1e3,
+              speedup_vs_greedy=greedy["seconds"] / result["seconds"],
+              tokens=agreement(result["sequences"], np.asarray(greedy["sequences"])))
+  stats = result.get("stats")
+  if stats:
+    cell.update(target_passes=stats["target_passes"],
+                passes_ratio_vs_greedy=greedy["stats"]["target_passes"] / stats["target_passes"])
+    for key in ("draft_passes", "mean_accepted_length", "acceptance_rate_at"):
+      if key in stats:
+        cell[key] = stats[key]
+  return cell
+
+
+def speculative_cell(result: dict, gamma: int) -> dict:
+  """alpha, and tokens per verify pass measured vs predicted from alpha."""
+  stats = result["stats"]
+  alpha = stats["acceptance_rate_at"][0]
+  return dict(alpha=alpha, measured_tokens_per_verify=1 + stats["mean_accepted_length"],
+              predicted_tokens_per_verify=predicted_tokens_per_pass(alpha, gamma))
+
+
+def bench_batch(target, draft, reference, batch: int, settings: Settings) -> dict:
+  n = settings.new_tokens
+  prompts = heldout_prompts(target, batch, settings.prompt_len)
+  copies = copy_prompts(target, batch, settings.prompt_len)
+  contenders = {"greedy": lambda: run_mdjax(target, prompts, n, "greedy"),
+                "prompt_lookup": lambda: run_mdjax(target, prompts, n, "prompt_lookup", **LOOKUP),
+                "heuristic": lambda: run_mdjax(target, prompts, n, "speculative", draft=draft,
+                                               draft_schedule="heuristic", num_draft_tokens=4,
+                                               max_draft_tokens=8),
+                "copy_greedy": lambda: run_mdjax(target, copies, n, "greedy"),
+                "copy_prompt_lookup": lambda: run_mdjax(target, copies, n, "prompt_lookup",
+                                                        **LOOKUP)}
+  for gamma in settings.gammas:
+    contenders[f"gamma_{gamma}"] = (lambda g=gamma: run_mdjax(
+        target, prompts, n, "speculative", draft=draft, num_draft_tokens=g))
+  contenders[f"copy_gamma_{max(settings.gammas)}"] = lambda: run_mdjax(
+      target, copies, n, "speculative", draft=draft, num_draft_tokens=max(settings.gammas))
+  if batch == 1:
+    contenders["hf_greedy"] = lambda: run_transformers(reference, prompts, n)
+    contenders["hf_copy_greedy"] = lambda: run_transformers(reference, copies, n)
+    contenders["hf_copy_prompt_lookup"] = lambda: run_transformers(
+        reference, copies, n, prompt_lookup_num_tokens=10, max_matching_ngram_size=2)
+  results = timed(contenders, settings.repeats, f"batch {batch}")
+  if batch == 1:  # assisted generation at mdjax's best gamma, timed in a second round
+    best = max(settings.gammas, key=lambda g: -results[f"gamma_{g}"]["seconds"])
+    draft_torch = transformers.AutoModelForCausalLM.from_pretrained(
+        str(draft.path), dtype=torch.float32).eval()
+    draft_torch.generation_config.num_assistant_tokens = best
+    draft_torch.generation_config.num_assistant_tokens_schedule = "constant"
+    draft_torch.generation_config.assistant_confidence_threshold = 0.0
+    second = timed({"hf_assisted": lambda: run_transformers(reference, prompts, n,
+                                                            assistant_model=draft_torch),
+                    "hf_greedy": lambda: run_transformers(reference, prompts, n),
+                    f"gamma_{best}": contenders[f"gamma_{best}"]}, settings.repeats, "assisted")
+    results["hf_assisted"] = second["hf_assisted"]
+    results["hf_assisted"]["gamma"] = best
+    ratio = second["hf_greedy"]["seconds"] / second["hf_assisted"]["seconds"]
+    results["hf_assisted"]["speedup_vs_hf_greedy"] = ratio
+    results["hf_assisted"]["mdjax_speedup_vs_hf_assisted"] = (
+        second["hf_assisted"]["seconds"] / second[f"gamma_{best}"]["seconds"])
+  cells = {}
+  for name, result in results.items():
+    base = results["copy_greedy" if "copy" in name else "greedy"]
+    if name.startswith("hf_"):
+      base = results["hf_copy_greedy" if "copy" in name else "hf_greedy"]
+    cells[name] = summarize(result, base, n)
+    for key in ("gamma", "speedup_vs_hf_greedy", "mdjax_speedup_vs_hf_assisted"):
+      if key in result:
+        cells[name][key] = result[key]
+  for gamma in settings.gammas:
+    cells[f"gamma_{gamma}"].update(speculative_cell(results[f"gamma_{gamma}"], gamma))
+  if batch == 1:
+    cells["hf_greedy"]["tokens_vs_mdjax"] = agreement(
+        results["hf_greedy"]["sequences"], np.asarray(results["greedy"]["sequences"]))
+  return cells
+
+
+def run(settings: Settings) -> dict:
+  target, reference = load_pair(_TARGET.value, 0, pathlib.Path("."))
+  draft = mdjax.load(_DRAFT.value)
+  results = dict(machine=machine_info(memory_bandwidth(256)), settings=dataclasses.asdict(settings),
+                 target=target.description, draft=draft.description, batches={})
+  for batch in settings.batches:
+    results["batches"][str(batch)] = bench_batch(target, draft, reference, batch, settings)
+  return results
+
+
+def table(results: dict) -> str:
+  lines = ["batch  contender               ms/tok  vs greedy  passes  passes x  same tokens"]
+  for batch, cells in results["batches"].items():
+    for name, c in cells.items():
+      if "ms_per_token" not in c:
+        continue
+      passes = c.get("target_passes", "")
+      ratio = f"{c['passes_ratio_vs_greedy']:.2f}x" if "passes_ratio_vs_greedy" in c else ""
+      same = f"{c['tokens']['matching_tokens']}/{c['tokens']['total_tokens']}"
+      lines.append(f"{batch:>5}  {name:<22} {c['ms_per_token']:7.2f}  "
+                   f"{c['speedup_vs_greedy']:8.2f}x  {passes!s:>6}  {ratio:>8}  {same}")
+  return "\n".join(lines)
+
+
+def plot(results: dict, path: pathlib.Path) -> None:
+  """Left: tokens per verify pass vs gamma, measured and predicted from alpha. Right:
+  speedup per token vs mdjax greedy for every contender and batch size."""
+  fig, (theory, speed) = plt.subplots(1, 2, figsize=(13, 5))
+  gammas = results["settings"]["gammas"]
+  for batch, cells in results["batches"].items():
+    measured = [cells[f"gamma_{g}"]["measured_tokens_per_verify"] for g in gammas]
+    predicted = [cells[f"gamma_{g}"]["predicted_tokens_per_verify"] for g in gammas]
+    line, = theory.plot(gammas, measured, "o-", label=f"measured, batch {batch}")
+    theory.plot(gammas, predicted, "x--", color=line.get_color(),
+                label=f"(1-a^(g+1))/(1-a), batch {batch}")
+  theory.set_xlabel("gamma (drafted tokens per step)")
+  theory.set_ylabel("tokens per target verify pass")
+  theory.set_title("speculative: measured vs predicted from the acceptance a", fontsize=10)
+  theory.legend(fontsize=8)
+  names = [n for n in next(iter(results["batches"].values())) if n not in ("greedy", "hf_greedy")]
+  width = 0.8 / len(results["batches"])
+  for i, (batch, cells) in enumerate(results["batches"].items()):
+    values = [cells.get(n, {}).get("speedup_vs_greedy", 0.0) for n in names]
+    speed.bar(np.arange(len(names)) + i * width, values, width, label=f"batch {batch}")
+  speed.axhline(1.0, color="black", lw=0.8)
+  speed.set_xticks(np.arange(len(names)) + width * (len(results["batches"]) - 1) / 2, names,
+                   rotation=60, ha="right", fontsize=8)
+  speed.set_ylabel("speedup per token vs greedy (same library)")
+  speed.legend(fontsize=8)
+  machine = results["machine"]
+  fig.suptitle(f"{results['target']} with draft {results['draft']}\n{machine['cpu_count']} CPUs, "
+               f"load {machine['load_average']:.1f}", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv):
+  del argv
+  transformers.logging.set_verbosity_error()
+  transformers.utils.logging.disable_progress_bar()
+  settings = Settings(batches=tuple(int(b) for b in _BATCHES.value),
+                      gammas=tuple(int(g) for g in _GAMMAS.value), prompt_len=_PROMPT_LEN.value,
+                      new_tokens=_NEW_TOKENS.value, repeats=_REPEATS.value)
+  if _QUICK.value:
+    settings = dataclasses.replace(settings, **QUICK)
+  if _TORCH_THREADS.value:
+    torch.set_num_threads(_TORCH_THREADS.value)
+  results = run(settings)
+  out_dir = pathlib.Path(_OUT_DIR.value)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  (out_dir / "bench_speculative.json").write_text(json.dumps(results, indent=2) + "\n")
+  plot(results, out_dir / "bench_speculative.png")
+  print(table(results))
+  print(f"wrote {out_dir / 'bench_speculative.json'} and {out_dir / 'bench_speculative.png'}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,78 @@
+"""What the benchmark scripts share: the bandwidth probe, the model in both libraries,
+token agreement and the machine description."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import platform
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import numpy as np
+import torch
+import transformers
+
+import mdjax
+from mdjax.models import hf
+from mdjax.models.registry import RANDOM_MODELS
+
+
+def memory_bandwidth(mib: int, trials: int = 5) -> dict:
+  """Best-of-`trials` bandwidth (GB/s) of summing (read) and copying (read + write)
+  a float32 array of `mib` MiB, split over one thread per CPU (numpy releases the GIL)."""
+  source = np.ones(mib * 2**20 // 4, np.float32)
+  target = np.empty_like(source)
+  workers = os.cpu_count() or 1
+  sources, targets = np.array_split(source, workers), np.array_split(target, workers)
+  with ThreadPoolExecutor(workers) as pool:
+
+    def best(work) -> float:
+      times = []
+      for _ in range(trials):
+        start = time.perf_counter()
+        list(pool.map(work, range(workers)))
+        times.append(time.perf_counter() - start)
+      return min(times)
+
+    read_s = best(lambda i: sources[i].sum())
+    copy_s = best(lambda i: np.copyto(targets[i], sources[i]))
+  return dict(read_gbps=source.nbytes / read_s / 1e9, copy_gbps=2 * source.nbytes / copy_s / 1e9,
+              array_mib=mib, threads=workers)
+
+
+def load_pair(name: str, seed: int, scratch: pathlib.Path):
+  """The model in mdjax and in transformers with identical float32 weights."""
+  if name in RANDOM_MODELS:
+    model = mdjax.load(name, seed=seed)
+    directory = scratch / name
+    hf.save_hf(model, directory)
+  else:
+    directory = hf.resolve(name)
+    model = hf.load_hf_dir(directory, name=name)
+  reference = transformers.AutoModelForCausalLM.from_pretrained(str(directory),
+                                                                dtype=torch.float32).eval()
+  # No EOS: every row runs the full budget in both libraries and the logits are untouched.
+  reference.generation_config.eos_token_id = None
+  return model, reference
+
+
+def agreement(ours: list[list[int]], theirs: np.ndarray) -> dict:
+  """Matching tokens, position by position, and the shortest identical prefix."""
+  ours = np.asarray(ours)
+  same = ours == theirs
+  prefix = [int(row.argmin()) if not row.all() else len(row) for row in same]
+  return dict(matching_tokens=int(same.sum()), total_tokens=int(same.size),
+              identical_prefix=min(prefix))
+
+
+def machine_info(bandwidth: dict) -> dict:
+  """Versions, threads and the bandwidth probe; `load_average` (1 min) tells how busy
+  the machine was, i.e. how far to trust absolute times."""
+  return dict(cpu_count=os.cpu_count(), load_average=os.getloadavg()[0],
+              processor=platform.processor() or platform.machine(),
+              python=platform.python_version(), jax=jax.__version__, numpy=np.__version__,
+              torch=torch.__version__, transformers=transformers.__version__,
+              torch_threads=torch.get_num_threads(), jax_devices=[str(d) for d in jax.devices()],
+              bandwidth=bandwidth)

@@ -1,0 +1,60 @@
+"""The shipped models: they load offline, are the files their cards describe, and
+reproduce the held-out numbers recorded when they were exported."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+import mdjax
+from mdjax.train import data, lm
+
+SHIPPED = ("code-tiny", "code-tiny-draft")
+
+
+@pytest.fixture(scope="module", params=SHIPPED)
+def shipped(request, monkeypatch_module):
+  monkeypatch_module.setenv("HF_HUB_OFFLINE", "1")  # nothing may come from the hub
+  return mdjax.load(request.param)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+  with pytest.MonkeyPatch.context() as patch:
+    yield patch
+
+
+def test_loads_offline_with_its_tokenizer(shipped):
+  assert shipped.tokenizer is not None
+  assert pathlib.Path(shipped.path).parent.name == "assets"
+  text = "def add(a, b):\n    return a + b\n"
+  assert shipped.tokenizer.decode(shipped.tokenizer.encode(text)) == text
+
+
+def test_reproduces_its_recorded_fingerprint(shipped):
+  """Loss and accuracy on the recorded held-out sequences match the export's own."""
+  fingerprint = json.loads((pathlib.Path(shipped.path) / "fingerprint.json").read_text())
+  sequences = np.asarray(fingerprint["sequences"])
+  result = lm.evaluate(shipped.params, sequences, shipped.config, batch_size=len(sequences))
+  assert result["loss"] == pytest.approx(fingerprint["loss"], abs=1e-3)
+  assert result["accuracy"] == pytest.approx(fingerprint["accuracy"], abs=2 / sequences[:, 1:].size)
+
+
+def test_target_and_draft_are_a_pair():
+  target, draft = (mdjax.load(name) for name in SHIPPED)
+  assert target.config.vocab_size == draft.config.vocab_size
+  assert target.tokenizer.get_vocab() == draft.tokenizer.get_vocab()
+  assert target.config.num_params >= 8_000_000
+  assert target.config.num_params / draft.config.num_params >= 5
+
+
+def test_the_main_job_prompt_comes_from_a_heldout_file():
+  """The default prompt is lines of `secrets.py` (doctest examples left out), a file
+  the shipped models never trained on."""
+  from configs import common
+  config = common.get_base_config("greedy")
+  record = json.loads((pathlib.Path(mdjax.load(config.model).path) / "heldout_files.json").read_text())
+  assert config.model == "code-tiny" and "secrets.py" in record["heldout"]
+  source = iter((data.stdlib_dir() / "secrets.py").read_text().splitlines())
+  assert all(line in source for line in config.prompt.splitlines())  # in order
