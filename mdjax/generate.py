@@ -21,6 +21,7 @@ from mdjax import strategies
 from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
 from mdjax.models.model import Model
+from mdjax.strategies import metadata
 from mdjax.strategies.base import Limits, Prompt, layout_prompts
 
 MIN_BUCKET = 16
@@ -32,6 +33,9 @@ class GenerationOutput:
   stats: dict[str, Any]
   texts: list[str] | None = None  # decoded sequences when the model has a tokenizer
   beams: list | None = None  # beam: per prompt, its hypotheses {"tokens", "score"}, best first
+  # return_metadata=True (speculative family): per output row, per token target_prob,
+  # drafted, rejected, and accepted_per_step (see `mdjax.strategies.metadata`)
+  metadata: list[dict] | None = None
 
 
 def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
@@ -202,6 +206,7 @@ def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: in
   tokens, counts, scores = jax.device_get((buffer.tokens, buffer.count, buffer.scores))
   wall_s = time.perf_counter() - start
   sequences = [tokens[r, :counts[r]].tolist() for r in plan.output_rows]
+  token_metadata = stats.pop("metadata", None)
   stats = {k: np.asarray(v).tolist() for k, v in jax.device_get(stats).items()}
   stats.update(generated_tokens=sum(len(s) for s in sequences), prompt_tokens=plan.prompt_tokens,
                wall_s=wall_s, compile_s=compile_s)
@@ -211,7 +216,10 @@ def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: in
     texts = [model.tokenizer.decode(s) for s in sequences]
   beams = None if scores is None else _ranked_hypotheses(tokens, counts, scores,
                                                           len(plan.output_rows))
-  return GenerationOutput(sequences=sequences, stats=stats, texts=texts, beams=beams)
+  if token_metadata is not None:
+    token_metadata = metadata.per_row(token_metadata, counts, plan.output_rows)
+  return GenerationOutput(sequences=sequences, stats=stats, texts=texts, beams=beams,
+                          metadata=token_metadata)
 
 
 @functools.lru_cache(maxsize=32)

@@ -171,6 +171,33 @@ def test_speculative_sampling_follows_the_target_law(targets, draft, options):
   assert chi_square_p_value(second, _target_law(target, prompt, 1, options)) > 1e-3
 
 
+@pytest.mark.parametrize("strategy,options", [
+    ("speculative", dict(num_draft_tokens=3)),
+    ("speculative", dict(num_draft_tokens=3, temperature=0.7)),
+    ("self_speculative", dict(draft_layers=1, num_draft_tokens=2)),
+    ("prompt_lookup", dict(prompt_lookup_num_tokens=4, max_ngram_size=1)),
+])
+def test_per_token_metadata(targets, draft, strategy, options):
+  """Each emitted token's target probability is the one the target gives it after the
+  prompt and the tokens before it; drafted/rejected flags add up to the stats."""
+  target, prompts = targets[0], [[5, 6, 7, 5, 6], [9, 10]]
+  extra = {"draft": draft} if strategy == "speculative" else {}
+  out = mdjax.generate(target, prompts, strategy=strategy, max_new_tokens=14, eos_token_id=[],
+                       return_metadata=True, **extra, **options)
+  assert sum(sum(m["drafted"]) for m in out.metadata) == out.stats["accepted"]
+  assert sum(sum(m["accepted_per_step"]) for m in out.metadata) == out.stats["accepted"]
+  temperature = options.get("temperature", 1.0)
+  for prompt, sequence, meta in zip(prompts, out.sequences, out.metadata):
+    assert len(meta["target_prob"]) == len(meta["drafted"]) == len(sequence) == 14
+    logits = mdjax.forward_logits(target, prompt + sequence)[len(prompt) - 1:-1] / temperature
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    np.testing.assert_allclose(meta["target_prob"], probs[np.arange(14), sequence], atol=1e-4)
+    assert meta["drafted"][0] is False and meta["rejected"][0] == -1
+    for token, drafted, rejected in zip(sequence, meta["drafted"], meta["rejected"]):
+      assert rejected != token and not (drafted and rejected != -1)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_draft_tokens=0), r"num_draft_tokens must be an integer >= 1, got 0"),
     (dict(draft_schedule="fast"), r"draft_schedule must be one of constant, heuristic, got 'fast'"),

@@ -62,15 +62,17 @@ def _beam(config: ModelConfig, options: dict):
 
 BUILDERS = {"greedy": (_greedy, ()), "sample": (_sample, SAMPLING_OPTIONS),
             "beam": (_beam, ("num_beams", "length_penalty", "early_stopping")),
-            "prompt_lookup": (_prompt_lookup, ("prompt_lookup_num_tokens", "max_ngram_size")),
+            "prompt_lookup": (_prompt_lookup, ("prompt_lookup_num_tokens", "max_ngram_size",
+                                               "return_metadata")),
             "multi_question": (_greedy_unless_sampling, SAMPLING_OPTIONS),
             "parallel_sample": (_sample, SAMPLING_OPTIONS),
             "speculative": (_speculative, ("draft", "num_draft_tokens", "draft_schedule",
                                            "max_draft_tokens", "confidence_threshold",
-                                           *SAMPLING_OPTIONS)),
+                                           "return_metadata", *SAMPLING_OPTIONS)),
             "self_speculative": (_self_speculative, ("draft_layers", "num_draft_tokens",
                                                      "draft_schedule", "max_draft_tokens",
-                                                     "confidence_threshold", *SAMPLING_OPTIONS))}
+                                                     "confidence_threshold", "return_metadata",
+                                                     *SAMPLING_OPTIONS))}
 # Strategies whose branches come from one required option (popped before `build`).
 BRANCH_OPTIONS = {"multi_question": "questions", "parallel_sample": "num_samples"}
 COMMON_OPTIONS = ("attention",)

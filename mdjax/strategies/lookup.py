@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
@@ -27,6 +28,7 @@ from mdjax.errors import MdjaxError
 from mdjax.models.config import ModelConfig
 from mdjax.sampling import greedy_accept
 from mdjax.step import decode_step
+from mdjax.strategies import metadata
 from mdjax.strategies.base import Limits, OutputBuffer, Prompt, emit, prefill
 
 
@@ -69,6 +71,7 @@ class PromptLookup:
   config: ModelConfig
   num_tokens: int = 10  # prompt_lookup_num_tokens
   max_ngram_size: int = 2
+  return_metadata: bool = False  # per-token metadata (`mdjax.strategies.metadata`)
   attention: str = "block_sparse"
 
   def __post_init__(self):
@@ -93,8 +96,11 @@ class PromptLookup:
     history = history.at[:, :prompt_len].set(prompt.tokens)
     history = history.at[jnp.arange(batch), prompt.lengths].set(first)
     zero = jnp.zeros((), jnp.int32)
-    return dict(cache=cache, topology=topology, limits=limits, buffer=buffer, history=history,
-                length=prompt.lengths + 1, passes=zero, drafted=zero, accepted=zero)
+    state = dict(cache=cache, topology=topology, limits=limits, buffer=buffer, history=history,
+                 length=prompt.lengths + 1, passes=zero, drafted=zero, accepted=zero)
+    if self.return_metadata:
+      state["metadata"] = metadata.first(capacity, jax.nn.softmax(logits[:, 0], axis=-1), first)
+    return state
 
   def step(self, params, state: dict) -> dict:
     history, length, buffer = state["history"], state["length"], state["buffer"]
@@ -113,6 +119,11 @@ class PromptLookup:
     choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, 1 + D]
     accepted = greedy_accept(proposal, count, choice)  # [B]
     buffer, taken = emit(buffer, choice, accepted + 1, state["limits"])
+    if self.return_metadata:
+      state = dict(state, metadata=state["metadata"].record(
+          state["buffer"].count, taken,
+          *metadata.verified(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), choice,
+                             proposal, count, accepted)))
     emitted = taken.sum(axis=1, dtype=jnp.int32)
     rows = jnp.arange(batch)[:, None]
     history = history.at[rows, jnp.where(taken, length[:, None] + offsets, history.shape[1])].set(
@@ -130,4 +141,5 @@ class PromptLookup:
 
   def result(self, state: dict):
     return state["buffer"], {"target_passes": state["passes"], "drafted": state["drafted"],
-                             "accepted": state["accepted"]}
+                             "accepted": state["accepted"]} | (
+                                 {"metadata": state["metadata"]} if self.return_metadata else {})

@@ -29,9 +29,8 @@ from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
 from mdjax.models.config import ModelConfig
 from mdjax.models.transformer import Params
-from mdjax.sampling import choose, row_keys
 from mdjax.step import decode_step
-from mdjax.strategies.base import Limits, OutputBuffer, Prompt, emit, prefill
+from mdjax.strategies.base import Limits, Prompt
 from mdjax.strategies.speculative import Speculative
 
 
@@ -53,16 +52,7 @@ def draft_params(params: Params, draft_layers: int) -> Params:
 class SelfSpeculative(Speculative):
 
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits, capacity: int) -> dict:
-    batch = prompt.tokens.shape[0]
-    logits, cache, topology = prefill(params["target"], prompt, cache, self.config, self.attention)
-    rows = jnp.arange(batch)
-    first = choose(row_keys(limits.key, rows, jnp.zeros_like(rows)), logits[:, 0], self.sampling)
-    buffer, _ = emit(OutputBuffer.empty(batch, capacity), first[:, None], jnp.ones_like(first),
-                     limits)
-    zero, zeros = jnp.zeros((), jnp.int32), jnp.zeros((self.longest_chain,), jnp.int32)
-    return dict(cache=cache, topology=topology, limits=limits, buffer=buffer, last=first,
-                next_pos=prompt.lengths, budget=jnp.full((batch,), self.num_draft_tokens, jnp.int32),
-                passes=zero, draft_passes=zero, drafted_at=zeros, accepted_at=zeros)
+    return self._start_target(params["target"], prompt, cache, limits, capacity)
 
   def _propose(self, params, state: dict, keys: jax.Array):
     """The chain from the first layers, drafted on the target's cache, then rolled back."""

@@ -45,6 +45,7 @@ from mdjax.models.config import ModelConfig
 from mdjax.sampling import (SamplingParams, choose, greedy_accept, process_logits, row_keys,
                             speculative_accept)
 from mdjax.step import decode_step
+from mdjax.strategies import metadata
 from mdjax.strategies.base import Limits, OutputBuffer, Prompt, emit, prefill
 
 SCHEDULES = ("constant", "heuristic")
@@ -60,6 +61,7 @@ class Speculative:
   draft_schedule: str = "constant"
   max_draft_tokens: int = 0  # 0: num_draft_tokens (constant) or twice it (heuristic)
   confidence_threshold: float = 0.0
+  return_metadata: bool = False  # per-token metadata (`mdjax.strategies.metadata`)
   attention: str = "block_sparse"
 
   def __post_init__(self):
@@ -91,21 +93,33 @@ class Speculative:
     return prompt_len + capacity + self.longest_chain + 1
 
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits, capacity: int) -> dict:
-    batch = prompt.tokens.shape[0]
-    logits, cache, topology = prefill(params["target"], prompt, cache, self.config, self.attention)
-    rows = jnp.arange(batch)
-    first = choose(row_keys(limits.key, rows, jnp.zeros_like(rows)), logits[:, 0], self.sampling)
-    draft_cache = KVCache.create(self.draft_config, batch, cache.num_slots, cache.k.dtype)
+    state = self._start_target(params["target"], prompt, cache, limits, capacity)
+    draft_cache = KVCache.create(self.draft_config, prompt.tokens.shape[0], cache.num_slots,
+                                 cache.k.dtype)
     _, draft_cache, _ = prefill(params["draft"], prompt, draft_cache, self.draft_config,
                                 self.attention)
+    return dict(state, draft_cache=draft_cache, pending=jnp.stack([state["last"]] * 2, axis=1),
+                pending_count=jnp.ones_like(state["last"]))
+
+  def _start_target(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
+                    capacity: int) -> dict:
+    """The target's prefill, its first token emitted, the counters at zero."""
+    batch = prompt.tokens.shape[0]
+    logits, cache, topology = prefill(params, prompt, cache, self.config, self.attention)
+    rows = jnp.arange(batch)
+    first = choose(row_keys(limits.key, rows, jnp.zeros_like(rows)), logits[:, 0], self.sampling)
     buffer, _ = emit(OutputBuffer.empty(batch, capacity), first[:, None], jnp.ones_like(first),
                      limits)
     zero, zeros = jnp.zeros((), jnp.int32), jnp.zeros((self.longest_chain,), jnp.int32)
-    return dict(cache=cache, draft_cache=draft_cache, topology=topology, limits=limits,
-                buffer=buffer, last=first, next_pos=prompt.lengths,
-                pending=jnp.stack([first, first], axis=1), pending_count=jnp.ones_like(first),
-                budget=jnp.full((batch,), self.num_draft_tokens, jnp.int32),
-                passes=zero, draft_passes=zero, drafted_at=zeros, accepted_at=zeros)
+    state = dict(cache=cache, topology=topology, limits=limits, buffer=buffer, last=first,
+                 next_pos=prompt.lengths, budget=jnp.full((batch,), self.num_draft_tokens, jnp.int32),
+                 passes=zero, draft_passes=zero, drafted_at=zeros, accepted_at=zeros)
+    if self.return_metadata:
+      state["metadata"] = metadata.first(capacity, self._target_probs(logits[:, 0]), first)
+    return state
+
+  def _target_probs(self, logits: Float[Array, "... V"]) -> Float[Array, "... V"]:
+    return jax.nn.softmax(process_logits(logits, self.sampling), axis=-1)
 
   def _pick(self, keys: jax.Array, logits: Float[Array, "B V"]):
     """The draft's token [B], its probability [B] and (sampling) its distribution q [B, V]."""
@@ -170,7 +184,7 @@ class Speculative:
       choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, 1 + D]
       accepted = greedy_accept(chain, length, choice)
       return accepted, jnp.take_along_axis(choice, accepted[:, None], axis=1)[:, 0]
-    p = jax.nn.softmax(process_logits(logits, self.sampling), axis=-1)
+    p = self._target_probs(logits)
     accept_keys = jax.vmap(lambda k: jax.random.fold_in(k, ACCEPT_KEY))(keys)
     return speculative_accept(accept_keys, chain, length, q, p)
 
@@ -190,7 +204,11 @@ class Speculative:
     accepted, next_token = self._verify(keys, chain, length, q, logits)
     emitted = jnp.where(offsets < accepted[:, None], jnp.pad(chain, ((0, 0), (0, 1))),
                         next_token[:, None])  # [B, 1 + D]: chain[:accepted], next_token
-    buffer, _ = emit(buffer, emitted, accepted + 1, state["limits"])
+    buffer, taken = emit(buffer, emitted, accepted + 1, state["limits"])
+    if self.return_metadata:
+      drafted_state = dict(drafted_state, metadata=state["metadata"].record(
+          state["buffer"].count, taken,
+          *metadata.verified(self._target_probs(logits), emitted, chain, length, accepted)))
     live = ~done[:, None] & (jnp.arange(longest)[None, :] < length[:, None])  # [B, D]
     verified = dict(
         drafted_state, buffer=buffer, last=next_token, next_pos=state["next_pos"] + accepted + 1,
@@ -239,7 +257,8 @@ class Speculative:
         "drafted_at": drafted, "accepted_at": accepted,  # per chain position
         # every verify of a live row drafts position 0: drafted[0] = verified chains
         "mean_accepted_length": accepted.sum() / jnp.maximum(drafted[0], 1),
-        "acceptance_rate_at": accepted / jnp.maximum(drafted, 1)}
+        "acceptance_rate_at": accepted / jnp.maximum(drafted, 1)} | (
+            {"metadata": state["metadata"]} if self.return_metadata else {})
 
 
 def _check_count(name: str, value, minimum: int) -> None:
