@@ -23,6 +23,7 @@ from ml_collections import config_flags
 
 import mdjax
 from mdjax import strategies
+from mdjax.strategies import skeleton
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Decode config, e.g. configs/greedy.py.")
 _OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Also write the JSON summary here.")
@@ -94,11 +95,13 @@ def decode(config) -> dict:
     print("draft: " + options["draft"].description)
   prompt = config.prompt or _ids("prompt_ids", config.prompt_ids)
   (prompt_ids,) = mdjax.encode_prompts(model, [prompt])
-  out = mdjax.generate(model, [prompt_ids], strategy=config.strategy,
+  out = mdjax.generate(model, [prompt], strategy=config.strategy,
                        max_new_tokens=config.max_new_tokens,
                        eos_token_id=_eos(config.eos_token_id),
                        seed=config.seed, **options)
-  for i, sequence in enumerate(out.sequences):
+  if config.strategy == "skeleton_fill" and out.texts:  # the source with its bodies filled in
+    print(skeleton.assemble(config.prompt, out.texts))
+  for i, sequence in enumerate(out.sequences if config.strategy != "skeleton_fill" else []):
     if len(out.sequences) > 1:
       print(f"--- branch {i}")
     print(out.texts[i] if out.texts else " ".join(map(str, sequence)))

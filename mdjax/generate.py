@@ -22,7 +22,8 @@ from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
 from mdjax.models.model import Model
 from mdjax.strategies import metadata
-from mdjax.strategies.base import Limits, Prompt, layout_prompts
+from mdjax.strategies import skeleton
+from mdjax.strategies.base import Limits, Prompt, layout_chains, layout_prompts
 
 MIN_BUCKET = 16
 
@@ -149,6 +150,38 @@ class _Plan:
   output_rows: list[int]  # buffer rows that are real branches, prompt-major
 
 
+def _layout(model: Model, prompts, strategy: str, branch_value, max_new_tokens: int
+            ) -> tuple[Prompt, list[int], list[int]]:
+  """The laid-out prompt batch, the prompt tokens of each row and its branch count."""
+  if strategy == "skeleton_fill":
+    rows = [_skeleton_chunks(model, p, i)
+            for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts)]
+    flat = [sum(chunks, []) for chunks in rows]
+    check_context(model, flat, max_new_tokens)
+    total = [len(f) for f in flat]
+    return layout_chains(rows, bucket(max(total))), total, [len(chunks) for chunks in rows]
+  ids = encode_prompts(model, prompts)
+  extra = strategies.branches(strategy, branch_value, len(ids), lambda p: encode_prompts(model, p))
+  rows = ids if extra is None else [c + max(b, key=len) for c, b in zip(ids, extra)]
+  check_context(model, rows, max_new_tokens)
+  total = [len(c) + (0 if extra is None else sum(len(b) for b in extra[i]))
+           for i, c in enumerate(ids)]
+  counts = [1] * len(ids) if extra is None else [len(b) for b in extra]
+  return layout_prompts(ids, extra, bucket(max(total))), total, counts
+
+
+def _skeleton_chunks(model: Model, skeleton_prompt, index: int) -> list[list[int]]:
+  """Python source (cut after every stub's docstring), or its chunks as token ids."""
+  if not isinstance(skeleton_prompt, str):
+    if not isinstance(skeleton_prompt, Sequence) or not skeleton_prompt:
+      raise MdjaxError(f"skeleton {index} must be Python source text or a list of token-id "
+                       f"chunks, got {skeleton_prompt!r}")
+    return encode_prompts(model, list(skeleton_prompt))
+  first, *rest = skeleton.chunks(skeleton_prompt)
+  (head,) = encode_prompts(model, [first])  # special tokens (BOS) only before the first
+  return [head] + [model.tokenizer.encode(chunk, add_special_tokens=False) for chunk in rest]
+
+
 def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_token_id, seed: int,
              options: dict) -> _Plan:
   if not isinstance(strategy, str):
@@ -159,13 +192,7 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_toke
   branch_value = options.pop(strategies.BRANCH_OPTIONS.get(strategy, ""), None)
   decoder = strategies.build(strategy, model.config, options)
   params = strategies.run_params(strategy, model.params, options)
-  ids = encode_prompts(model, prompts)
-  extra = strategies.branches(strategy, branch_value, len(ids), lambda p: encode_prompts(model, p))
-  rows = ids if extra is None else [c + max(b, key=len) for c, b in zip(ids, extra)]
-  check_context(model, rows, max_new_tokens)
-  total = [len(c) + (0 if extra is None else sum(len(b) for b in extra[i]))
-           for i, c in enumerate(ids)]
-  prompt = layout_prompts(ids, extra, bucket(max(total)))
+  prompt, total, counts = _layout(model, prompts, strategy, branch_value, max_new_tokens)
   eos = eos_ids(model, eos_token_id)
   limits = Limits(max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
                   eos_ids=jnp.asarray(eos or (-1,), jnp.int32), key=jax.random.key(seed))
@@ -174,7 +201,6 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_toke
   static = dict(num_slots=decoder.cache_slots(prompt.tokens.shape[1], capacity, num_branches),
                 capacity=capacity,
                 cache_dtype=str(model.params["embed"].dtype))  # K/V in the weights' dtype
-  counts = [1] * len(ids) if extra is None else [len(b) for b in extra]
   output_rows = [i * num_branches + j for i, n in enumerate(counts) for j in range(n)]
   return _Plan(decoder=decoder, params=params, prompt=prompt, limits=limits, static=static,
                prompt_tokens=sum(total), output_rows=output_rows)

@@ -51,3 +51,17 @@ def test_bench_speculative_quick(tmp_path):
     cell = cells[f"gamma_{gamma}"]
     assert 0 <= cell["alpha"] <= 1 and 1 <= cell["predicted_tokens_per_verify"] <= gamma + 1
   assert cells["hf_assisted"]["gamma"] in results["settings"]["gammas"]
+
+
+def test_bench_branches_quick(tmp_path):
+  """The shared cache, sequential and duplicated-batch runs produce the same answers."""
+  subprocess.run([sys.executable, "-m", "experiments.bench_branches", "--quick",
+                  f"--out_dir={tmp_path}"], cwd=REPO, check=True, timeout=600,
+                 capture_output=True)
+  results = json.loads((tmp_path / "bench_branches.json").read_text())
+  assert (tmp_path / "bench_branches.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert [p["n"] for p in results["points"]] == list(results["settings"]["ns"])
+  for point in results["points"]:
+    assert point["same_tokens"]["batched"] and point["same_tokens"]["sequential"]
+    assert {"batched", "hf", "sequential"} <= set(point["speedup"])
+    assert point["kv_bytes"]["shared"] <= point["kv_bytes"]["batched"] * 2

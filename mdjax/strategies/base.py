@@ -24,6 +24,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from mdjax.cache import KVCache
+from mdjax.errors import MdjaxError
 from mdjax.models.config import ModelConfig
 from mdjax.step import decode_step
 from mdjax.topology import Topology
@@ -94,6 +95,43 @@ def layout_prompts(contexts: list[list[int]], branches: list[list[list[int]]] | 
                                            branch_segment, branch_last)))
 
 
+def layout_chains(rows: list[list[list[int]]], width: int) -> Prompt:
+  """Prompts made of chained chunks, with one branch continuing after every chunk.
+
+  Chunk j of a row is segment j, forked from chunk j - 1 where it ends (so chunk j
+  sees chunks 0..j); branch j is segment n + j, forked from chunk j at its end, so it
+  sees chunks 0..j and its own tokens, never the chunks after it. Three chunks
+  (`a b | c | d e`), after one pass::
+
+      slot   0 1 2 3 4 | 5 6 7       tokens a b c d e, then the branches' first tokens
+      seg    0 0 1 2 2 | 3 4 5       parent [-1, 0, 1, 0, 1, 2]
+      pos    0 1 2 3 4 | 2 3 5       fork   [ 0, 2, 3, 2, 3, 5]
+
+  Branch j decodes exactly as greedy after the tokens of chunks 0..j alone.
+  """
+  batch, num_chunks = len(rows), max(len(chunks) for chunks in rows)
+  tokens, positions = np.zeros((batch, width), np.int32), np.zeros((batch, width), np.int32)
+  segments = np.full((batch, width), -1, np.int32)
+  parent = np.full((batch, 2 * num_chunks), -1, np.int32)
+  fork = np.zeros((batch, 2 * num_chunks), np.int32)
+  branch_segment = np.full((batch, num_chunks), -1, np.int32)
+  branch_last = np.zeros((batch, num_chunks), np.int32)
+  lengths = np.zeros((batch,), np.int32)
+  for row, chunks in enumerate(rows):
+    end = 0
+    for j, chunk in enumerate(chunks):
+      start, end = end, end + len(chunk)
+      tokens[row, start:end], positions[row, start:end] = chunk, np.arange(start, end)
+      segments[row, start:end] = j
+      parent[row, j], fork[row, j] = j - 1, start if j else 0
+      branch = num_chunks + j
+      parent[row, branch], fork[row, branch] = j, end
+      branch_segment[row, j], branch_last[row, j] = branch, end - 1
+    lengths[row] = end
+  return Prompt(*(jnp.asarray(a) for a in (tokens, positions, segments, lengths, parent, fork,
+                                           branch_segment, branch_last)))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Limits:
@@ -150,3 +188,10 @@ def prefill(params, prompt: Prompt, cache: KVCache, config: ModelConfig, attenti
                                  prompt.segments, topology, config=config,
                                  logits_at=prompt.branch_last, attention=attention)  # [B, N, V]
   return logits, cache, topology
+
+
+def check_count(name: str, value, minimum: int) -> None:
+  """Raises `MdjaxError` naming option `name` and its `value` unless it is an integer
+  >= `minimum` (a bool is not a count)."""
+  if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    raise MdjaxError(f"{name} must be an integer >= {minimum}, got {value!r}")

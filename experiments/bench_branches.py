@@ -1,0 +1,225 @@
+"""MultiDecode: N questions over one shared context vs the ways to do it without.
+
+For each grid point (N questions, context length, new tokens per answer), on random
+prompts with the same weights everywhere:
+
+  (a) shared     mdjax `multi_question`: the context prefilled once, N branches
+                 decoded in one pass per token over one cache
+  (b) sequential mdjax greedy, one question at a time, the context prefilled each time
+  (c) batched    mdjax greedy on N rows of context + question (the context duplicated
+                 per row: what batching does)
+  (d) hf         transformers `generate` on the same N duplicated rows (PyTorch)
+
+Reported per point: wall seconds (median of interleaved repeats), generated tokens per
+second, KV-cache bytes each allocates, the speedups of (a) over (b), (c), (d), and
+whether (a), (b), (c) produced the same tokens. Also the step time of (a) vs N at a
+fixed number of generated tokens: (wall(new) - wall(1)) / (new - 1), which must not
+grow with the other branches' tokens.
+
+    python -m experiments.bench_branches [--ns=1,2,4,8,16,32] [--contexts=256,1024] \
+        [--new_tokens=16,128] [--model=random-llama] [--quick]
+
+Writes `bench_branches.json` and `bench_branches.png` to `--out_dir`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import pathlib
+import statistics
+import tempfile
+import time
+
+from absl import app, flags
+import matplotlib
+import numpy as np
+import torch
+import tqdm
+import transformers
+
+import mdjax
+from experiments.benchlib import load_pair, machine_info, memory_bandwidth
+from mdjax import strategies
+from mdjax.generate import bucket
+
+matplotlib.use("Agg")
+from matplotlib import pyplot as plt  # noqa: E402 -- after choosing the headless backend
+
+_MODEL = flags.DEFINE_string("model", "random-llama", "Model name (random or shipped) or directory.")
+_NS = flags.DEFINE_list("ns", ["1", "2", "4", "8", "16", "32"], "Numbers of questions.")
+_CONTEXTS = flags.DEFINE_list("contexts", ["256", "1024"], "Context lengths (tokens).")
+_NEW_TOKENS = flags.DEFINE_list("new_tokens", ["16", "128"], "New tokens per answer.")
+_QUESTION_LEN = flags.DEFINE_integer("question_len", 16, "Tokens per question.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (median).")
+_SKIP_SLOW = flags.DEFINE_integer(
+    "skip_sequential_above", 16, "Run (b) sequential only for N up to this (it is N calls).")
+_OUT_DIR = flags.DEFINE_string("out_dir", "results/bench_branches", "Where JSON and PNG go.")
+_QUICK = flags.DEFINE_bool("quick", False, "Smoke test: tiny model, N 1-2, short runs.")
+
+FIRST_ID = 3  # random prompts avoid the special ids
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Settings:
+  model: str
+  ns: tuple[int, ...]
+  contexts: tuple[int, ...]
+  new_tokens: tuple[int, ...]
+  question_len: int
+  repeats: int
+  skip_sequential_above: int
+
+
+QUICK = dict(model="random-llama-tiny", ns=(1, 2), contexts=(32,), new_tokens=(4,), question_len=4,
+             repeats=1)
+
+
+def kv_bytes(model: mdjax.Model, rows: int, slots: int) -> int:
+  c = model.config
+  return 2 * c.num_layers * rows * slots * c.num_kv_heads * c.head_dim * 4  # float32 K and V
+
+
+def cache_slots(model: mdjax.Model, strategy: str, prompt_tokens: int, new_tokens: int,
+                branches: int) -> int:
+  """The slots per row `mdjax.generate` allocates for this request."""
+  decoder = strategies.build(strategy, model.config, {})
+  return decoder.cache_slots(bucket(prompt_tokens), bucket(new_tokens), branches)
+
+
+def greedy(model, prompts, new_tokens: int, strategy: str = "greedy", **options) -> dict:
+  out = mdjax.generate(model, prompts, strategy=strategy, max_new_tokens=new_tokens,
+                       eos_token_id=[], **options)
+  return dict(seconds=out.stats["wall_s"], sequences=out.sequences)
+
+
+def sequential(model, context, questions, new_tokens: int) -> dict:
+  runs = [greedy(model, [context + q], new_tokens) for q in questions]
+  return dict(seconds=sum(r["seconds"] for r in runs),
+              sequences=[r["sequences"][0] for r in runs])
+
+
+def hf(reference, rows: np.ndarray, new_tokens: int) -> dict:
+  ids = torch.from_numpy(rows.astype(np.int64))
+  start = time.perf_counter()
+  out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+  return dict(seconds=time.perf_counter() - start,
+              sequences=out[:, ids.shape[1]:].tolist())
+
+
+def bench_point(model, reference, n: int, context_len: int, new_tokens: int,
+                settings: Settings) -> dict:
+  rng = np.random.default_rng(n * 1000 + context_len)
+  vocab = model.config.vocab_size
+  context = rng.integers(FIRST_ID, vocab, context_len).tolist()
+  questions = [rng.integers(FIRST_ID, vocab, settings.question_len).tolist() for _ in range(n)]
+  rows = np.asarray([context + q for q in questions])
+  contenders = {
+      "shared": lambda: greedy(model, [context], new_tokens, "multi_question", questions=questions),
+      "shared_1": lambda: greedy(model, [context], 1, "multi_question", questions=questions),
+      "batched": lambda: greedy(model, rows, new_tokens),
+      "hf": lambda: hf(reference, rows, new_tokens)}
+  if n <= settings.skip_sequential_above:
+    contenders["sequential"] = lambda: sequential(model, context, questions, new_tokens)
+  results = {name: run() for name, run in contenders.items()}  # compile / warm up
+  times = {name: [] for name in contenders}
+  names = list(contenders)
+  for rep in range(settings.repeats):
+    for name in names[rep % len(names):] + names[:rep % len(names)]:
+      times[name].append(contenders[name]()["seconds"])
+  wall = {name: statistics.median(t) for name, t in times.items()}
+  tokens = n * new_tokens
+  shared_slots = cache_slots(model, "multi_question", context_len + n * settings.question_len,
+                             new_tokens, n)
+  batched_slots = cache_slots(model, "greedy", context_len + settings.question_len, new_tokens, 1)
+  cell = dict(
+      wall_s=wall, tokens_per_s={k: tokens / v for k, v in wall.items() if k != "shared_1"},
+      speedup={k: wall[k] / wall["shared"] for k in ("batched", "hf", "sequential") if k in wall},
+      step_ms=(wall["shared"] - wall["shared_1"]) / max(1, new_tokens - 1) * 1e3,
+      kv_bytes=dict(shared=kv_bytes(model, 1, shared_slots),
+                    batched=kv_bytes(model, n, batched_slots),
+                    shared_needed=kv_bytes(model, 1, context_len + n * (settings.question_len
+                                                                       + new_tokens))),
+      same_tokens={k: results[k]["sequences"] == results["shared"]["sequences"]
+                   for k in ("batched", "sequential", "hf") if k in results})
+  return cell
+
+
+def run(settings: Settings) -> dict:
+  with tempfile.TemporaryDirectory() as scratch:
+    model, reference = load_pair(settings.model, 0, pathlib.Path(scratch))
+  results = dict(machine=machine_info(memory_bandwidth(256)), settings=dataclasses.asdict(settings),
+                 model=model.description, points=[])
+  grid = list(itertools.product(settings.contexts, settings.new_tokens, settings.ns))
+  for context_len, new_tokens, n in tqdm.tqdm(grid, desc="grid"):
+    cell = bench_point(model, reference, n, context_len, new_tokens, settings)
+    results["points"].append(dict(n=n, context=context_len, new_tokens=new_tokens, **cell))
+  return results
+
+
+def table(results: dict) -> str:
+  lines = ["    N  ctx  new  shared s  vs batched  vs hf  vs sequential  step ms  KV shared/batched"]
+  for p in results["points"]:
+    s = p["speedup"]
+    seq = f"{s['sequential']:.2f}x" if "sequential" in s else "-"
+    lines.append(f"{p['n']:>5} {p['context']:>4} {p['new_tokens']:>4}  {p['wall_s']['shared']:8.3f}"
+                 f"  {s['batched']:9.2f}x  {s['hf']:5.2f}x  {seq:>13}  {p['step_ms']:7.2f}  "
+                 f"{p['kv_bytes']['shared'] / 2**20:.1f}/{p['kv_bytes']['batched'] / 2**20:.1f} MiB")
+  return "\n".join(lines)
+
+
+def plot(results: dict, path: pathlib.Path) -> None:
+  """Left: speedup of the shared cache vs N over each alternative, one line style per
+  (context, new tokens). Right: the shared cache's step time vs N."""
+  fig, (speed, steps) = plt.subplots(1, 2, figsize=(13, 5))
+  settings = results["settings"]
+  colors = {"batched": "tab:blue", "hf": "tab:orange", "sequential": "tab:green"}
+  styles = ["o-", "s--", "^:", "d-."]
+  for (i, (ctx, new)) in enumerate(itertools.product(settings["contexts"], settings["new_tokens"])):
+    points = [p for p in results["points"] if p["context"] == ctx and p["new_tokens"] == new]
+    for name, color in colors.items():
+      xs = [p["n"] for p in points if name in p["speedup"]]
+      ys = [p["speedup"][name] for p in points if name in p["speedup"]]
+      speed.plot(xs, ys, styles[i % len(styles)], color=color,
+                 label=f"vs {name}, ctx {ctx}, new {new}")
+    steps.plot([p["n"] for p in points], [p["step_ms"] for p in points], styles[i % len(styles)],
+               label=f"ctx {ctx}, new {new}")
+  speed.axhline(1.0, color="black", lw=0.8)
+  for ax in (speed, steps):
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("N questions")
+    ax.legend(fontsize=7)
+  speed.set_ylabel("speedup of the shared cache (x)")
+  speed.set_yscale("log")
+  steps.set_ylabel("ms per decode step of all N branches")
+  fig.suptitle(f"multi_question over one shared cache, {results['model']}\n"
+               f"{results['machine']['cpu_count']} CPUs, load {results['machine']['load_average']:.1f}",
+               fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv):
+  del argv
+  transformers.logging.set_verbosity_error()
+  settings = Settings(model=_MODEL.value, ns=tuple(int(n) for n in _NS.value),
+                      contexts=tuple(int(c) for c in _CONTEXTS.value),
+                      new_tokens=tuple(int(t) for t in _NEW_TOKENS.value),
+                      question_len=_QUESTION_LEN.value, repeats=_REPEATS.value,
+                      skip_sequential_above=_SKIP_SLOW.value)
+  if _QUICK.value:
+    settings = dataclasses.replace(settings, **QUICK)
+  results = run(settings)
+  out_dir = pathlib.Path(_OUT_DIR.value)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  (out_dir / "bench_branches.json").write_text(json.dumps(results, indent=2) + "\n")
+  plot(results, out_dir / "bench_branches.png")
+  print(table(results))
+  print(f"wrote {out_dir / 'bench_branches.json'} and {out_dir / 'bench_branches.png'}")
+
+
+if __name__ == "__main__":
+  app.run(main)
