@@ -7,6 +7,7 @@ from mdjax.models.config import ModelConfig
 from mdjax.sampling import SamplingParams
 from mdjax.strategies.autoregressive import Autoregressive
 from mdjax.strategies.beam import Beam
+from mdjax.strategies.entropy import EntropyBranching
 from mdjax.strategies.lookup import PromptLookup
 from mdjax.strategies.self_speculative import SelfSpeculative, draft_config, draft_params
 from mdjax.strategies.speculative import Speculative
@@ -67,6 +68,9 @@ BUILDERS = {"greedy": (_greedy, ()), "sample": (_sample, SAMPLING_OPTIONS),
             "multi_question": (_greedy_unless_sampling, SAMPLING_OPTIONS),
             "parallel_sample": (_sample, SAMPLING_OPTIONS),
             "skeleton_fill": (_greedy_unless_sampling, SAMPLING_OPTIONS),
+            "entropy_branching": (lambda config, options: EntropyBranching(config=config, **options),
+                                  ("num_branches", "branch_tokens", "branch_entropy",
+                                   "branch_varentropy")),
             "speculative": (_speculative, ("draft", "num_draft_tokens", "draft_schedule",
                                            "max_draft_tokens", "confidence_threshold",
                                            "return_metadata", *SAMPLING_OPTIONS)),

@@ -1,0 +1,180 @@
+"""`entropy_branching`: fork where the model is unsure, explore, keep the best branch.
+
+entropix-style. Decoding is greedy until the next-token distribution's entropy and
+varentropy (nats) both exceed their thresholds. There the row forks `num_branches`
+branches, one per top-k token, continues each greedily until it holds
+`branch_tokens` tokens (all branches advance in the same passes), keeps the branch
+with the highest summed log-probability, and carries on greedily from its end.
+
+Branch b is segment b + 1, forked from the main segment 0 at the fork position, so
+every branch sees the committed text and its own tokens only — each is exactly what
+greedy decoding of that branch alone would produce. When the exploration ends the
+winner's slots become segment 0, the others die, and `compact` closes the gap::
+
+    fork at position p (top-3: x y z), branch_tokens = 3:
+    slot  ... c | x y z | x' y' z'        seg ... 0 | 1 2 3 | 1 2 3
+    pos   ... p-1| p p p | p+1 p+1 p+1    (x'' y'' z'' chosen, not yet fed)
+    keep y:     ... c | y y'              seg ... 0 | 0 0      emit y y' y''
+
+Every pass feeds `num_branches` tokens per row; a row decoding linearly uses one of
+them (the others are padding and take no slot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from mdjax import cache as cache_ops
+from mdjax.cache import KVCache
+from mdjax.errors import MdjaxError
+from mdjax.models.config import ModelConfig
+from mdjax.step import decode_step
+from mdjax.strategies.base import Limits, OutputBuffer, Prompt, check_count, emit, prefill
+from mdjax.topology import Topology
+
+
+def entropy_varentropy(logits: Float[Array, "... V"]) -> tuple[Float[Array, "..."],
+                                                               Float[Array, "..."]]:
+  """Entropy H = -sum p log p and varentropy sum p (log p + H)^2 of softmax(logits), nats."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  p = jnp.exp(logp)
+  entropy = -(p * logp).sum(-1)
+  return entropy, (p * (logp + entropy[..., None]) ** 2).sum(-1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EntropyBranching:
+  config: ModelConfig
+  num_branches: int = 3
+  branch_tokens: int = 4
+  branch_entropy: float = 2.0
+  branch_varentropy: float = 0.0
+  attention: str = "block_sparse"
+
+  def __post_init__(self):
+    check_count("num_branches", self.num_branches, 1)
+    check_count("branch_tokens", self.branch_tokens, 1)
+    for name in ("branch_entropy", "branch_varentropy"):
+      value = getattr(self, name)
+      if (not isinstance(value, numbers.Real) or isinstance(value, bool)
+          or not math.isfinite(value) or value < 0):
+        raise MdjaxError(f"{name} must be a finite number >= 0, got {value!r}")
+
+  @property
+  def exploration_slots(self) -> int:
+    """Cache slots one exploration fills before compaction (the last tokens are not fed)."""
+    return self.num_branches * (self.branch_tokens - 1)
+
+  def cache_slots(self, prompt_len: int, capacity: int, branches: int = 1) -> int:
+    return prompt_len + capacity + self.exploration_slots + self.num_branches
+
+  def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits, capacity: int) -> dict:
+    batch, k = prompt.tokens.shape[0], self.num_branches
+    logits, cache, _ = prefill(params, prompt, cache, self.config, self.attention)
+    zeros = jnp.zeros((batch,), jnp.int32)
+    state = dict(cache=cache, limits=limits, buffer=OutputBuffer.empty(batch, capacity),
+                 last=zeros, next_pos=prompt.lengths, exploring=zeros, fork_slot=zeros,
+                 branch_last=jnp.zeros((batch, k), jnp.int32),
+                 branch_tokens=jnp.zeros((batch, k, self.branch_tokens), jnp.int32),
+                 branch_score=jnp.zeros((batch, k), jnp.float32),
+                 passes=jnp.zeros((), jnp.int32), forks=jnp.zeros((), jnp.int32))
+    return self._after_main(state, logits[:, 0], jnp.ones((batch,), jnp.bool_))
+
+  def topology(self, fork_pos: Int[Array, "B"]) -> Topology:
+    """Segment 0 (the text) and the branches 1..k forked from it at `fork_pos`."""
+    segment = jnp.arange(self.num_branches + 1)[None, :]
+    parent = jnp.broadcast_to(jnp.where(segment == 0, -1, 0), (fork_pos.shape[0], segment.size))
+    return Topology(parent=parent.astype(jnp.int32),
+                    fork=jnp.where(segment == 0, 0, fork_pos[:, None]).astype(jnp.int32))
+
+  def step(self, params, state: dict) -> dict:
+    done, exploring = state["buffer"].done, state["exploring"] > 0  # [B]
+    k = self.num_branches
+    column = jnp.arange(k)[None, :]
+    # linear rows feed `last` in column 0 (segment 0); exploring rows feed every branch
+    tokens = jnp.where(exploring[:, None], state["branch_last"], state["last"][:, None])
+    segments = jnp.where(exploring[:, None], column + 1, jnp.where(column == 0, 0, -1))
+    segments = jnp.where(done[:, None], -1, segments)
+    depth = state["exploring"]  # tokens each branch holds (1..branch_tokens-1 while exploring)
+    positions = jnp.broadcast_to((state["next_pos"] + jnp.maximum(depth - 1, 0))[:, None],
+                                 tokens.shape)
+    fork_pos = state["next_pos"]  # of an exploring row: its branches' first tokens
+    logits, _, cache = decode_step(params, state["cache"], tokens, positions, segments,
+                                   self.topology(fork_pos), config=self.config,
+                                   attention=self.attention)  # [B, k, V]
+    state = dict(state, cache=cache, passes=state["passes"] + 1)
+    linear = ~exploring & ~done
+    state = self._after_main(state, logits[:, 0], linear)
+    return self._after_branches(state, logits, exploring & ~done)
+
+  def _after_main(self, state: dict, logits: Float[Array, "B V"], rows) -> dict:
+    """Rows `rows` got the logits after their last committed token: emit the argmax,
+    or fork there when the distribution is uncertain enough."""
+    entropy, varentropy = entropy_varentropy(logits)
+    fork = rows & (entropy > self.branch_entropy) & (varentropy > self.branch_varentropy)
+    if self.num_branches == 1 or self.branch_tokens == 1:
+      fork = jnp.zeros_like(fork)
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    buffer, _ = emit(state["buffer"], token[:, None], (rows & ~fork).astype(jnp.int32),
+                     state["limits"])
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top_logp, top = jax.lax.top_k(logp, self.num_branches)  # [B, k]
+    fed = state["cache"].length  # the main token was just written: branches start here
+    return dict(
+        state, buffer=buffer,
+        last=jnp.where(rows & ~fork, token, state["last"]),
+        # the position of the next token to feed: the new `last`, or the branches' first
+        next_pos=state["next_pos"] + rows * (state["passes"] > 0),
+        exploring=jnp.where(fork, 1, state["exploring"]),
+        fork_slot=jnp.where(fork, fed, state["fork_slot"]),
+        branch_last=jnp.where(fork[:, None], top, state["branch_last"]),
+        branch_tokens=jnp.where(fork[:, None, None], state["branch_tokens"].at[:, :, 0].set(top),
+                                state["branch_tokens"]),
+        branch_score=jnp.where(fork[:, None], top_logp, state["branch_score"]),
+        forks=state["forks"] + fork.sum(dtype=jnp.int32))
+
+  def _after_branches(self, state: dict, logits: Float[Array, "B k V"], rows) -> dict:
+    """Exploring rows extend every branch by its argmax; a row whose branches are
+    complete keeps the best one, compacts its cache and emits its tokens."""
+    depth = state["exploring"]  # tokens each branch holds before this pass
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, k, V]
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, k]
+    token_logp = jnp.take_along_axis(logp, token[..., None], axis=-1)[..., 0]
+    slot = jnp.arange(self.branch_tokens)[None, None, :] == depth[:, None, None]
+    branch_tokens = jnp.where(rows[:, None, None] & slot, token[..., None], state["branch_tokens"])
+    score = state["branch_score"] + jnp.where(rows[:, None], token_logp, 0.0)
+    depth = jnp.where(rows, depth + 1, depth)
+    finished = rows & (depth == self.branch_tokens)
+    best = jnp.argmax(score, axis=1).astype(jnp.int32)  # [B]
+    winner = jnp.take_along_axis(branch_tokens, best[:, None, None], axis=1)[:, 0]  # [B, m]
+    buffer, _ = emit(state["buffer"], winner, finished * self.branch_tokens, state["limits"])
+    cache = self._keep_branch(state["cache"], finished, best, state["fork_slot"])
+    return dict(
+        state, cache=cache, buffer=buffer, branch_tokens=branch_tokens, branch_score=score,
+        branch_last=jnp.where(rows[:, None], token, state["branch_last"]),
+        exploring=jnp.where(finished, 0, depth),
+        last=jnp.where(finished, winner[:, -1], state["last"]),
+        next_pos=state["next_pos"] + finished * (self.branch_tokens - 1))
+
+  def _keep_branch(self, cache: KVCache, finished, best: Int[Array, "B"],
+                   fork_slot: Int[Array, "B"]) -> KVCache:
+    """Rows `finished`: the best branch's slots become segment 0, the others die, and
+    the exploration window is compacted (the committed prefix is never moved)."""
+    segment = jnp.arange(self.num_branches + 1)[None, :]
+    mapping = jnp.where(segment == 0, 0, jnp.where(segment == best[:, None] + 1, 0, -1))
+    mapping = jnp.where(finished[:, None], mapping, segment).astype(jnp.int32)
+    start = jnp.where(finished, fork_slot, cache.length)
+    return cache_ops.compact(cache_ops.remap_segments(cache, mapping), start,
+                             self.exploration_slots)
+
+  def done(self, state: dict):
+    return state["buffer"].done
+
+  def result(self, state: dict):
+    return state["buffer"], {"target_passes": state["passes"], "forks": state["forks"]}
