@@ -22,7 +22,7 @@ from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
 from mdjax.models.model import Model
 from mdjax.strategies import metadata
-from mdjax.strategies import skeleton
+from mdjax.strategies import margins, skeleton
 from mdjax.strategies.base import Limits, Prompt, layout_chains, layout_prompts
 
 MIN_BUCKET = 16
@@ -37,6 +37,8 @@ class GenerationOutput:
   # return_metadata=True (speculative family): per output row, per token target_prob,
   # drafted, rejected, and accepted_per_step (see `mdjax.strategies.metadata`)
   metadata: list[dict] | None = None
+  # multi-phase strategies ("margins"): per prompt, what the phases produced
+  intermediate: list[dict] | None = None
 
 
 def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
@@ -153,15 +155,23 @@ class _Plan:
 def _layout(model: Model, prompts, strategy: str, branch_value, max_new_tokens: int
             ) -> tuple[Prompt, list[int], list[int]]:
   """The laid-out prompt batch, the prompt tokens of each row and its branch count."""
-  if strategy == "skeleton_fill":
+  if strategy in ("skeleton_fill", "margin_notes"):
     rows = [_skeleton_chunks(model, p, i)
             for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts)]
-    flat = [sum(chunks, []) for chunks in rows]
+    suffixes = None
+    if strategy == "margin_notes":
+      if branch_value is None:
+        raise MdjaxError("strategy 'margin_notes' needs the option 'instruction'")
+      instruction = _continuation(model, branch_value)
+      suffixes = [[instruction] * len(chunks) for chunks in rows]
+    flat = [sum(chunks, []) + (suffixes[i][0] if suffixes else []) for i, chunks in enumerate(rows)]
     check_context(model, flat, max_new_tokens)
-    total = [len(f) for f in flat]
-    return layout_chains(rows, bucket(max(total))), total, [len(chunks) for chunks in rows]
+    total = [len(f) + (len(suffixes[i][0]) * (len(c) - 1) if suffixes else 0)
+             for i, (f, c) in enumerate(zip(flat, rows))]
+    return layout_chains(rows, bucket(max(total)), suffixes), total, [len(c) for c in rows]
   ids = encode_prompts(model, prompts)
-  extra = strategies.branches(strategy, branch_value, len(ids), lambda p: encode_prompts(model, p))
+  extra = strategies.branches(strategy, branch_value, len(ids),
+                             lambda pieces: [_continuation(model, q) for q in pieces])
   rows = ids if extra is None else [c + max(b, key=len) for c, b in zip(ids, extra)]
   check_context(model, rows, max_new_tokens)
   total = [len(c) + (0 if extra is None else sum(len(b) for b in extra[i]))
@@ -171,15 +181,22 @@ def _layout(model: Model, prompts, strategy: str, branch_value, max_new_tokens: 
 
 
 def _skeleton_chunks(model: Model, skeleton_prompt, index: int) -> list[list[int]]:
-  """Python source (cut after every stub's docstring), or its chunks as token ids."""
-  if not isinstance(skeleton_prompt, str):
-    if not isinstance(skeleton_prompt, Sequence) or not skeleton_prompt:
-      raise MdjaxError(f"skeleton {index} must be Python source text or a list of token-id "
-                       f"chunks, got {skeleton_prompt!r}")
-    return encode_prompts(model, list(skeleton_prompt))
-  first, *rest = skeleton.chunks(skeleton_prompt)
-  (head,) = encode_prompts(model, [first])  # special tokens (BOS) only before the first
-  return [head] + [model.tokenizer.encode(chunk, add_special_tokens=False) for chunk in rest]
+  """Python source (cut after every stub's docstring), or its chunks (texts or ids)."""
+  if isinstance(skeleton_prompt, str):
+    skeleton_prompt = skeleton.chunks(skeleton_prompt)
+  if not isinstance(skeleton_prompt, Sequence) or not skeleton_prompt:
+    raise MdjaxError(f"prompt {index} must be Python source text or a list of chunks (texts "
+                     f"or token ids), got {skeleton_prompt!r}")
+  (head,) = encode_prompts(model, [skeleton_prompt[0]])  # special tokens (BOS) only here
+  return [head] + [_continuation(model, chunk) for chunk in skeleton_prompt[1:]]
+
+
+def _continuation(model: Model, piece) -> list[int]:
+  """Text (encoded without special tokens: it continues a prompt) or token ids."""
+  if isinstance(piece, str) and model.tokenizer is not None:
+    piece = model.tokenizer.encode(piece, add_special_tokens=False)
+  (ids,) = encode_prompts(model, [piece])
+  return ids
 
 
 def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_token_id, seed: int,
@@ -224,6 +241,10 @@ def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: in
   (e.g. temperature, top_k, top_p, min_p for "sample"; num_beams, length_penalty,
   early_stopping for "beam", which also fills `beams`).
   """
+  if strategy in strategies.PIPELINES:  # several generate calls (e.g. "margins")
+    strategies.check_options(strategy, options)
+    return margins.run(generate, encode_prompts, model, prompts, max_new_tokens=max_new_tokens,
+                       eos_token_id=eos_token_id, seed=seed, **options)
   plan = _prepare(model, prompts, strategy, max_new_tokens, eos_token_id, seed, options)
   program, compile_s = _compile(plan.decoder, plan.params, plan.prompt, plan.limits,
                                 **plan.static)

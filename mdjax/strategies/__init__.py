@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from mdjax.errors import MdjaxError
 from mdjax.models.config import ModelConfig
 from mdjax.sampling import SamplingParams
 from mdjax.strategies.autoregressive import Autoregressive
 from mdjax.strategies.beam import Beam
+from mdjax.strategies import margins
 from mdjax.strategies.entropy import EntropyBranching
+from mdjax.strategies.lookahead import Lookahead
 from mdjax.strategies.lookup import PromptLookup
 from mdjax.strategies.self_speculative import SelfSpeculative, draft_config, draft_params
 from mdjax.strategies.speculative import Speculative
@@ -40,12 +44,23 @@ def _prompt_lookup(config: ModelConfig, options: dict):
   return PromptLookup(config=config, **options)
 
 
-def _speculative(config: ModelConfig, options: dict):
+def _lookahead(config: ModelConfig, options: dict):
+  return Lookahead(config=config, **options)
+
+
+def _jacobi(config: ModelConfig, options: dict):
+  """Jacobi decoding: lookahead's 2-gram case without a pool (`mdjax.strategies.lookahead`)."""
+  return Lookahead(config=config, ngram=2, guess_set=0, **options)
+
+
+def _speculative(config: ModelConfig, options: dict, name: str = "speculative",
+                 strategy=Speculative):
   draft = options.pop("draft", None)
   if draft is None or not hasattr(draft, "config") or not hasattr(draft, "params"):
-    raise MdjaxError(f"strategy 'speculative' needs draft=<an mdjax Model>, got {draft!r}")
-  return Speculative(config=config, draft_config=draft.config, sampling=_pop_sampling(options),
-                     **options)
+    raise MdjaxError(f"strategy {name!r} needs draft=<an mdjax Model>, got {draft!r}")
+  return strategy(config=config, draft_config=draft.config, sampling=_pop_sampling(options),
+                  **options)
+
 
 
 def _self_speculative(config: ModelConfig, options: dict):
@@ -65,9 +80,12 @@ BUILDERS = {"greedy": (_greedy, ()), "sample": (_sample, SAMPLING_OPTIONS),
             "beam": (_beam, ("num_beams", "length_penalty", "early_stopping")),
             "prompt_lookup": (_prompt_lookup, ("prompt_lookup_num_tokens", "max_ngram_size",
                                                "return_metadata")),
+            "lookahead": (_lookahead, ("window", "ngram", "guess_set")),
+            "jacobi": (_jacobi, ("window",)),
             "multi_question": (_greedy_unless_sampling, SAMPLING_OPTIONS),
             "parallel_sample": (_sample, SAMPLING_OPTIONS),
             "skeleton_fill": (_greedy_unless_sampling, SAMPLING_OPTIONS),
+            "margin_notes": (_greedy_unless_sampling, SAMPLING_OPTIONS),
             "entropy_branching": (lambda config, options: EntropyBranching(config=config, **options),
                                   ("num_branches", "branch_tokens", "branch_entropy",
                                    "branch_varentropy")),
@@ -79,26 +97,40 @@ BUILDERS = {"greedy": (_greedy, ()), "sample": (_sample, SAMPLING_OPTIONS),
                                                      "confidence_threshold", "return_metadata",
                                                      *SAMPLING_OPTIONS))}
 # Strategies whose branches come from one required option (popped before `build`).
-BRANCH_OPTIONS = {"multi_question": "questions", "parallel_sample": "num_samples"}
+BRANCH_OPTIONS = {"multi_question": "questions", "parallel_sample": "num_samples",
+                  "margin_notes": "instruction"}
 COMMON_OPTIONS = ("attention",)
+
+
+# Strategies that chain several `generate` calls, and their options.
+PIPELINES = {"margins": margins.OPTIONS}
 
 
 def option_names(name: str) -> tuple[str, ...]:
   """The options (keyword arguments of `mdjax.generate`) strategy `name` takes."""
-  if not isinstance(name, str) or name not in BUILDERS:
-    raise MdjaxError(f"unknown strategy {name!r}; valid strategies: {', '.join(BUILDERS)}")
+  if not isinstance(name, str) or name not in BUILDERS | PIPELINES:
+    raise MdjaxError(f"unknown strategy {name!r}; valid strategies: "
+                     f"{', '.join(BUILDERS | PIPELINES)}")
+  if name in PIPELINES:
+    return PIPELINES[name]
   branch_option = (BRANCH_OPTIONS[name],) if name in BRANCH_OPTIONS else ()
   return BUILDERS[name][1] + branch_option + COMMON_OPTIONS
 
 
-def build(name: str, config: ModelConfig, options: dict):
-  """The strategy `name` for `config`, with its options validated; its branch
-  option (see `branches`) must have been taken out of `options`."""
+def check_options(name: str, options: dict) -> None:
+  """Rejects an option strategy `name` does not take (or its branch option, which
+  must have been taken out of `options`)."""
   allowed = option_names(name)
   for option in options:
     if option not in allowed or option == BRANCH_OPTIONS.get(name):
       raise MdjaxError(f"unknown option {option!r} for strategy {name!r}; "
                        f"valid options: {', '.join(allowed)}")
+
+
+def build(name: str, config: ModelConfig, options: dict):
+  """The strategy `name` for `config`, with its options validated; its branch
+  option (see `branches`) must have been taken out of `options`."""
+  check_options(name, options)
   if options.get("attention", "block_sparse") not in ("block_sparse", "dense"):
     raise MdjaxError(f"attention must be 'block_sparse' or 'dense', got {options['attention']!r}")
   return BUILDERS[name][0](config, dict(options))
@@ -120,8 +152,8 @@ def branches(name: str, value, num_prompts: int, encode) -> list[list[list[int]]
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
       raise MdjaxError(f"num_samples must be an integer >= 1, got {value!r}")
     return [[[] for _ in range(value)] for _ in range(num_prompts)]
-  per_prompt = (isinstance(value, (list, tuple)) and value and
-                all(isinstance(q, (list, tuple)) and q and not isinstance(q[0], (int, str))
+  per_prompt = (isinstance(value, (list, tuple)) and value and  # not a question as ids
+                all(isinstance(q, (list, tuple)) and q and not isinstance(q[0], (int, np.integer))
                     for q in value))
   lists = list(value) if per_prompt else [value] * num_prompts
   if len(lists) != num_prompts:

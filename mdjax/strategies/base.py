@@ -95,8 +95,10 @@ def layout_prompts(contexts: list[list[int]], branches: list[list[list[int]]] | 
                                            branch_segment, branch_last)))
 
 
-def layout_chains(rows: list[list[list[int]]], width: int) -> Prompt:
-  """Prompts made of chained chunks, with one branch continuing after every chunk.
+def layout_chains(rows: list[list[list[int]]], width: int,
+                  suffixes: list[list[list[int]]] | None = None) -> Prompt:
+  """Prompts made of chained chunks, with one branch continuing after every chunk
+  (after its own `suffixes[row][j]` tokens, e.g. an instruction, when given).
 
   Chunk j of a row is segment j, forked from chunk j - 1 where it ends (so chunk j
   sees chunks 0..j); branch j is segment n + j, forked from chunk j at its end, so it
@@ -118,16 +120,26 @@ def layout_chains(rows: list[list[list[int]]], width: int) -> Prompt:
   branch_last = np.zeros((batch, num_chunks), np.int32)
   lengths = np.zeros((batch,), np.int32)
   for row, chunks in enumerate(rows):
-    end = 0
+    end, ends = 0, []
     for j, chunk in enumerate(chunks):
       start, end = end, end + len(chunk)
+      ends.append(end)
       tokens[row, start:end], positions[row, start:end] = chunk, np.arange(start, end)
       segments[row, start:end] = j
       parent[row, j], fork[row, j] = j - 1, start if j else 0
       branch = num_chunks + j
       parent[row, branch], fork[row, branch] = j, end
       branch_segment[row, j], branch_last[row, j] = branch, end - 1
-    lengths[row] = end
+    tail = end
+    for j, chunk_end in enumerate(ends):
+      suffix = suffixes[row][j] if suffixes else []
+      tokens[row, tail:tail + len(suffix)] = suffix
+      positions[row, tail:tail + len(suffix)] = chunk_end + np.arange(len(suffix))
+      segments[row, tail:tail + len(suffix)] = num_chunks + j
+      if suffix:
+        branch_last[row, j] = tail + len(suffix) - 1
+      tail += len(suffix)
+    lengths[row] = tail
   return Prompt(*(jnp.asarray(a) for a in (tokens, positions, segments, lengths, parent, fork,
                                            branch_segment, branch_last)))
 

@@ -1,0 +1,331 @@
+"""`lookahead` and `jacobi`: guesses from a Jacobi window, verified in the same pass.
+
+Lookahead decoding (Fu et al. 2024) needs no draft model. Every pass feeds, after
+the last emitted token `c` (not yet cached, at position p), two branches:
+
+* lookahead: a window of W columns x (N - 1) levels of past Jacobi guesses, whose
+  level 0, column 0 is `c` itself. Column k is a chain at positions p + k, p + k + 1,
+  ...: level 0 up to column k, then column k's higher levels. The target's argmax
+  on top of column k completes it into an n-gram of N tokens for the pool;
+* verification: up to G n-grams of the pool that start with `c` (the pool is keyed
+  by first token), each a chain `c x y ...` at positions p, p + 1, ...
+
+W = 4, N = 3, G = 2: 12 tokens, positions relative to p::
+
+    level 1       v0  v1  v2  v3        pos 1 2 3 4     seg 2 3 4 5 (one per column)
+    level 0   c   u1  u2  u3            pos 0 1 2 3     seg 0 1 1 1
+    pool      c → x0  y0                pos   1 2       seg   6 6
+              c → x1  y1                pos   1 2       seg   7 7
+
+    seg 0      the committed text and c
+    seg 1      level-0 chain u1 u2 u3     parent 0, fork p + 1
+    seg 2 + k  column k, levels >= 1      parent 1, fork p + k + 1   (sees c, u1 .. uk)
+    seg 6, 7   the pool's candidates      parent 0, fork p + 1
+
+Who sees whom (■); every fed token also sees the whole committed text::
+
+           c  u1 u2 u3 v0 v1 v2 v3 x0 y0 x1 y1
+      c    ■
+      u1   ■  ■
+      u2   ■  ■  ■
+      u3   ■  ■  ■  ■
+      v0   ■           ■
+      v1   ■  ■           ■
+      v2   ■  ■  ■           ■
+      v3   ■  ■  ■  ■           ■
+      x0   ■                       ■
+      y0   ■                       ■  ■
+      x1   ■                             ■
+      y1   ■                             ■  ■
+
+This is the paper's mask (as its reference code builds it): level 0 is causal,
+a higher level sees its column's level-0 prefix and its own column below it, a
+candidate sees only the text. Every chain has consecutive positions, so each token
+gets exactly the logits of decoding its chain alone. After the pass:
+
+* the pool gains the n-grams of the columns: (c v0 ·), (u1 v1 ·), (u2 v2 ·), (u3 v3 ·),
+  `·` being the argmax on top of the column;
+* the candidates are `c u1 u2 u3` (the level-0 chain: its logits come for free)
+  and each `c x y`; `greedy_accept` scores each against the target's argmax, the
+  longest wins and its accepted guesses plus the target's next token are emitted:
+  exactly greedy decoding's tokens. Rows accept different lengths;
+* the winner's segment becomes segment 0, every other fed slot dies, the step's
+  slots are compacted and rolled back to `c` + the accepted guesses::
+
+      cache   ... | c u1 u2 u3 v0 v1 v2 v3 x0 y0 x1 y1     winner x0 y0, 1 accepted
+      then    ... | c x0                                  (next pass feeds the new c at p + 2)
+
+* the window slides: each level takes the one above it, the top takes the argmax
+  on top of the columns, and the columns move left by the number of level-0 guesses
+  accepted (see `slide`).
+
+Jacobi decoding (Santilli et al. 2023) is the 2-gram case without a pool:
+`strategy="jacobi"` is `Lookahead(ngram=2, guess_set=0)`. The window is one
+chain `c u1 .. u(W-1)`; each pass refines every guess in parallel (u_k becomes the
+argmax after u_(k-1)), keeps the longest prefix of guesses equal to the argmax, and
+slides past it.
+
+Where this differs from the paper (none of it changes the output): the level-0
+chain is verified too (free); the window starts filled with prompt tokens and the
+pool takes n-grams once every level above 0 holds argmax outputs (after N - 2
+passes), instead of a warm-up that fills one level per pass without verifying; the
+reference code's window moves one column per pass whatever was accepted, this one
+also moves past the accepted level-0 guesses (the same when none are accepted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Int
+
+from mdjax import cache as cache_ops
+from mdjax.cache import KVCache
+from mdjax.models.config import ModelConfig
+from mdjax.sampling import greedy_accept
+from mdjax.step import decode_step
+from mdjax.strategies.base import Limits, OutputBuffer, Prompt, check_count, emit, prefill
+from mdjax.topology import Topology
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The static shape of one pass (see the module docstring), relative to p.
+
+    offset, segment  int[T]       position - p and segment of every fed token:
+                                  the window level by level, then the candidates
+    parent, fork     int[S]       the segment tree; fork - p (segment 0 forks at 0)
+    paths            int[C, D+1]  per candidate (0: the level-0 chain, then the
+                                  pool's), the fed index of c and of its guesses
+    guesses          int[C]       guesses per candidate (D = the most)
+    owner            int[C]       the segment holding a candidate's guesses
+  """
+
+  offset: np.ndarray
+  segment: np.ndarray
+  parent: np.ndarray
+  fork: np.ndarray
+  paths: np.ndarray
+  guesses: np.ndarray
+  owner: np.ndarray
+
+  def place(self, next_pos: Int[Array, "B"], done: Bool[Array, "B"]
+            ) -> tuple[Int[Array, "B T"], Int[Array, "B T"], Topology]:
+    """Positions, segments (-1 for done rows) and topology of every row's feed."""
+    positions = next_pos[:, None] + self.offset  # [B, T]
+    segments = jnp.where(done[:, None], -1, jnp.asarray(self.segment))  # [B, T]
+    fork = jnp.where(np.arange(self.fork.size) == 0, 0, next_pos[:, None] + self.fork)  # [B, S]
+    parent = jnp.broadcast_to(jnp.asarray(self.parent), fork.shape)
+    return positions, segments, Topology(parent=parent, fork=fork)
+
+
+@functools.lru_cache(maxsize=None)
+def feed_layout(window: int, ngram_size: int, guess_set: int) -> Layout:
+  """The layout of W = `window`, N = `ngram_size`, G = `guess_set`: T = (N - 1)(W + G)."""
+  levels = ngram_size - 1
+  level, column = np.divmod(np.arange(levels * window), window)  # the window, level-major
+  columns = window if levels > 1 else 0  # segments for the levels above 0
+  candidate, index = np.divmod(np.arange(guess_set * levels), levels)
+  offset = np.concatenate([level + column, 1 + index])
+  segment = np.concatenate([np.where(level > 0, 2 + column, np.minimum(column, 1)),
+                            2 + columns + candidate])
+  parent = np.array([-1, 0] + [1] * columns + [0] * guess_set)
+  fork = np.array([0, 1] + [1 + k for k in range(columns)] + [1] * guess_set)
+  longest = max(window - 1, levels if guess_set else 0)
+  chain = np.pad(np.arange(window), (0, longest + 1 - window))
+  pool = [np.pad(np.concatenate([[0], levels * window + g * levels + np.arange(levels)]),
+                 (0, longest - levels)) for g in range(guess_set)]
+  as_int32 = lambda a: np.asarray(a, np.int32)
+  return Layout(offset=as_int32(offset), segment=as_int32(segment), parent=as_int32(parent),
+                fork=as_int32(fork), paths=as_int32(np.stack([chain, *pool])),
+                guesses=as_int32([window - 1] + [levels] * guess_set),
+                owner=as_int32([1] + [2 + columns + g for g in range(guess_set)]))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NgramPool:
+  """Per row, every distinct n-gram the window produced, and the pass that last
+  produced it: `grams` int32[B, P, N] (-1: empty slot), `stamp` int32[B, P] (-1:
+  empty), `count` int32[B] slots used. The G most recent n-grams of a first token
+  are the paper's pool (at most G per key, least recently produced dropped)."""
+
+  grams: Int[Array, "B P N"]
+  stamp: Int[Array, "B P"]
+  count: Int[Array, "B"]
+
+  @classmethod
+  def empty(cls, batch: int, size: int, ngram_size: int) -> "NgramPool":
+    return cls(grams=jnp.full((batch, size, ngram_size), -1, jnp.int32),
+               stamp=jnp.full((batch, size), -1, jnp.int32), count=jnp.zeros((batch,), jnp.int32))
+
+  def candidates(self, first: Int[Array, "B"], num: int
+                 ) -> tuple[Int[Array, "B G N-1"], Bool[Array, "B G"]]:
+    """The `num` most recent n-grams starting with `first`, without it (zeros where
+    there are fewer), and which exist."""
+    recency = jnp.where(self.grams[..., 0] == first[:, None], self.stamp, -1)  # [B, P]
+    best, index = jax.lax.top_k(recency, num)  # [B, G]
+    grams = jnp.take_along_axis(self.grams, index[..., None], axis=1)  # [B, G, N]
+    exists = best >= 0
+    return jnp.where(exists[..., None], grams[..., 1:], 0), exists
+
+  def add(self, grams: Int[Array, "B W N"], now: Int[Array, ""], live: Bool[Array, "B"]
+          ) -> "NgramPool":
+    """Stamps `now` on each live row's `grams`, appending those it does not hold yet.
+
+    The caller sizes the pool: a row appends at most W n-grams per pass.
+    """
+    width = grams.shape[1]
+    held = (grams[:, :, None] == self.grams[:, None]).all(-1) & live[:, None, None]  # [B, W, P]
+    repeated = ((grams[:, :, None] == grams[:, None]).all(-1)
+                & np.tri(width, k=-1, dtype=bool)).any(-1)  # [B, W]: an earlier column's
+    new = live[:, None] & ~held.any(-1) & ~repeated  # [B, W]
+    slot = jnp.where(new, self.count[:, None] + jnp.cumsum(new, axis=1) - 1, self.stamp.shape[1])
+    rows = jnp.arange(grams.shape[0])[:, None]
+    stamp = jnp.where(held.any(1), now, self.stamp).at[rows, slot].set(now, mode="drop")
+    return NgramPool(grams=self.grams.at[rows, slot].set(grams, mode="drop"), stamp=stamp,
+                     count=self.count + new.sum(axis=1, dtype=jnp.int32))
+
+
+def slide(window: Int[Array, "B L W"], top: Int[Array, "B W"], shift: Int[Array, "B"]
+          ) -> Int[Array, "B L W"]:
+  """The next window: every level takes the one above it (the top level takes
+  `top`, the argmax on top of each column), moved left by `shift` columns; the last
+  column fills the vacated ones. Level 0, column 0 is overwritten by the next `c`.
+
+  Level l, column k sits at p + k + l, so one level down is already one position
+  on: with `shift` = the accepted level-0 guesses, every guess keeps its position
+  relative to the next `c` (Jacobi decoding's update)::
+
+      level 0    c  u1 u2 u3      argmax  u1 u2 z3 z4     (u1, u2 accepted: shift 2)
+      next       c' z4 z4 z4      c' = z3, the target's token after u2
+  """
+  moved = jnp.concatenate([window[:, 1:], top[:, None]], axis=1)  # [B, L, W]
+  width = window.shape[2]
+  column = jnp.minimum(jnp.arange(width)[None, :] + shift[:, None], width - 1)  # [B, W]
+  return jnp.take_along_axis(moved, column[:, None, :], axis=2)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Lookahead:
+  """W = `window` columns (tokens per level, c included), N = `ngram`,
+  G = `guess_set` candidates per pass (0, with N = 2 only: Jacobi decoding)."""
+
+  config: ModelConfig
+  window: int = 7
+  ngram: int = 5
+  guess_set: int = 7
+  attention: str = "block_sparse"
+
+  def __post_init__(self):
+    check_count("window", self.window, 1)
+    check_count("ngram", self.ngram, 2)
+    check_count("guess_set", self.guess_set, 0 if self.ngram == 2 else 1)
+
+  @property
+  def layout(self) -> Layout:
+    return feed_layout(self.window, self.ngram, self.guess_set)
+
+  def cache_slots(self, prompt_len: int, capacity: int, branches: int = 1) -> int:
+    """The padded prompt, the generated tokens, and room for one whole pass."""
+    return prompt_len + capacity + self.layout.offset.size
+
+  def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits, capacity: int) -> dict:
+    batch = prompt.tokens.shape[0]
+    logits, cache, _ = prefill(params, prompt, cache, self.config, self.attention)
+    first = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)  # [B] (one branch per row)
+    buffer, _ = emit(OutputBuffer.empty(batch, capacity), first[:, None],
+                     jnp.ones_like(first), limits)
+    zero = jnp.zeros((), jnp.int32)
+    # at most `capacity` passes, each adding at most W n-grams: the pool never fills
+    pool_size = self.window * capacity if self.guess_set else 0
+    return dict(cache=cache, limits=limits, buffer=buffer, last=first, next_pos=prompt.lengths,
+                window=self._first_window(prompt),
+                pool=NgramPool.empty(batch, pool_size, self.ngram), passes=zero,
+                accepted=zero, accepted_from_pool=zero,
+                accepted_length_counts=jnp.zeros((self.layout.paths.shape[1],), jnp.int32))
+
+  def _first_window(self, prompt: Prompt) -> Int[Array, "B L W"]:
+    """Prompt tokens, cycled: any guesses keep the output exact."""
+    levels = self.ngram - 1
+    index = np.arange(levels)[:, None] + np.arange(self.window)[None, :]  # [L, W]
+    index = index.reshape(1, -1) % prompt.lengths[:, None]  # [B, L * W]
+    window = jnp.take_along_axis(prompt.tokens, index, axis=1)
+    return window.reshape(-1, levels, self.window)
+
+  def step(self, params, state: dict) -> dict:
+    done, plan = state["buffer"].done, self.layout
+    window = state["window"].at[:, 0, 0].set(state["last"])  # [B, L, W]
+    candidates, found = state["pool"].candidates(state["last"], self.guess_set)  # [B, G, N-1]
+    tokens = jnp.concatenate([window.reshape(done.shape[0], -1),
+                              candidates.reshape(done.shape[0], -1)], axis=1)  # [B, T]
+    positions, segments, topology = plan.place(state["next_pos"], done)  # [B, T]
+    logits, _, cache = decode_step(params, state["cache"], tokens, positions, segments, topology,
+                                   config=self.config, attention=self.attention)  # [B, T, V]
+    choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T]
+    accepted, winner = self._verify(tokens, choice, found)  # [B, C], [B]
+    best = jnp.take_along_axis(accepted, winner[:, None], axis=1)[:, 0]  # [B]
+    emitted = jnp.take_along_axis(choice[:, plan.paths], winner[:, None, None],
+                                  axis=1)[:, 0]  # [B, D + 1]: the argmax after c, then each guess
+    top, grams = self._columns(window, choice)  # [B, W], [B, W, N]
+    ready = state["passes"] >= self.ngram - 2  # every level above 0 holds argmax outputs
+    return dict(self._tally(state, best, winner),
+                buffer=emit(state["buffer"], emitted, best + 1, state["limits"])[0],
+                cache=self._commit(cache, state["cache"].length, winner, best, done),
+                last=jnp.take_along_axis(emitted, best[:, None], axis=1)[:, 0],
+                next_pos=state["next_pos"] + best + 1, window=slide(window, top, accepted[:, 0]),
+                pool=state["pool"].add(grams, state["passes"], ~done & ready))
+
+  def _columns(self, window: Int[Array, "B L W"], choice: Int[Array, "B T"]
+               ) -> tuple[Int[Array, "B W"], Int[Array, "B W N"]]:
+    """The argmax on top of each column, and the column's n-gram: its tokens, then that."""
+    levels = self.ngram - 1
+    top = choice[:, (levels - 1) * self.window:levels * self.window]  # [B, W]
+    return top, jnp.concatenate([window, top[:, None]], axis=1).transpose(0, 2, 1)
+
+  def _tally(self, state: dict, best: Int[Array, "B"], winner: Int[Array, "B"]) -> dict:
+    """The stats, over the rows this pass decoded."""
+    live = ~state["buffer"].done
+    counts = jax.nn.one_hot(best, self.layout.paths.shape[1], dtype=jnp.int32) * live[:, None]
+    return dict(state, passes=state["passes"] + 1,
+                accepted=state["accepted"] + jnp.where(live, best, 0).sum(),
+                accepted_from_pool=state["accepted_from_pool"]
+                + jnp.where(live & (winner > 0), best, 0).sum(),
+                accepted_length_counts=state["accepted_length_counts"] + counts.sum(axis=0))
+
+  def _verify(self, tokens: Int[Array, "B T"], choice: Int[Array, "B T"], found: Bool[Array, "B G"]
+              ) -> tuple[Int[Array, "B C"], Int[Array, "B"]]:
+    """Accepted guesses of every candidate, and the winner (the first longest)."""
+    paths = self.layout.paths  # [C, D + 1]
+    batch, (num, longest) = tokens.shape[0], paths.shape
+    exists = jnp.concatenate([jnp.ones((batch, 1), jnp.bool_), found], axis=1)  # [B, C]
+    count = jnp.where(exists, jnp.asarray(self.layout.guesses), 0)  # [B, C]
+    accepted = greedy_accept(tokens[:, paths[:, 1:]].reshape(batch * num, longest - 1),
+                             count.reshape(-1),
+                             choice[:, paths].reshape(batch * num, longest)).reshape(batch, num)
+    return accepted, jnp.argmax(accepted, axis=1).astype(jnp.int32)
+
+  def _commit(self, cache: KVCache, cached: Int[Array, "B"], winner: Int[Array, "B"],
+              accepted: Int[Array, "B"], done: Bool[Array, "B"]) -> KVCache:
+    """Keeps c and the winner's accepted guesses, in order, right after the text."""
+    plan = self.layout
+    keep = jnp.asarray(plan.owner)[winner]  # [B] the winner's segment joins segment 0
+    segment = jnp.arange(plan.parent.size)[None, :]  # [1, S]
+    cache = cache_ops.remap_segments(
+        cache, jnp.where((segment == 0) | (segment == keep[:, None]), 0, -1))
+    cache = cache_ops.compact(cache, cached, plan.offset.size)
+    return cache_ops.rollback(cache, jnp.where(done, cached, cached + 1 + accepted))
+
+  def done(self, state: dict):
+    return state["buffer"].done
+
+  def result(self, state: dict):
+    counts = state["accepted_length_counts"]  # [D + 1] row-passes by guesses accepted
+    return state["buffer"], {
+        "target_passes": state["passes"], "accepted": state["accepted"],
+        "accepted_from_pool": state["accepted_from_pool"], "accepted_length_counts": counts,
+        "mean_accepted_length": state["accepted"] / jnp.maximum(counts.sum(), 1)}
