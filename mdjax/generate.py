@@ -22,7 +22,7 @@ from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
 from mdjax.models.model import Model
 from mdjax.strategies import metadata
-from mdjax.strategies import margins, skeleton
+from mdjax.strategies import skeleton
 from mdjax.strategies.base import Limits, Prompt, layout_chains, layout_prompts
 
 MIN_BUCKET = 16
@@ -241,10 +241,11 @@ def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: in
   (e.g. temperature, top_k, top_p, min_p for "sample"; num_beams, length_penalty,
   early_stopping for "beam", which also fills `beams`).
   """
-  if strategy in strategies.PIPELINES:  # several generate calls (e.g. "margins")
+  if strategy in strategies.PIPELINES:  # several generate calls ("margins", "reasoning")
     strategies.check_options(strategy, options)
-    return margins.run(generate, encode_prompts, model, prompts, max_new_tokens=max_new_tokens,
-                       eos_token_id=eos_token_id, seed=seed, **options)
+    return strategies.PIPELINES[strategy].run(
+        generate, encode_prompts, model, prompts, max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_id, seed=seed, **options)
   plan = _prepare(model, prompts, strategy, max_new_tokens, eos_token_id, seed, options)
   program, compile_s = _compile(plan.decoder, plan.params, plan.prompt, plan.limits,
                                 **plan.static)

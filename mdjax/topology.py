@@ -47,6 +47,15 @@ node a at pos 3 with children b, c at pos 4, and d under b at pos 5)::
 
 Segments of a row that are unused stay roots with no tokens; a killed segment's
 tokens are marked dead in the cache (`seg = -1`), which no query sees.
+
+A join (`joins[s, a]` set) also sees every token of segment `a` that is not after
+it: a segment reading several sibling branches at once, which a tree cannot say.
+E.g. two reasoning branches over a prompt, and a join placed after both::
+
+    slot  0 1 | 2 3 | 4 5 6 | 7            parent = [-1, 0, 0, 0], fork = [0, 2, 2, 2]
+    seg   0 0 | 1 1 | 2 2 2 | 3            joins[3, 1] = joins[3, 2] = True
+    pos   0 1 | 2 3 | 2 3 4 | 8            (join at pos 8: a position gap after pos 4)
+              q(seg 3, pos 8) sees ■ ■ ■ ■ ■ ■ ■ ■
 """
 
 from __future__ import annotations
@@ -63,10 +72,12 @@ UNBOUNDED = jnp.iinfo(jnp.int32).max
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Topology:
-  """The segment tree of every row: `parent`, `fork`: int32[batch, segments]."""
+  """The segment tree of every row: `parent`, `fork`: int32[batch, segments]; and,
+  optionally, `joins` bool[batch, segments, segments]: segment s also sees all of a."""
 
   parent: Int[Array, "B G"]
   fork: Int[Array, "B G"]
+  joins: Bool[Array, "B G G"] | None = None
 
   @classmethod
   def causal(cls, batch: int, num_segments: int = 1) -> "Topology":
@@ -78,8 +89,8 @@ class Topology:
                   fork: Int[Array, "B"]) -> "Topology":
     """Sets `segment`'s parent and fork position in every row (pure)."""
     rows = jnp.arange(self.parent.shape[0])
-    return Topology(parent=self.parent.at[rows, segment].set(parent),
-                    fork=self.fork.at[rows, segment].set(fork))
+    return dataclasses.replace(self, parent=self.parent.at[rows, segment].set(parent),
+                               fork=self.fork.at[rows, segment].set(fork))
 
 
 def visibility_limits(topology: Topology) -> Int[Array, "B G G"]:
@@ -107,7 +118,7 @@ def visibility_limits(topology: Topology) -> Int[Array, "B G G"]:
   node = jnp.broadcast_to(jnp.arange(num_segments, dtype=jnp.int32), (batch, num_segments))
   bound = jnp.full((batch, num_segments), UNBOUNDED, jnp.int32)
   limit, _, _ = jax.lax.fori_loop(0, num_segments, climb, (limit, node, bound))
-  return limit
+  return limit if topology.joins is None else jnp.where(topology.joins, UNBOUNDED, limit)
 
 
 def visible(limit: Int[Array, "B G G"], q_seg: Int[Array, "B T"], q_pos: Int[Array, "B T"],

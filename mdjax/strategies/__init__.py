@@ -9,7 +9,7 @@ from mdjax.models.config import ModelConfig
 from mdjax.sampling import SamplingParams
 from mdjax.strategies.autoregressive import Autoregressive
 from mdjax.strategies.beam import Beam
-from mdjax.strategies import margins
+from mdjax.strategies import margins, reasoning
 from mdjax.strategies.entropy import EntropyBranching
 from mdjax.strategies.lookahead import Lookahead
 from mdjax.strategies.lookup import PromptLookup
@@ -103,7 +103,7 @@ COMMON_OPTIONS = ("attention",)
 
 
 # Strategies that chain several `generate` calls, and their options.
-PIPELINES = {"margins": margins.OPTIONS}
+PIPELINES = {"margins": margins, "reasoning": reasoning}  # modules: OPTIONS, run
 
 
 def option_names(name: str) -> tuple[str, ...]:
@@ -112,7 +112,7 @@ def option_names(name: str) -> tuple[str, ...]:
     raise MdjaxError(f"unknown strategy {name!r}; valid strategies: "
                      f"{', '.join(BUILDERS | PIPELINES)}")
   if name in PIPELINES:
-    return PIPELINES[name]
+    return PIPELINES[name].OPTIONS
   branch_option = (BRANCH_OPTIONS[name],) if name in BRANCH_OPTIONS else ()
   return BUILDERS[name][1] + branch_option + COMMON_OPTIONS
 
