@@ -9,7 +9,7 @@ from mdjax.models.config import ModelConfig
 from mdjax.sampling import SamplingParams
 from mdjax.strategies.autoregressive import Autoregressive
 from mdjax.strategies.beam import Beam
-from mdjax.strategies import margins, reasoning
+from mdjax.strategies import margins, predict_user, reasoning
 from mdjax.strategies.entropy import EntropyBranching
 from mdjax.strategies.lookahead import Lookahead
 from mdjax.strategies.lookup import PromptLookup
@@ -103,7 +103,8 @@ COMMON_OPTIONS = ("attention",)
 
 
 # Strategies that chain several `generate` calls, and their options.
-PIPELINES = {"margins": margins, "reasoning": reasoning}  # modules: OPTIONS, run
+PIPELINES = {"margins": margins, "reasoning": reasoning,  # modules: OPTIONS, run
+             "predict_user": predict_user}
 
 
 def option_names(name: str) -> tuple[str, ...]:
