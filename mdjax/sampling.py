@@ -13,7 +13,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from mdjax.errors import MdjaxError
 
@@ -129,3 +129,59 @@ def speculative_accept(keys: jax.Array, chain: Int[Array, "B D"], count: Int[Arr
   residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_next)
   next_token = jax.vmap(jax.random.categorical)(next_keys, jnp.log(residual))
   return accepted, next_token.astype(jnp.int32)
+
+
+def tree_accept(keys: jax.Array, tokens: Int[Array, "B N"], parent: Int[Array, "B N"],
+                p: Float[Array, "B N+1 V"], depth: int
+                ) -> tuple[Int[Array, "B D"], Int[Array, "B"]]:
+  """The multi-candidate rule: walk a draft token tree from its root.
+
+  Node n holds `tokens[:, n]` under node `parent[:, n]` (-1: the root), at most
+  `depth` levels deep, a node's children in the order they are tried (the draft's
+  rank); `p[:, 0]` is the target's distribution at the root, `p[:, 1 + n]` after
+  node n. At the current node the children c_1, c_2, ... are tried in turn: c_i is
+  accepted with probability p_i(c_i), where p_i is p with c_1 .. c_{i-1} zeroed and
+  renormalised; the walk moves to the first accepted child. When every child is
+  rejected (or there is none), the next token is drawn from p with all the node's
+  children zeroed. For a draft whose children are fixed tokens (a deterministic
+  top-k, q = 1), every emitted token is distributed exactly as p. A one-hot p (the
+  target's argmax) is greedy verification: it accepts the child equal to the argmax,
+  then emits the argmax. Returns (path [B, depth]: the accepted node per level, -1
+  past the accepted ones; next_token [B]).
+  """
+  batch, num_nodes = tokens.shape
+  rows = jnp.arange(batch)
+  try_keys, next_keys = jax.vmap(lambda k: tuple(jax.random.split(k)))(keys)
+  uniform = jax.vmap(lambda k: jax.random.uniform(k, (num_nodes,)))(try_keys)  # [B, N] a try each
+
+  def children(node: Int[Array, "B"]):
+    """p after `node` [B, V], its children [B, N] and their target probabilities [B, N]."""
+    p_node = p[rows, node + 1]  # [B, V]
+    child = parent == node[:, None]  # [B, N]
+    return p_node, child, jnp.where(child, jnp.take_along_axis(p_node, tokens, axis=1), 0.0)
+
+  def level(carry, _):
+    node, walking = carry  # [B] current node (-1: root), [B] still accepting
+    p_node, child, p_child = children(node)
+    rest = p_node.sum(-1, keepdims=True) - (jnp.cumsum(p_child, axis=1) - p_child)  # [B, N]
+    hit = child & (uniform * rest < p_child) & walking[:, None]  # mass left after earlier tries
+    found = hit.any(axis=1)
+    node = jnp.where(found, jnp.argmax(hit, axis=1).astype(jnp.int32), node)
+    return (node, found), jnp.where(found, node, -1)
+
+  start = (jnp.full((batch,), -1, jnp.int32), jnp.ones((batch,), jnp.bool_))
+  (node, _), path = jax.lax.scan(level, start, length=depth)  # path [D, B]
+  p_node, child, _ = children(node)
+  residual = jnp.where(_holds(tokens, child, p_node.shape[-1]), 0.0, p_node)  # [B, V]
+  # The last rejected child left mass elsewhere, so the residual has some; guard rounding.
+  residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_node)
+  next_token = jax.vmap(jax.random.categorical)(next_keys, jnp.log(residual))
+  return path.T, next_token.astype(jnp.int32)
+
+
+def _holds(tokens: Int[Array, "B N"], chosen: Bool[Array, "B N"], vocab: int
+           ) -> Bool[Array, "B V"]:
+  """Which tokens some chosen node holds."""
+  rows = jnp.arange(tokens.shape[0])[:, None]
+  return jnp.zeros((tokens.shape[0], vocab), jnp.bool_).at[
+      rows, jnp.where(chosen, tokens, vocab)].set(True, mode="drop")

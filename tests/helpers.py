@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -14,6 +15,7 @@ from mdjax.cache import KVCache
 from mdjax.models.config import ModelConfig
 from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
+from mdjax.models.transformer import forward_causal, lm_head
 from mdjax.step import decode_step
 from mdjax.topology import Topology
 
@@ -105,6 +107,23 @@ def expected_first_token_law(logits, temperature, top_k=0, top_p=1.0, min_p=0.0)
   if min_p:
     filtered = np.where(filtered >= min_p * filtered.max(), filtered, 0)
   return filtered / filtered.sum()
+
+
+def target_law(model: Model, prompt, position: int, options: dict) -> np.ndarray:
+  """Exact law of generated token `position` under target sampling with `options`:
+  the mixture, over every earlier generated sequence of nonzero probability, of the
+  law after it (up to vocab ** position sequences: small positions only)."""
+  run = jax.jit(lambda ids: lm_head(model.params, forward_causal(model.params, ids,
+                                                                  config=model.config)))
+  prefixes, weights = np.asarray([prompt]), np.ones(1)  # [n, P + i], [n]
+  while True:
+    logits = np.asarray(run(jnp.asarray(prefixes))[:, -1])  # [n, V]
+    laws = np.stack([expected_first_token_law(row, **options) for row in logits])  # [n, V]
+    if prefixes.shape[1] == len(prompt) + position:
+      return weights @ laws
+    prefix, token = np.nonzero(weights[:, None] * laws)
+    prefixes = np.concatenate([prefixes[prefix], token[:, None]], axis=1)
+    weights = weights[prefix] * laws[prefix, token]
 
 
 def chi_square_p_value(samples, law: np.ndarray, min_expected: float = 5.0) -> float:

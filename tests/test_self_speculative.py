@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 import mdjax
-from tests.helpers import chi_square_p_value, random_model
-from tests.test_speculative import _target_law
+from tests.helpers import chi_square_p_value, random_model, target_law
 
 VOCAB = 64  # random_model's
 
@@ -52,7 +51,7 @@ def test_self_speculative_sampling_follows_the_target_law(targets):
                        num_draft_tokens=2, max_new_tokens=3, eos_token_id=[], seed=4, **options)
   assert 0 < out.stats["accepted"] < out.stats["drafted"]
   assert chi_square_p_value([s[1] for s in out.sequences],
-                            _target_law(target, prompt, 1, options)) > 1e-3
+                            target_law(target, prompt, 1, options)) > 1e-3
 
 
 @pytest.mark.parametrize("kwargs,match", [

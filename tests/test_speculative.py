@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 import mdjax
-from mdjax.models.transformer import forward_causal, lm_head
 from mdjax.sampling import speculative_accept
-from tests.helpers import chi_square_p_value, expected_first_token_law, random_model
+from tests.helpers import chi_square_p_value, random_model, target_law
 
 VOCAB = 64  # random_model's
 
@@ -144,21 +143,6 @@ def test_acceptance_rule_emits_the_target_law():
   assert abs(np.asarray(accepted).mean() - np.minimum(p[0], q[0]).sum()) < 0.025  # sd < 0.0065
 
 
-def _target_law(model, prompt, position, options):
-  """Exact law of generated token `position` (0 or 1) under target sampling: the
-  mixture over the first token of the law after it."""
-  run = jax.jit(lambda ids: lm_head(model.params, forward_causal(model.params, ids,
-                                                                  config=model.config)))
-  first = expected_first_token_law(np.asarray(run(jnp.asarray([prompt]))[0, -1]), **options)
-  if position == 0:
-    return first
-  extended = np.concatenate([np.tile(prompt, (first.size, 1)),
-                             np.arange(first.size)[:, None]], axis=1)  # [V, P + 1]
-  after = np.asarray(run(jnp.asarray(extended))[:, -1])  # [V, V]
-  return sum(first[t] * expected_first_token_law(after[t], **options)
-             for t in range(first.size) if first[t] > 0)
-
-
 @pytest.mark.parametrize("options", [dict(temperature=0.8), dict(temperature=1.2, top_k=12)])
 def test_speculative_sampling_follows_the_target_law(targets, draft, options):
   """3000 independent rows; the second token is the first one speculation decides
@@ -168,7 +152,7 @@ def test_speculative_sampling_follows_the_target_law(targets, draft, options):
                        num_draft_tokens=2, max_new_tokens=3, eos_token_id=[], seed=3, **options)
   assert 0 < out.stats["accepted"] < out.stats["drafted"]  # both branches of the rule ran
   second = [s[1] for s in out.sequences]
-  assert chi_square_p_value(second, _target_law(target, prompt, 1, options)) > 1e-3
+  assert chi_square_p_value(second, target_law(target, prompt, 1, options)) > 1e-3
 
 
 @pytest.mark.parametrize("strategy,options", [

@@ -15,6 +15,7 @@ from mdjax.strategies.lookahead import Lookahead
 from mdjax.strategies.lookup import PromptLookup
 from mdjax.strategies.self_speculative import SelfSpeculative, draft_config, draft_params
 from mdjax.strategies.speculative import Speculative
+from mdjax.strategies.speculative_tree import SpeculativeTree
 
 SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p")
 
@@ -62,6 +63,9 @@ def _speculative(config: ModelConfig, options: dict, name: str = "speculative",
                   **options)
 
 
+def _speculative_tree(config: ModelConfig, options: dict):
+  return _speculative(config, options, "speculative_tree", SpeculativeTree)
+
 
 def _self_speculative(config: ModelConfig, options: dict):
   layers = options.pop("draft_layers", None)
@@ -92,6 +96,9 @@ BUILDERS = {"greedy": (_greedy, ()), "sample": (_sample, SAMPLING_OPTIONS),
             "speculative": (_speculative, ("draft", "num_draft_tokens", "draft_schedule",
                                            "max_draft_tokens", "confidence_threshold",
                                            "return_metadata", *SAMPLING_OPTIONS)),
+            "speculative_tree": (_speculative_tree, ("draft", "tree_depth", "tree_top_k",
+                                                     "tree_budget", "return_metadata",
+                                                     *SAMPLING_OPTIONS)),
             "self_speculative": (_self_speculative, ("draft_layers", "num_draft_tokens",
                                                      "draft_schedule", "max_draft_tokens",
                                                      "confidence_threshold", "return_metadata",
@@ -177,7 +184,7 @@ def _question(encode, question, prompt: int, index: int) -> list[int]:
 
 def run_params(name: str, params, options: dict):
   """The params pytree strategy `name` runs on: the model's, or target and draft's."""
-  if name == "speculative":
+  if name in ("speculative", "speculative_tree"):
     return {"target": params, "draft": options["draft"].params}
   if name == "self_speculative":
     return {"target": params, "draft": draft_params(params, options["draft_layers"])}

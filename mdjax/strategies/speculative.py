@@ -46,7 +46,7 @@ from mdjax.sampling import (SamplingParams, choose, greedy_accept, process_logit
                             speculative_accept)
 from mdjax.step import decode_step
 from mdjax.strategies import metadata
-from mdjax.strategies.base import Limits, OutputBuffer, Prompt, emit, prefill
+from mdjax.strategies.base import Limits, OutputBuffer, Prompt, check_count, emit, prefill
 
 SCHEDULES = ("constant", "heuristic")
 DRAFT_KEY, ACCEPT_KEY = 1, 2  # fold_in tags of a step's row key
@@ -68,8 +68,8 @@ class Speculative:
     if self.draft_config.vocab_size != self.config.vocab_size:
       raise MdjaxError(f"the draft's vocabulary ({self.draft_config.vocab_size} tokens) differs "
                        f"from the target's ({self.config.vocab_size} tokens)")
-    _check_count("num_draft_tokens", self.num_draft_tokens, 1)
-    _check_count("max_draft_tokens", self.max_draft_tokens, 0)
+    check_count("num_draft_tokens", self.num_draft_tokens, 1)
+    check_count("max_draft_tokens", self.max_draft_tokens, 0)
     if self.draft_schedule not in SCHEDULES:
       raise MdjaxError(f"draft_schedule must be one of {', '.join(SCHEDULES)}, "
                        f"got {self.draft_schedule!r}")
@@ -131,6 +131,12 @@ class Speculative:
   def _draft(self, params, state: dict, keys: jax.Array):
     """The draft catches up on `pending`, then drafts: see `_chain`. Returns (chain,
     length, q, draft cache holding pending + chain[:length - 1], draft passes)."""
+    logits, draft_cache = self._catch_up(params, state)
+    return self._chain(params, state, keys, logits, draft_cache)
+
+  def _catch_up(self, params, state: dict) -> tuple[Float[Array, "B V"], KVCache]:
+    """One draft pass over `pending`: the draft's logits after the last emitted token,
+    and its cache holding everything emitted so far."""
     done = state["buffer"].done
     first_pos = state["next_pos"] + 1 - state["pending_count"]  # [B] of pending[0]
     offsets = jnp.arange(2)[None, :]
@@ -139,7 +145,7 @@ class Speculative:
         params, state["draft_cache"], state["pending"], first_pos[:, None] + offsets,
         jnp.where(feed, 0, -1), state["topology"], config=self.draft_config,
         logits_at=(state["pending_count"] - 1)[:, None], attention=self.attention)  # [B, 1, V]
-    return self._chain(params, state, keys, logits[:, 0], draft_cache)
+    return logits[:, 0], draft_cache
 
   def _chain(self, params, state: dict, keys: jax.Array, logits: Float[Array, "B V"],
              draft_cache: KVCache):
@@ -259,8 +265,3 @@ class Speculative:
         "mean_accepted_length": accepted.sum() / jnp.maximum(drafted[0], 1),
         "acceptance_rate_at": accepted / jnp.maximum(drafted, 1)} | (
             {"metadata": state["metadata"]} if self.return_metadata else {})
-
-
-def _check_count(name: str, value, minimum: int) -> None:
-  if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-    raise MdjaxError(f"{name} must be an integer >= {minimum}, got {value!r}")

@@ -1,0 +1,12 @@
+"""Beam search (transformers' semantics): `python -m experiments.decode --config=configs/beam.py`."""
+
+from configs import common
+
+
+def get_config():
+  """The shared fields with strategy "beam" and its options."""
+  config = common.get_base_config("beam")
+  config.num_beams = 4
+  config.length_penalty = 1.0
+  config.early_stopping = False  # True, False or "never", as in transformers
+  return config

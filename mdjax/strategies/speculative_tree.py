@@ -1,0 +1,298 @@
+r"""`speculative_tree`: the draft proposes a token tree (EAGLE-2), the target verifies
+every node in one pass, the accepted path is compacted into contiguous slots.
+
+Options: `tree_depth` D (levels drafted), `tree_top_k` K (children per expanded
+node, and nodes expanded per level), `tree_budget` M (nodes the target verifies, at
+most the K + (D - 1) K² drafted), plus the sampling options and `return_metadata`.
+
+Drafting, on the draft's own cache after it caught up on `pending` (as in
+`Speculative`): level 1 is the K most likely tokens after the last emitted token
+`c`. For each further level, the K nodes of the level above with the highest
+cumulative log-probability (the frontier) are fed in one draft pass, each its own
+segment seeing the committed text and its ancestors only, and each yields its K
+most likely children. All drafted nodes are then ranked by cumulative
+log-probability and the best M kept; a child never outscores its parent and ties
+keep the shallower node, so the kept nodes form a tree. D = 3, K = 2, M = 6::
+
+    draft pass 1   pending (ending in c)        -> level 1: a b
+    draft pass 2   a b  (segments 1 2)          -> level 2: d e | f f'   frontier d e
+    draft pass 3   d e  (segments 3 4, under 1) -> level 3: g g' | h h'
+    kept           the best 6 of 2 + 4 + 4:  a b d e f g
+
+Verifying: the target feeds `c` (segment 0, the committed text) and the M nodes, in
+drafting order; node r is segment 1 + r, forked from its parent's segment at its
+own position (committed length + depth), so it sees the committed text and its
+ancestors only. With `c` at position 7::
+
+          c                 feed     c  a  b  d  e  f  g
+        /   \               seg      0  1  2  3  4  5  6     parent [-1, 0, 0, 1, 1, 2, 3]
+       a     b              pos      7  8  8  9  9  9 10     fork   [ 0, 8, 8, 9, 9, 9,10]
+      / \     \             q(g) sees ...committed, c, a, d, g  (not b, e, f)
+     d   e     f
+     |
+     g
+
+Accepting (`mdjax.sampling.tree_accept`): from `c`, the children are tried in draft
+rank order. Greedy keeps the child equal to the target's argmax, so the output is
+exactly the target's greedy decoding; sampling keeps child x with probability p(x)
+after zeroing the children rejected before it, so the output follows the target's
+sampling law. Say `a` then `e` are kept and the target's token after `e` is `x`:
+emit `a e x`. The accepted nodes join segment 0, the rest die, and `compact` closes
+the gaps after the committed text (nothing before `c`'s slot L moves)::
+
+    token      ... | c  a  b  d  e  f  g      length L + 7
+    seg          0 | 0  1  2  3  4  5  6
+    remapped     0 | 0  0 -1 -1  0 -1 -1
+    compacted  ... | c  a  e                  length L + 3
+
+The draft's cache keeps the accepted nodes it was fed (all but the last: `a`),
+compacted the same way; the last accepted node and `x` become its `pending` tokens.
+
+Statistics: `drafted_at` / `accepted_at` count the nodes drafted and accepted per
+depth; `mean_accepted_length` is the accepted nodes per verify of a row. Metadata:
+at a correction, `rejected` is the first child tried where the walk stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from mdjax import cache as cache_ops
+from mdjax.cache import KVCache
+from mdjax.errors import MdjaxError
+from mdjax.sampling import process_logits, row_keys, tree_accept
+from mdjax.step import decode_step
+from mdjax.strategies import metadata
+from mdjax.strategies.base import check_count, emit
+from mdjax.strategies.speculative import ACCEPT_KEY, Speculative
+from mdjax.topology import Topology
+
+SLOT_MULTIPLE = 8  # attention's key blocks must divide the slot count: keep it composite
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Tree:
+  """Drafted nodes, parents before children: `tokens`, `parent` (node index, -1 for a
+  child of the last emitted token), `depth` (1 for those children): int32[B, N]."""
+
+  tokens: Int[Array, "B N"]
+  parent: Int[Array, "B N"]
+  depth: Int[Array, "B N"]
+
+  def topology(self, next_pos: Int[Array, "B"]) -> Topology:
+    """Segment 0 (the committed text, `c` at `next_pos`), node n in segment 1 + n."""
+    return Topology(parent=jnp.pad(self.parent + 1, ((0, 0), (1, 0)), constant_values=-1),
+                    fork=jnp.pad(next_pos[:, None] + self.depth, ((0, 0), (1, 0))))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculativeTree(Speculative):
+  """`Speculative` with a draft tree; of the chain's options only the draft, the
+  sampling options, `return_metadata` and `attention` apply."""
+
+  tree_depth: int = 4
+  tree_top_k: int = 4
+  tree_budget: int = 16
+
+  def __post_init__(self):
+    super().__post_init__()
+    for name in ("tree_depth", "tree_top_k", "tree_budget"):
+      check_count(name, getattr(self, name), 1)
+    if self.tree_top_k > self.config.vocab_size:
+      raise MdjaxError(f"tree_top_k ({self.tree_top_k}) exceeds the vocabulary "
+                       f"({self.config.vocab_size} tokens)")
+    if self.tree_budget > self.num_drafted:
+      raise MdjaxError(f"tree_budget ({self.tree_budget}) exceeds the {self.num_drafted} nodes "
+                       f"drafted with tree_depth {self.tree_depth} and tree_top_k "
+                       f"{self.tree_top_k} (K + (D - 1) K²)")
+
+  @property
+  def num_drafted(self) -> int:
+    return self.tree_top_k + (self.tree_depth - 1) * self.tree_top_k**2
+
+  @property
+  def num_fed(self) -> int:
+    """Nodes fed to the draft: the frontier of every level but the last."""
+    return (self.tree_depth - 1) * self.tree_top_k
+
+  @property
+  def longest_chain(self) -> int:
+    """The longest accepted path (sizes the per-depth statistics)."""
+    return self.tree_depth
+
+  def cache_slots(self, prompt_len: int, capacity: int, branches: int = 1) -> int:
+    """The padded prompt, the generated tokens, and room for one tree in either cache."""
+    slots = prompt_len + capacity + 1 + max(self.tree_budget, self.num_fed)
+    return -(-slots // SLOT_MULTIPLE) * SLOT_MULTIPLE
+
+  def _log_probs(self, logits: Float[Array, "... V"]) -> Float[Array, "... V"]:
+    return jax.nn.log_softmax(process_logits(logits, self.sampling), axis=-1)
+
+  def _draft_tree(self, params, state: dict, logits: Float[Array, "B V"], draft_cache: KVCache
+                  ) -> tuple[Tree, Float[Array, "B N"], Int[Array, "B F"], KVCache]:
+    """Every drafted node (`Tree`, N = num_drafted, by level then rank) and its
+    cumulative log-probability, which of them were fed (F = num_fed, by level) and the
+    draft cache holding them. Level d + 1 comes from one draft pass over level d's
+    frontier, each node its own segment (`Tree.topology` over the fed nodes)."""
+    k, done, next_pos = self.tree_top_k, state["buffer"].done, state["next_pos"]
+    batch, num_drafted, num_fed = done.shape[0], self.num_drafted, self.num_fed
+    score, token = jax.lax.top_k(self._log_probs(logits), k)  # [B, K]: level 1
+    pad = lambda x, value: jnp.pad(x, ((0, 0), (0, num_drafted - k)), constant_values=value)
+    fed_depth = jnp.broadcast_to(jnp.arange(num_fed) // k + 1, (batch, num_fed))
+    take = lambda x, i: jnp.take_along_axis(x, i, axis=1)
+
+    def expand(level, carry):
+      front = carry["front"]  # [B, K] drafted index of the nodes fed now
+      fed = jax.lax.dynamic_update_slice_in_dim(carry["fed"], front, level * k, axis=1)
+      fed_parent = jax.lax.dynamic_update_slice_in_dim(carry["fed_parent"],
+                                                       carry["front_parent"], level * k, axis=1)
+      segments = 1 + level * k + jnp.arange(k)[None, :]  # [1, K]
+      logits, _, cache = decode_step(
+          params, carry["cache"], take(carry["token"], front),
+          jnp.broadcast_to((next_pos + level + 1)[:, None], front.shape),
+          jnp.where(done[:, None], -1, segments),
+          Tree(tokens=fed, parent=fed_parent, depth=fed_depth).topology(next_pos),
+          config=self.draft_config, attention=self.attention)  # [B, K, V]
+      child_score, child = jax.lax.top_k(self._log_probs(logits), k)  # [B, K, K]
+      score = (take(carry["score"], front)[..., None] + child_score).reshape(batch, k * k)
+      start = k + level * k * k  # drafted index of the new level
+      put = lambda x, new: jax.lax.dynamic_update_slice_in_dim(x, new, start, axis=1)
+      _, best = jax.lax.top_k(score, k)  # [B, K] the next frontier, within the new level
+      return dict(carry, cache=cache, fed=fed, fed_parent=fed_parent, front=start + best,
+                  front_parent=level * k + best // k,
+                  token=put(carry["token"], child.reshape(batch, k * k)),
+                  score=put(carry["score"], score),
+                  parent=put(carry["parent"], jnp.repeat(front, k, axis=1)))
+
+    carry = dict(cache=draft_cache, token=pad(token, 0), score=pad(score, -jnp.inf),
+                 parent=jnp.full((batch, num_drafted), -1, jnp.int32),
+                 front=jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k)),
+                 front_parent=jnp.full((batch, k), -1, jnp.int32),
+                 fed=jnp.zeros((batch, num_fed), jnp.int32),
+                 fed_parent=jnp.full((batch, num_fed), -1, jnp.int32))
+    if self.tree_depth > 1:  # (a zero-trip loop would still trace `expand` on empty arrays)
+      carry = jax.lax.fori_loop(0, self.tree_depth - 1, expand, carry)
+    depth = np.repeat(np.arange(1, self.tree_depth + 1), [k] + [k * k] * (self.tree_depth - 1))
+    tree = Tree(tokens=carry["token"], parent=carry["parent"],
+                depth=jnp.broadcast_to(jnp.asarray(depth, jnp.int32), (batch, num_drafted)))
+    return tree, carry["score"], carry["fed"], carry["cache"]
+
+  def _keep(self, drafted: Tree, score: Float[Array, "B N"]) -> tuple[Tree, Int[Array, "B M"]]:
+    """The `tree_budget` best-scored nodes, still in drafting order, and their drafted
+    index. A stable sort puts a parent (earlier, never lower) before its children."""
+    batch = score.shape[0]
+    kept = jnp.sort(jnp.argsort(-score, axis=1, stable=True)[:, :self.tree_budget], axis=1)
+    rank = jnp.full(score.shape, -1, jnp.int32).at[jnp.arange(batch)[:, None], kept].set(
+        jnp.arange(self.tree_budget, dtype=jnp.int32))  # [B, N]: kept node of a drafted one
+    take = lambda x: jnp.take_along_axis(x, kept, axis=1)  # [B, M]
+    parent = take(drafted.parent)
+    parent = jnp.where(parent >= 0, jnp.take_along_axis(rank, jnp.maximum(parent, 0), axis=1), -1)
+    return Tree(tokens=take(drafted.tokens), parent=parent, depth=take(drafted.depth)), kept
+
+  def _accept(self, keys: jax.Array, tree: Tree, logits: Float[Array, "B M+1 V"]):
+    """(path [B, D] of accepted nodes, the target's next token [B]): `tree_accept`
+    with the target's distributions, one-hot at its argmax when greedy."""
+    if self.sampling.greedy:
+      p = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    else:
+      p = self._target_probs(logits)
+    accept_keys = jax.vmap(lambda key: jax.random.fold_in(key, ACCEPT_KEY))(keys)
+    return tree_accept(accept_keys, tree.tokens, tree.parent, p, self.tree_depth)
+
+  def _verify_tree(self, params, state: dict, tree: Tree
+                   ) -> tuple[Float[Array, "B M+1 V"], KVCache]:
+    """One target pass over the last emitted token (segment 0) and the tree."""
+    next_pos, done = state["next_pos"], state["buffer"].done
+    segments = jnp.arange(self.tree_budget + 1)[None, :]  # [1, 1 + M]
+    logits, _, cache = decode_step(
+        params, state["cache"], jnp.concatenate([state["last"][:, None], tree.tokens], axis=1),
+        next_pos[:, None] + jnp.pad(tree.depth, ((0, 0), (1, 0))),
+        jnp.where(done[:, None], -1, segments), tree.topology(next_pos), config=self.config,
+        attention=self.attention)  # [B, 1 + M, V]
+    return logits, cache
+
+  def step(self, params, state: dict) -> dict:
+    buffer, done, next_pos = state["buffer"], state["buffer"].done, state["next_pos"]
+    batch, depth = done.shape[0], self.tree_depth
+    keys = row_keys(state["limits"].key, jnp.arange(batch), buffer.count)  # fresh every step
+    logits, draft_cache = self._catch_up(params["draft"], state)
+    drafted, score, fed, drafting = self._draft_tree(params["draft"], state, logits, draft_cache)
+    tree, kept = self._keep(drafted, score)
+    logits, cache = self._verify_tree(params["target"], state, tree)  # [B, 1 + M, V]
+    path, next_token = self._accept(keys, tree, logits)  # [B, D], [B]
+    accepted = (path >= 0).sum(axis=1, dtype=jnp.int32)  # [B]
+    path_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)  # [B, D]
+    emitted = jnp.where(jnp.arange(depth + 1)[None, :] < accepted[:, None],
+                        jnp.pad(path_tokens, ((0, 0), (0, 1))), next_token[:, None])  # [B, 1 + D]
+    on_path = (path[:, :, None] == jnp.arange(self.tree_budget)).any(axis=1)  # [B, M]
+    path_drafted = jnp.where(path >= 0, jnp.take_along_axis(kept, jnp.maximum(path, 0), axis=1),
+                             -1)  # [B, D]
+    emitted_buffer, taken = emit(buffer, emitted, accepted + 1, state["limits"])
+    live = ~done[:, None]
+    verified = dict(
+        state, buffer=emitted_buffer, last=next_token, next_pos=next_pos + accepted + 1,
+        cache=cache_ops.compact(_keep_segments(cache, on_path), state["cache"].length,
+                                self.tree_budget + 1),
+        passes=state["passes"] + 1, draft_passes=state["draft_passes"] + depth,
+        drafted_at=state["drafted_at"] + (live[..., None] & (
+            tree.depth[..., None] == jnp.arange(1, depth + 1))).sum(axis=(0, 1), dtype=jnp.int32),
+        accepted_at=state["accepted_at"] + (live & (path >= 0)).sum(axis=0, dtype=jnp.int32),
+        **self._commit_draft(drafting, draft_cache.length, fed, path_drafted, path_tokens,
+                             next_token))
+    if self.return_metadata:
+      verified["metadata"] = state["metadata"].record(
+          buffer.count, taken, *self._path_metadata(logits, tree, path, emitted))
+    return verified
+
+  def _commit_draft(self, drafting: KVCache, caught_up: Int[Array, "B"], fed: Int[Array, "B F"],
+                    path: Int[Array, "B D"], path_tokens: Int[Array, "B D"],
+                    next_token: Int[Array, "B"]) -> dict:
+    """The draft cache keeps the accepted nodes it was fed (`path`: drafted indices,
+    -1 past the accepted ones): every one but the last, which had children. The
+    last accepted node and the target's token are what it has not seen (`pending`)."""
+    accepted = (path >= 0).sum(axis=1, dtype=jnp.int32)  # [B]
+    level = np.arange(self.num_fed) // self.tree_top_k  # [F] depth - 1 of each fed node
+    kept = (path[:, level] == fed) & (level[None, :] + 1 < accepted[:, None])  # [B, F]
+    last = jnp.take_along_axis(path_tokens, jnp.maximum(accepted - 1, 0)[:, None], axis=1)[:, 0]
+    return dict(draft_cache=cache_ops.compact(_keep_segments(drafting, kept), caught_up,
+                                              self.num_fed),
+                pending=jnp.stack([jnp.where(accepted > 0, last, next_token), next_token], 1),
+                pending_count=jnp.where(accepted > 0, 2, 1))
+
+  def _path_metadata(self, logits: Float[Array, "B M+1 V"], tree: Tree, path: Int[Array, "B D"],
+                     emitted: Int[Array, "B D+1"]):
+    """`metadata.verified` along the accepted path. At a correction the rejected token
+    is the first child tried where the walk stopped (the draft's best guess there)."""
+    rows = jnp.arange(path.shape[0])[:, None]
+    accepted = (path >= 0).sum(axis=1, dtype=jnp.int32)  # [B]
+    before = jnp.pad(path + 1, ((0, 0), (1, 0)))  # [B, 1 + D]: what each emitted token follows
+    stop = jnp.take_along_axis(before, accepted[:, None], axis=1) - 1  # [B, 1]: -1 the root
+    child = tree.parent == stop  # [B, M]
+    tried = jnp.take_along_axis(tree.tokens, jnp.argmax(child, axis=1)[:, None], axis=1)  # [B, 1]
+    proposal = jnp.where(jnp.arange(self.tree_depth) == accepted[:, None], tried,
+                         emitted[:, :-1])  # [B, D]
+    return metadata.verified(self._target_probs(logits[rows, before]), emitted, proposal,
+                             accepted + child.any(axis=1), accepted)
+
+  def result(self, state: dict):
+    drafted, accepted = state["drafted_at"], state["accepted_at"]
+    return state["buffer"], {
+        "target_passes": state["passes"], "draft_passes": state["draft_passes"],
+        "drafted": drafted.sum(), "accepted": accepted.sum(),
+        "drafted_at": drafted, "accepted_at": accepted,  # per depth
+        # every verify of a live row drafts exactly tree_budget nodes
+        "mean_accepted_length": accepted.sum() * self.tree_budget / jnp.maximum(drafted.sum(), 1)
+    } | ({"metadata": state["metadata"]} if self.return_metadata else {})
+
+
+def _keep_segments(cache: KVCache, keep: Bool[Array, "B N"]) -> KVCache:
+  """Segment 0 and the tree segments 1 + n with `keep[:, n]` become segment 0; the
+  other tree segments die."""
+  mapping = jnp.where(keep, 0, -1).astype(jnp.int32)
+  return cache_ops.remap_segments(cache, jnp.pad(mapping, ((0, 0), (1, 0))))
