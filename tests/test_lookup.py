@@ -88,3 +88,19 @@ def test_prompt_lookup_saves_passes_on_repetitive_text(models):
 def test_bad_options_name_the_value(models, option, value):
   with pytest.raises(mdjax.MdjaxError, match=f"{option} must be an integer >= 1, got {value}"):
     mdjax.generate(models[0], [1, 2], strategy="prompt_lookup", **{option: value})
+
+
+@pytest.mark.parametrize("model_index", [0, 1])
+def test_prompt_lookup_inside_every_branch_equals_multi_question(models, model_index):
+  """multi_question's answers (== greedy per question) with prompt lookup in each branch:
+  ragged question counts, proposals found in the context and in each answer."""
+  model = models[model_index]
+  contexts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10]]
+  questions = [[[7, 8], [5], [6, 7, 8, 5]], [[11, 9]]]
+  kwargs = dict(questions=questions, max_new_tokens=24, eos_token_id=[])
+  plain = mdjax.generate(model, contexts, strategy="multi_question", **kwargs)
+  looked = mdjax.generate(model, contexts, strategy="prompt_lookup", prompt_lookup_num_tokens=4,
+                          **kwargs)
+  assert looked.sequences == plain.sequences
+  assert looked.stats["accepted"] > 0
+  assert looked.stats["target_passes"] < plain.stats["target_passes"]

@@ -105,7 +105,8 @@ BUILDERS = {"greedy": (_greedy, ()), "sample": (_sample, SAMPLING_OPTIONS),
                                                      *SAMPLING_OPTIONS))}
 # Strategies whose branches come from one required option (popped before `build`).
 BRANCH_OPTIONS = {"multi_question": "questions", "parallel_sample": "num_samples",
-                  "margin_notes": "instruction"}
+                  "margin_notes": "instruction", "prompt_lookup": "questions"}
+OPTIONAL_BRANCHES = ("prompt_lookup",)  # without the option: one plain branch per prompt
 COMMON_OPTIONS = ("attention",)
 
 
@@ -147,13 +148,16 @@ def build(name: str, config: ModelConfig, options: dict):
 def branches(name: str, value, num_prompts: int, encode) -> list[list[list[int]]] | None:
   """Per prompt, the token lists its branches append after it (None: one plain branch).
 
-  multi_question: `questions` is one list of questions for every prompt or one such
-  list per prompt (a question is text or token ids; `encode(list) -> ids`).
+  multi_question (and prompt_lookup, optionally): `questions` is one list of questions
+  for every prompt or one such list per prompt (a question is text or token ids;
+  `encode(list) -> ids`).
   parallel_sample: `num_samples` empty branches per prompt, sampled independently.
   """
   if name not in BRANCH_OPTIONS:
     return None
   option = BRANCH_OPTIONS[name]
+  if value is None and name in OPTIONAL_BRANCHES:
+    return None
   if value is None:
     raise MdjaxError(f"strategy {name!r} needs the option {option!r}")
   if name == "parallel_sample":

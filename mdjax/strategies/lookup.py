@@ -6,7 +6,12 @@ Each step, every row looks for the latest earlier occurrence of its last `n` tok
 token and the proposal in one `decode_step` (a chain in the row's own segment);
 greedy acceptance keeps the target's argmax up to and including its first
 disagreement with the proposal, so the output is exactly greedy decoding's. The
-rejected tail is rolled back out of the cache. Rows accept different lengths.
+rejected tokens are marked dead and compacted out of the cache. Rows accept
+different lengths.
+
+With branches (`questions=`, as `multi_question`), every branch looks up in what it
+sees (the context and its own question and answer) and feeds its own chain in its
+own segment: all branches of all rows are verified in the same pass.
 
 One row, last emitted token `c` (not yet cached), proposal `d e f`::
 
@@ -20,7 +25,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int
+from jaxtyping import Array, Bool, Int
 
 from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
@@ -55,6 +60,28 @@ def latest_ngram_continuation(history: Int[Array, "B H"], length: Int[Array, "B"
   return jnp.take_along_axis(history, index, axis=1), count.astype(jnp.int32)
 
 
+def branch_histories(prompt: Prompt, extra: int) -> tuple[Int[Array, "R H"], Int[Array, "R"]]:
+  """Per branch (R = B * N rows), the tokens it sees — the context, then its own
+  question — left-aligned in `[R, P + extra]`, and how many there are."""
+  seg = prompt.segments[:, None, :]  # [B, 1, P]
+  sees = (seg == 0) | (seg == prompt.branch_segment[..., None])  # [B, N, P]
+  order = jnp.argsort(~sees, axis=-1, stable=True)  # seen slots first, in slot order
+  tokens = jnp.take_along_axis(jnp.broadcast_to(prompt.tokens[:, None], sees.shape), order, -1)
+  rows = sees.shape[0] * sees.shape[1]
+  history = jnp.pad(tokens.reshape(rows, -1), ((0, 0), (0, extra)))
+  return history, sees.sum(-1, dtype=jnp.int32).reshape(rows)
+
+
+def _kill_fed(cache: KVCache, cached: Int[Array, "B"], active: Bool[Array, "R F"],
+              dead: Bool[Array, "R F"], batch: int) -> KVCache:
+  """Marks dead the slots `claim_slots` gave the fed tokens flagged `dead` (the fed
+  tokens of a row took consecutive slots from `cached`, in feed order)."""
+  active, dead = active.reshape(batch, -1), dead.reshape(batch, -1)  # [B, N F]
+  slot = cached[:, None] + jnp.cumsum(active, axis=1) - 1
+  slot = jnp.where(dead, slot, cache.num_slots)  # the others are left alone (dropped write)
+  return cache.replace(seg=cache.seg.at[jnp.arange(batch)[:, None], slot].set(-1, mode="drop"))
+
+
 def propose_by_lookup(history, length, max_ngram_size: int, num_tokens: int):
   """The longest n-gram (max_ngram_size ... 1) that occurs earlier decides the proposal."""
   proposal = jnp.zeros((history.shape[0], num_tokens), jnp.int32)
@@ -82,42 +109,47 @@ class PromptLookup:
         raise MdjaxError(f"{option} must be an integer >= 1, got {value!r}")
 
   def cache_slots(self, prompt_len: int, capacity: int, branches: int = 1) -> int:
-    """The padded prompt, the generated tokens, and room for one rejected proposal
-    (one branch per row)."""
-    return prompt_len + capacity + self.num_tokens + 1
+    """The padded prompt, every branch's generated tokens, and one proposal per branch
+    before the rejected ones are compacted away."""
+    return prompt_len + (capacity + self.num_tokens + 1) * branches
 
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits, capacity: int) -> dict:
-    batch, prompt_len = prompt.tokens.shape
     logits, cache, topology = prefill(params, prompt, cache, self.config, self.attention)
-    first = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)  # [B] (one branch per row)
-    buffer, _ = emit(OutputBuffer.empty(batch, capacity), first[:, None],
-                     jnp.ones_like(first), limits)
-    history = jnp.zeros((batch, prompt_len + capacity + self.num_tokens + 1), jnp.int32)
-    history = history.at[:, :prompt_len].set(prompt.tokens)
-    history = history.at[jnp.arange(batch), prompt.lengths].set(first)
+    rows = prompt.branch_segment.size  # R = B * N: one output row per branch
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(rows)  # [R]
+    absent = (prompt.branch_segment < 0).reshape(rows)
+    buffer = dataclasses.replace(OutputBuffer.empty(rows, capacity), done=absent)
+    buffer, _ = emit(buffer, first[:, None], jnp.ones_like(first), limits)
+    history, length = branch_histories(prompt, capacity + self.num_tokens + 1)
+    history = history.at[jnp.arange(rows), length].set(first)
     zero = jnp.zeros((), jnp.int32)
     state = dict(cache=cache, topology=topology, limits=limits, buffer=buffer, history=history,
-                 length=prompt.lengths + 1, passes=zero, drafted=zero, accepted=zero)
+                 length=length + 1, branch_segment=prompt.branch_segment.reshape(rows),
+                 passes=zero, drafted=zero, accepted=zero)
     if self.return_metadata:
-      state["metadata"] = metadata.first(capacity, jax.nn.softmax(logits[:, 0], axis=-1), first)
+      state["metadata"] = metadata.first(capacity, jax.nn.softmax(logits, axis=-1).reshape(
+          rows, -1), first)
     return state
 
   def step(self, params, state: dict) -> dict:
     history, length, buffer = state["history"], state["length"], state["buffer"]
-    batch = history.shape[0]
+    rows, width = history.shape[0], self.num_tokens + 1
+    batch = state["cache"].length.shape[0]
     proposal, count = propose_by_lookup(history, length, self.max_ngram_size, self.num_tokens)
     count = jnp.where(buffer.done, 0, count)
-    last = jnp.take_along_axis(history, (length - 1)[:, None], axis=1)  # [B, 1] not yet cached
-    tokens = jnp.concatenate([last, proposal], axis=1)  # [B, 1 + D]
-    offsets = jnp.arange(self.num_tokens + 1)[None, :]
-    positions = (length - 1)[:, None] + offsets
-    active = (offsets <= count[:, None]) & ~buffer.done[:, None]
+    last = jnp.take_along_axis(history, (length - 1)[:, None], axis=1)  # [R, 1] not yet cached
+    tokens = jnp.concatenate([last, proposal], axis=1)  # [R, 1 + D]
+    offsets = jnp.arange(width)[None, :]
+    active = (offsets <= count[:, None]) & ~buffer.done[:, None]  # [R, 1 + D]
+    segments = jnp.where(active, state["branch_segment"][:, None], -1)
     cached = state["cache"].length
-    logits, _, cache = decode_step(params, state["cache"], tokens, positions,
-                                   jnp.where(active, 0, -1), state["topology"],
-                                   config=self.config, attention=self.attention)  # [B, 1+D, V]
-    choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, 1 + D]
-    accepted = greedy_accept(proposal, count, choice)  # [B]
+    logits, _, cache = decode_step(
+        params, state["cache"], tokens.reshape(batch, -1),
+        ((length - 1)[:, None] + offsets).reshape(batch, -1), segments.reshape(batch, -1),
+        state["topology"], config=self.config, attention=self.attention)  # [B, N (1 + D), V]
+    logits = logits.reshape(rows, width, -1)
+    choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, 1 + D]
+    accepted = greedy_accept(proposal, count, choice)  # [R]
     buffer, taken = emit(buffer, choice, accepted + 1, state["limits"])
     if self.return_metadata:
       state = dict(state, metadata=state["metadata"].record(
@@ -125,11 +157,13 @@ class PromptLookup:
           *metadata.verified(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), choice,
                              proposal, count, accepted)))
     emitted = taken.sum(axis=1, dtype=jnp.int32)
-    rows = jnp.arange(batch)[:, None]
-    history = history.at[rows, jnp.where(taken, length[:, None] + offsets, history.shape[1])].set(
+    history = history.at[jnp.arange(rows)[:, None],
+                         jnp.where(taken, length[:, None] + offsets, history.shape[1])].set(
         choice, mode="drop")
-    # keep the fed last token and the accepted proposal; a done row keeps its cache
-    cache = cache_ops.rollback(cache, jnp.where(state["buffer"].done, cached, cached + 1 + accepted))
+    # keep each branch's fed last token and its accepted proposal; compact out the rest
+    rejected = active & (offsets > accepted[:, None])
+    cache = cache_ops.compact(_kill_fed(cache, cached, active, rejected, batch), cached,
+                              rows // batch * width)
     live = ~state["buffer"].done
     return dict(state, cache=cache, buffer=buffer, history=history, length=length + emitted,
                 passes=state["passes"] + 1,
