@@ -147,7 +147,9 @@ def bench_point(model, reference, n: int, context_len: int, new_tokens: int,
   return cell
 
 
-def run(settings: Settings) -> dict:
+def run(settings: Settings, partial: pathlib.Path | None = None) -> dict:
+  """Every grid point; after each one the results so far go to `partial` (if given),
+  so a long run that is stopped keeps what it measured."""
   with tempfile.TemporaryDirectory() as scratch:
     model, reference = load_pair(settings.model, 0, pathlib.Path(scratch))
   results = dict(machine=machine_info(memory_bandwidth(256)), settings=dataclasses.asdict(settings),
@@ -156,6 +158,8 @@ def run(settings: Settings) -> dict:
   for context_len, new_tokens, n in tqdm.tqdm(grid, desc="grid"):
     cell = bench_point(model, reference, n, context_len, new_tokens, settings)
     results["points"].append(dict(n=n, context=context_len, new_tokens=new_tokens, **cell))
+    if partial is not None:
+      partial.write_text(json.dumps(results, indent=2) + "\n")
   return results
 
 
@@ -212,10 +216,9 @@ def main(argv):
                       skip_sequential_above=_SKIP_SLOW.value)
   if _QUICK.value:
     settings = dataclasses.replace(settings, **QUICK)
-  results = run(settings)
   out_dir = pathlib.Path(_OUT_DIR.value)
   out_dir.mkdir(parents=True, exist_ok=True)
-  (out_dir / "bench_branches.json").write_text(json.dumps(results, indent=2) + "\n")
+  results = run(settings, partial=out_dir / "bench_branches.json")
   plot(results, out_dir / "bench_branches.png")
   print(table(results))
   print(f"wrote {out_dir / 'bench_branches.json'} and {out_dir / 'bench_branches.png'}")

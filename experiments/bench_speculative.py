@@ -5,7 +5,8 @@ target's held-out files (never trained on), each row generating `--new_tokens`
 tokens with no early stop:
 
 * mdjax greedy, speculative with a constant chain of gamma = 1..8 tokens, the
-  heuristic schedule, and prompt lookup, at every batch size: ms per token (per step
+  heuristic schedule, a draft tree (depth 4, top-4, 16 nodes), self-speculation
+  (2 of 6 layers), lookahead (W 7, N 5, G 7) and prompt lookup, at every batch size: ms per token (per step
   of the batch, prefill included), target passes, tokens per target pass, and that
   the tokens equal greedy's;
 * for each gamma: the measured acceptance alpha (the rate of the first drafted token,
@@ -160,6 +161,12 @@ def bench_batch(target, draft, reference, batch: int, settings: Settings) -> dic
                 "heuristic": lambda: run_mdjax(target, prompts, n, "speculative", draft=draft,
                                                draft_schedule="heuristic", num_draft_tokens=4,
                                                max_draft_tokens=8),
+                "tree": lambda: run_mdjax(target, prompts, n, "speculative_tree", draft=draft,
+                                          tree_depth=4, tree_top_k=4, tree_budget=16),
+                "self_speculative": lambda: run_mdjax(target, prompts, n, "self_speculative",
+                                                      draft_layers=2, num_draft_tokens=3),
+                "lookahead": lambda: run_mdjax(target, prompts, n, "lookahead", window=7, ngram=5,
+                                               guess_set=7),
                 "copy_greedy": lambda: run_mdjax(target, copies, n, "greedy"),
                 "copy_prompt_lookup": lambda: run_mdjax(target, copies, n, "prompt_lookup",
                                                         **LOOKUP)}
