@@ -119,8 +119,11 @@ _compiled: dict = {}
 
 
 def clear_compiled() -> None:
-  """Forgets every compiled program (frees their memory; the next call compiles again)."""
+  """Forgets every compiled program, `generate`'s and `stream`'s, and JAX's own jit
+  caches (frees their memory and code mappings; the next call compiles again)."""
   _compiled.clear()
+  _stepper.cache_clear()
+  jax.clear_caches()
 
 
 def _signature(tree) -> tuple:
