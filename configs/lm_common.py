@@ -8,7 +8,8 @@ library, `tokenizer=""` trains a byte-level BPE of `vocab_size` into the run dir
 `export_dir=""` exports into `run_dir/export`, `card_notes=""` adds nothing to the
 model card, `init_from=""` starts from random weights (else: a Hugging Face directory of
 the same architecture whose weights the run continues from, e.g. an earlier float32
-export).
+export), `teacher=""` trains on the data alone (else: a model name or directory with the
+same vocabulary to distill from, see `mdjax.train.distill`).
 """
 
 import ml_collections
@@ -25,6 +26,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.seed = 0
   config.init_from = ""  # a model directory to continue from; "" = random init
   config.copy_fraction = 0.0  # share of sequences whose second half repeats the first
+  config.teacher = ""  # a model to distill from; "" = none
+  config.distill_weight = 0.5  # with a teacher: loss = (1 - w) CE + w KL(teacher || student)
+  config.distill_temperature = 1.0
   config.seq_len = 256
   config.batch_size = 16
   config.steps = 1000

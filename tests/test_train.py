@@ -22,9 +22,11 @@ import transformers
 
 import mdjax
 from configs import lm_tiny_test
+from mdjax.models import hf
+from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
 from mdjax.models.transformer import forward_causal, lm_head
-from mdjax.train import data, export, lm
+from mdjax.train import data, distill, export, lm
 from mdjax.train import tokenizer as tokenizer_lib
 from tests.helpers import torch_logits
 
@@ -183,3 +185,52 @@ def test_init_from_continues_an_export_and_counts_all_tokens(trained, tmp_path):
   wider.model.hidden_size = 64
   with pytest.raises(ValueError, match="hidden_size: 32 vs 64"):
     lm.initial_params(wider, lm.model_config(wider, result.model_config.vocab_size))
+
+
+def test_kl_to_teacher_is_zero_at_the_teacher_and_matches_a_hand_computation():
+  teacher = jnp.log(jnp.array([[[0.5, 0.25, 0.25]]]))
+  student = jnp.log(jnp.array([[[0.25, 0.5, 0.25]]]))
+  assert float(distill.kl_to_teacher(teacher, teacher, 1.0)[0, 0]) == pytest.approx(0, abs=1e-7)
+  want = 0.5 * np.log(2) + 0.25 * np.log(0.5)  # sum p log(p / q)
+  assert float(distill.kl_to_teacher(student, teacher, 1.0)[0, 0]) == pytest.approx(want, rel=1e-5)
+  flat = jnp.zeros((1, 1, 3))  # at a high temperature both laws flatten: the KL shrinks
+  assert float(distill.kl_to_teacher(flat, teacher, 4.0)[0, 0]) < float(
+      distill.kl_to_teacher(flat, teacher, 1.0)[0, 0])
+
+
+def sharp_random_teacher(run: lm.Run, directory) -> str:
+  """A model whose argmax the data cannot teach: random weights, logits scaled x30."""
+  params = init_params(run.model_config, 5)
+  params["lm_head"] = params["lm_head"] * 30
+  hf.save_hf(Model(config=run.model_config, params=params, tokenizer=run.tokenizer,
+                   name="teacher"), directory)
+  return str(directory)
+
+
+def test_distilling_pulls_the_student_to_the_teacher_argmax(trained, tmp_path):
+  result, config = trained
+  teacher = sharp_random_teacher(result, tmp_path / "teacher")
+  configs = {weight: tiny_config(  # 0: the data only (no teacher); 1: the teacher only
+      tmp_path / f"student-{weight}", seed=1, distill_weight=weight or 0.5,
+      tokenizer=str(pathlib.Path(config.run_dir) / "tokenizer"),
+      teacher=teacher if weight else "") for weight in (0.0, 1.0)}
+  runs = {weight: lm.train(c, progress=False) for weight, c in configs.items()}
+  agree = {w: distill.agreement(r.params, r.model_config, runs[1.0].teacher, result.data.heldout, 4)
+           for w, r in runs.items()}
+  assert agree[0.0] < 0.1 and agree[1.0] > 0.3, agree  # measured: 0.016 and 0.55
+  summary = export.export(runs[1.0], configs[1.0], tmp_path / "distilled")
+  assert summary["heldout_teacher_agreement"] == pytest.approx(agree[1.0], abs=1e-6)
+  assert "Distilled from" in (tmp_path / "distilled" / "README.md").read_text()
+  records = (tmp_path / "student-1.0" / "metrics.jsonl").read_text()
+  assert "heldout_teacher_agreement" in records
+
+
+def test_a_teacher_with_another_vocabulary_is_refused(trained, tmp_path):
+  result, config = trained
+  teacher = sharp_random_teacher(result, tmp_path / "teacher")
+  student = lm.model_config(config, vocab_size=result.model_config.vocab_size + 1)
+  with pytest.raises(ValueError, match=r"vocabulary of \d+ tokens, the student \d+"):
+    distill.load_teacher(tiny_config(tmp_path, teacher=teacher), student)
+  with pytest.raises(ValueError, match="distill_weight must be in"):
+    distill.load_teacher(tiny_config(tmp_path, teacher=teacher, distill_weight=0.0),
+                         result.model_config)

@@ -30,6 +30,7 @@ import ml_collections
 
 from mdjax.models import hf
 from mdjax.models.model import Model
+from mdjax.train import distill
 from mdjax.train.lm import Run, evaluate
 
 
@@ -60,6 +61,7 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
       "tokens_seen": run.step * config.batch_size * config.seq_len,
       "copy_fraction": config.copy_fraction,
       **continued_from(config.init_from, run.step * config.batch_size * config.seq_len),
+      **distilled_from(run, exported, config.batch_size),
       "num_params": run.model_config.num_params,
       "vocab_size": run.model_config.vocab_size,
       "weights_dtype": config.export_dtype,
@@ -89,6 +91,16 @@ def continued_from(init_from: str, tokens_seen: int) -> dict:
   return {"init_from": init_from, "tokens_seen_total": tokens_seen + before}
 
 
+def distilled_from(run, exported: Model, batch_size: int) -> dict:
+  """The teacher, the loss mix, and the exported weights' held-out argmax agreement."""
+  if run.teacher is None:
+    return {"teacher": ""}
+  return {"teacher": run.teacher.name, "distill_weight": run.teacher.weight,
+          "distill_temperature": run.teacher.temperature,
+          "heldout_teacher_agreement": distill.agreement(exported.params, exported.config,
+                                                         run.teacher, run.data.heldout, batch_size)}
+
+
 FINGERPRINT_SEQUENCES, FINGERPRINT_TOKENS = 4, 128
 
 
@@ -101,7 +113,7 @@ def write_fingerprint(model: Model, sequences, directory: str | os.PathLike) -> 
 
 
 def continuation_line(summary: dict) -> str:
-  """The card's sentence on copy rows and on the run this one continued."""
+  """The card's sentences on copy rows, the run this one continued and its teacher."""
   lines = []
   if summary["copy_fraction"]:
     lines.append(f"{summary['copy_fraction']:.0%} of the sequences repeat their first half "
@@ -109,6 +121,11 @@ def continuation_line(summary: dict) -> str:
   if summary["init_from"]:
     lines.append(f"Continued from the weights of `{summary['init_from']}`: "
                  f"{summary['tokens_seen_total']:,} tokens seen in all.")
+  if summary.get("teacher"):
+    lines.append(f"Distilled from `{summary['teacher']}` (loss = {1 - summary['distill_weight']:g} "
+                 f"x cross-entropy + {summary['distill_weight']:g} x KL to the teacher at "
+                 f"temperature {summary['distill_temperature']:g}); held-out argmax agreement "
+                 f"with it: {summary['heldout_teacher_agreement']:.4f}.")
   return "\n".join(lines) + ("\n" if lines else "")
 
 

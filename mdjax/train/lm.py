@@ -42,7 +42,7 @@ from mdjax.models import hf
 from mdjax.models.config import ModelConfig
 from mdjax.models.random_init import init_params
 from mdjax.models.transformer import Params, forward_causal, lm_head
-from mdjax.train import data
+from mdjax.train import data, distill
 from mdjax.train import tokenizer as tokenizer_lib
 from mdjax.train.metrics import MetricsLog, plot_losses
 
@@ -92,19 +92,28 @@ def token_losses(params: Params, sequences: jax.Array, config: ModelConfig):
   return losses, jnp.argmax(logits, axis=-1) == targets
 
 
-def make_train_step(config: ModelConfig, optimizer: optax.GradientTransformation):
-  """`step(state, batch) -> (state, metrics)`, jitted, `state` donated.
+def make_train_step(config: ModelConfig, optimizer: optax.GradientTransformation,
+                    teacher: distill.Teacher | None = None):
+  """`step(state, batch, teacher_params=None) -> (state, metrics)`, jitted, `state` donated.
 
-  state: {"params", "opt_state"}; batch: int32 `[B, T + 1]`.
+  state: {"params", "opt_state"}; batch: int32 `[B, T + 1]`. With a `teacher`, the loss
+  mixes cross-entropy and the KL to the teacher (`mdjax.train.distill`); pass its
+  params as `teacher_params`.
   """
 
-  def loss_fn(params, batch):
-    losses, _ = token_losses(params, batch, config)
-    return losses.mean()
+  def loss_fn(params, batch, teacher_params):
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    logits = lm_head(params, forward_causal(params, inputs, config=config))  # [B, T, V]
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    if teacher is None:
+      return loss
+    guide = distill.teacher_logits(teacher, teacher_params, inputs)
+    kl = distill.kl_to_teacher(logits, guide, teacher.temperature).mean()
+    return (1 - teacher.weight) * loss + teacher.weight * kl
 
   @functools.partial(jax.jit, donate_argnums=0)
-  def step(state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
+  def step(state, batch, teacher_params=None):
+    loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch, teacher_params)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     return ({"params": params, "opt_state": opt_state},
@@ -206,6 +215,7 @@ class Run:
   corpus: data.Corpus
   data: Data
   step: int
+  teacher: distill.Teacher | None = None  # the model it was distilled from, if any
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -245,7 +255,8 @@ def train(config: ml_collections.ConfigDict, *, progress: bool = True,
   log.truncate_after(start)
   previous = [r["wall_s"] for r in log.records() if "wall_s" in r]
   wall_offset = previous[-1] if previous else 0.0
-  train_step = make_train_step(cfg, optimizer)
+  teacher = distill.load_teacher(config, cfg)
+  train_step = make_train_step(cfg, optimizer, teacher)
   tokens_per_step = config.batch_size * config.seq_len
   lr = lr_schedule(config)
 
@@ -257,7 +268,8 @@ def train(config: ml_collections.ConfigDict, *, progress: bool = True,
   session_start = last_time = time.perf_counter()
   last_step, loss_sum = start, 0.0
   for step in range(start + 1, end + 1):
-    state, metrics = train_step(state, jnp.asarray(run_data.batches.batch(step - 1)))
+    state, metrics = train_step(state, jnp.asarray(run_data.batches.batch(step - 1)),
+                                teacher and teacher.params)
     loss_sum = loss_sum + metrics["loss"]  # on device: no host sync between logs
     if step % config.log_every == 0 or step == end:
       now = time.perf_counter()
@@ -272,14 +284,18 @@ def train(config: ml_collections.ConfigDict, *, progress: bool = True,
       last_time, last_step, loss_sum = now, step, 0.0
     if step % config.eval_every == 0 or step == end:
       result = evaluate(state["params"], run_data.heldout, cfg, config.batch_size)
-      log.write({"step": step, "heldout_loss": result["loss"],
-                 "heldout_accuracy": result["accuracy"],
-                 "heldout_nats_per_byte": result["loss"] / run_data.heldout_bytes_per_token})
+      record = {"step": step, "heldout_loss": result["loss"],
+                "heldout_accuracy": result["accuracy"],
+                "heldout_nats_per_byte": result["loss"] / run_data.heldout_bytes_per_token}
+      if teacher:
+        record["heldout_teacher_agreement"] = distill.agreement(
+            state["params"], cfg, teacher, run_data.heldout, config.batch_size)
+      log.write(record)
       plot_losses(log.records(), run_dir / "loss.png", run_dir.name)
     if step % config.checkpoint_every == 0 or step == end:
       manager.save(step, args=ocp.args.StandardSave(state), force=True)
   bar.close()
   manager.wait_until_finished()
   return Run(params=state["params"], model_config=cfg, tokenizer=tokenizer, corpus=corpus,
-             data=run_data, step=max(start, end))
+             data=run_data, step=max(start, end), teacher=teacher)
 
