@@ -44,6 +44,28 @@ def test_multi_question_branches_stop_at_their_own_eos(models):
   assert len(out.sequences[1]) == 5
 
 
+def test_finished_branches_stop_being_fed_to_the_model(models):
+  """Eight questions, most ending at an early EOS: later passes run on fewer columns
+  (`feed_widths`), and every answer is still its sequential greedy answer."""
+  model = models[0]
+  rng = np.random.default_rng(3)
+  contexts = [rng.integers(3, 200, 6).tolist() for _ in range(2)]
+  questions = [[rng.integers(3, 200, 2).tolist() for _ in range(8)] for _ in contexts]
+  free = [sequential(model, c, qs, max_new_tokens=12, eos_token_id=[])
+          for c, qs in zip(contexts, questions)]
+  eos = [free[0][0][1], free[0][1][2], free[1][0][1]]  # early EOS in a few answers
+  eos = list({t for t in eos} | {a[1] for answers in free for a in answers[2:6]})
+  out = mdjax.generate(model, contexts, strategy="multi_question", questions=questions,
+                       max_new_tokens=12, eos_token_id=eos)
+  assert out.sequences == [a for c, qs in zip(contexts, questions)
+                           for a in sequential(model, c, qs, max_new_tokens=12, eos_token_id=eos)]
+  passes = out.stats["target_passes"]
+  assert out.stats["decode_columns_fed"] < passes * 2 * 8, out.stats
+  full = mdjax.generate(model, contexts, strategy="multi_question", questions=questions,
+                        max_new_tokens=12, eos_token_id=[])
+  assert full.stats["decode_columns_fed"] == full.stats["target_passes"] * 2 * 8
+
+
 def test_one_question_list_serves_every_prompt(models):
   model = models[0]
   contexts, questions = [[4, 5, 6], [9, 9]], [[30], [31, 32]]

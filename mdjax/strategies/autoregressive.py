@@ -15,7 +15,9 @@ and one pass::
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 
 from mdjax.cache import KVCache
@@ -42,17 +44,36 @@ class Autoregressive:
     state = dict(cache=cache, topology=topology, limits=limits, buffer=buffer,
                  branch_segment=prompt.branch_segment, next_pos=prompt.branch_positions(),
                  last=jnp.zeros(prompt.branch_segment.shape, jnp.int32),
-                 passes=jnp.zeros((), jnp.int32))
+                 passes=jnp.zeros((), jnp.int32), columns_fed=jnp.zeros((), jnp.int32))
     return self._commit(state, logits)
 
   def step(self, params, state: dict) -> dict:
     done = state["buffer"].done.reshape(state["last"].shape)  # [B, N]
-    segments = jnp.where(done, -1, state["branch_segment"])  # [B, N]
-    logits, _, cache = decode_step(params, state["cache"], state["last"], state["next_pos"],
-                                   segments, state["topology"], config=self.config,
-                                   attention=self.attention)  # [B, N, V]
-    state = dict(state, cache=cache, next_pos=state["next_pos"] + 1, passes=state["passes"] + 1)
+    widths = feed_widths(done.shape[1])
+    most_live = (~done).sum(axis=1).max()
+    level = sum((most_live <= w).astype(jnp.int32) for w in widths[1:])  # narrowest that fits
+    logits, cache = jax.lax.switch(
+        level, [functools.partial(self._feed, width=w) for w in widths], params, state, done)
+    fed = jnp.asarray(widths, jnp.int32)[level] * done.shape[0]  # B * W token columns
+    state = dict(state, cache=cache, next_pos=state["next_pos"] + 1, passes=state["passes"] + 1,
+                 columns_fed=state["columns_fed"] + fed)
     return self._commit(state, logits)
+
+  def _feed(self, params, state: dict, done, *, width: int):
+    """One pass over `width` columns, the live branches first: logits `[B, N, V]`."""
+    batch, branches = done.shape
+    if width == branches:
+      columns = jnp.broadcast_to(jnp.arange(branches), done.shape)
+    else:
+      columns = jnp.argsort(done, axis=1, stable=True)[:, :width]  # [B, W] live first
+    pick = functools.partial(jnp.take_along_axis, indices=columns, axis=1)
+    segments = jnp.where(pick(done), -1, pick(state["branch_segment"]))  # [B, W]
+    logits, _, cache = decode_step(params, state["cache"], pick(state["last"]),
+                                   pick(state["next_pos"]), segments, state["topology"],
+                                   config=self.config, attention=self.attention)  # [B, W, V]
+    rows = jnp.arange(batch)[:, None]
+    full = jnp.zeros((batch, branches, logits.shape[-1]), logits.dtype)
+    return full.at[rows, columns].set(logits), cache  # finished columns: zeros, never emitted
 
   def _commit(self, state: dict, logits) -> dict:
     """Chooses every branch's next token from `logits` [B, N, V] and emits it."""
@@ -67,4 +88,13 @@ class Autoregressive:
     return state["buffer"].done
 
   def result(self, state: dict):
-    return state["buffer"], {"target_passes": state["passes"]}
+    return state["buffer"], {"target_passes": state["passes"],
+                             "decode_columns_fed": state["columns_fed"]}
+
+
+def feed_widths(branches: int) -> tuple[int, ...]:
+  """The column counts a pass may run on, widest first: N, ceil(N/2), ceil(N/4) for
+  N >= 4 (fewer branches gain too little to pay for more compiled widths)."""
+  if branches < 4:
+    return (branches,)
+  return tuple(sorted({-(-branches // 2**k) for k in range(3)}, reverse=True))
