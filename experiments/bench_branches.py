@@ -33,19 +33,16 @@ import tempfile
 import time
 
 from absl import app, flags
-import matplotlib
 import numpy as np
 import torch
 import tqdm
 import transformers
 
 import mdjax
-from experiments.benchlib import load_pair, machine_info, memory_bandwidth
+from experiments.benchlib import load_pair, machine_info, machine_line, memory_bandwidth, plt, save_figure, write_results
 from mdjax import strategies
 from mdjax.generate import bucket
 
-matplotlib.use("Agg")
-from matplotlib import pyplot as plt  # noqa: E402 -- after choosing the headless backend
 
 _MODEL = flags.DEFINE_string("model", "random-llama", "Model name (random or shipped) or directory.")
 _NS = flags.DEFINE_list("ns", ["1", "2", "4", "8", "16", "32"], "Numbers of questions.")
@@ -198,12 +195,8 @@ def plot(results: dict, path: pathlib.Path) -> None:
   speed.set_ylabel("speedup of the shared cache (x)")
   speed.set_yscale("log")
   steps.set_ylabel("ms per decode step of all N branches")
-  fig.suptitle(f"multi_question over one shared cache, {results['model']}\n"
-               f"{results['machine']['cpu_count']} CPUs, load {results['machine']['load_average']:.1f}",
-               fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, path, f"multi_question over one shared cache, {results['model']}\n"
+                         f"{machine_line(results['machine'])}")
 
 
 def main(argv):
@@ -219,9 +212,7 @@ def main(argv):
   out_dir = pathlib.Path(_OUT_DIR.value)
   out_dir.mkdir(parents=True, exist_ok=True)
   results = run(settings, partial=out_dir / "bench_branches.json")
-  plot(results, out_dir / "bench_branches.png")
-  print(table(results))
-  print(f"wrote {out_dir / 'bench_branches.json'} and {out_dir / 'bench_branches.png'}")
+  write_results(results, out_dir, "bench_branches", plot, table)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ the load average so a reader can tell which case a result is.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
 import statistics
@@ -42,7 +41,6 @@ import time
 from absl import app, flags
 import jax
 import jax.numpy as jnp
-import matplotlib
 import numpy as np
 import torch
 import tqdm
@@ -51,11 +49,9 @@ import transformers
 import mdjax
 from mdjax import strategies
 from mdjax.cache import KVCache
-from experiments.benchlib import agreement, load_pair, machine_info, memory_bandwidth
+from experiments.benchlib import agreement, load_pair, machine_info, machine_line, memory_bandwidth, plt, save_figure, write_results
 from mdjax.generate import bucket
 
-matplotlib.use("Agg")
-from matplotlib import pyplot as plt  # noqa: E402 -- after choosing the headless backend
 
 _MODELS = flags.DEFINE_list("models", ["random-llama"],
                             "Model names (random or shipped) or Hugging Face directories.")
@@ -297,13 +293,9 @@ def plot(results: dict, path: pathlib.Path) -> None:
     ax.margins(y=0.15)
     ax.legend(fontsize=8)
   machine = results["machine"]
-  fig.suptitle(f"greedy decoding, mdjax vs transformers\n(speedup = transformers / mdjax)\n"
-               f"{machine['cpu_count']} CPUs, {machine['bandwidth']['read_gbps']:.1f} GB/s read, "
-               f"torch threads {machine['torch_threads']}, load {machine['load_average']:.1f}",
-               fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, path, f"greedy decoding, mdjax vs transformers\n(speedup = transformers / "
+              f"mdjax)\n{machine_line(machine)}, {machine['bandwidth']['read_gbps']:.1f} GB/s read, "
+              f"torch threads {machine['torch_threads']}")
 
 
 def settings_from_flags() -> Settings:
@@ -324,12 +316,7 @@ def main(argv):
     torch.set_num_threads(_TORCH_THREADS.value)
   results = run(settings)
   results["machine"]["load_average_after"] = os.getloadavg()[0]
-  out_dir = pathlib.Path(_OUT_DIR.value)
-  out_dir.mkdir(parents=True, exist_ok=True)
-  (out_dir / "bench_decode.json").write_text(json.dumps(results, indent=2) + "\n")
-  plot(results, out_dir / "bench_decode.png")
-  print(table(results))
-  print(f"wrote {out_dir / 'bench_decode.json'} and {out_dir / 'bench_decode.png'}")
+  write_results(results, _OUT_DIR.value, "bench_decode", plot, table)
 
 
 if __name__ == "__main__":

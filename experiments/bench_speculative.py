@@ -29,24 +29,20 @@ ratios within one run are meaningful on a noisy machine. Writes
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import statistics
 import time
 
 from absl import app, flags
-import matplotlib
 import numpy as np
 import torch
 import tqdm
 import transformers
 
 import mdjax
-from experiments.benchlib import agreement, load_pair, machine_info, memory_bandwidth
+from experiments.benchlib import agreement, load_pair, machine_info, machine_line, memory_bandwidth, plt, save_figure, write_results
 from mdjax.train import data
 
-matplotlib.use("Agg")
-from matplotlib import pyplot as plt  # noqa: E402 -- after choosing the headless backend
 
 _TARGET = flags.DEFINE_string("target", "code-tiny", "Target model (name or directory).")
 _DRAFT = flags.DEFINE_string("draft", "code-tiny-draft", "Draft model (same tokenizer).")
@@ -265,11 +261,8 @@ def plot(results: dict, path: pathlib.Path) -> None:
   speed.set_ylabel("speedup per token vs greedy (same library)")
   speed.legend(fontsize=8)
   machine = results["machine"]
-  fig.suptitle(f"{results['target']} with draft {results['draft']}\n{machine['cpu_count']} CPUs, "
-               f"load {machine['load_average']:.1f}", fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, path, f"{results['target']} with draft {results['draft']}\n"
+                         f"{machine_line(machine)}")
 
 
 def main(argv):
@@ -284,12 +277,7 @@ def main(argv):
   if _TORCH_THREADS.value:
     torch.set_num_threads(_TORCH_THREADS.value)
   results = run(settings)
-  out_dir = pathlib.Path(_OUT_DIR.value)
-  out_dir.mkdir(parents=True, exist_ok=True)
-  (out_dir / "bench_speculative.json").write_text(json.dumps(results, indent=2) + "\n")
-  plot(results, out_dir / "bench_speculative.png")
-  print(table(results))
-  print(f"wrote {out_dir / 'bench_speculative.json'} and {out_dir / 'bench_speculative.png'}")
+  write_results(results, _OUT_DIR.value, "bench_speculative", plot, table)
 
 
 if __name__ == "__main__":

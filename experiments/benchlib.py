@@ -3,6 +3,7 @@ token agreement and the machine description."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import platform
@@ -10,6 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
+import matplotlib
 import numpy as np
 import torch
 import transformers
@@ -17,6 +19,9 @@ import transformers
 import mdjax
 from mdjax.models import hf
 from mdjax.models.registry import RANDOM_MODELS
+
+matplotlib.use("Agg")
+from matplotlib import pyplot as plt  # noqa: E402 -- after choosing the headless backend
 
 
 def memory_bandwidth(mib: int, trials: int = 5) -> dict:
@@ -76,3 +81,26 @@ def machine_info(bandwidth: dict) -> dict:
               torch=torch.__version__, transformers=transformers.__version__,
               torch_threads=torch.get_num_threads(), jax_devices=[str(d) for d in jax.devices()],
               bandwidth=bandwidth)
+
+
+def machine_line(machine: dict) -> str:
+  """The part of a figure title that says how far to trust its times."""
+  return f"{machine['cpu_count']} CPUs, load {machine['load_average']:.1f}"
+
+
+def save_figure(fig, path: pathlib.Path, title: str) -> None:
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def write_results(results: dict, out_dir: str, stem: str, plot, table) -> None:
+  """`out_dir/stem.json` and `out_dir/stem.png` (drawn by `plot(results, path)`), then
+  the table printed."""
+  out_dir = pathlib.Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+  plot(results, out_dir / f"{stem}.png")
+  print(table(results))
+  print(f"wrote {out_dir / (stem + '.json')} and {out_dir / (stem + '.png')}")

@@ -1,8 +1,13 @@
-"""The one error type mdjax raises for bad input.
+"""The one error type mdjax raises for bad input, and the checks that raise it.
 
 `MdjaxError` subclasses `ValueError`, so callers that already catch `ValueError`
 keep working; the CLI catches it and prints its message on one line.
 """
+
+from __future__ import annotations
+
+import math
+import numbers
 
 
 class MdjaxError(ValueError):
@@ -11,3 +16,24 @@ class MdjaxError(ValueError):
 
 class CheckpointError(MdjaxError):
   """A checkpoint directory is missing, incomplete, corrupt or unsupported."""
+
+
+def check_count(name: str, value, minimum: int) -> None:
+  """Raises `MdjaxError` naming option `name` and its `value` unless it is an integer
+  >= `minimum` (a bool is not a count)."""
+  if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    raise MdjaxError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_real(name: str, value, minimum: float | None = None,
+               maximum: float | None = None) -> None:
+  """Raises `MdjaxError` naming `name` and its `value` unless it is a finite real number
+  (not a bool) within the given bounds (inclusive)."""
+  finite = (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value))
+  if finite and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+    return
+  if minimum is not None and maximum is not None:
+    raise MdjaxError(f"{name} must be in [{minimum}, {maximum}], got {value!r}")
+  bound = f" >= {minimum}" if minimum is not None else f" <= {maximum}" if maximum is not None else ""
+  raise MdjaxError(f"{name} must be a finite number{bound}, got {value!r}")

@@ -21,8 +21,7 @@ from mdjax import strategies
 from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
 from mdjax.models.model import Model
-from mdjax.strategies import metadata
-from mdjax.strategies import skeleton
+from mdjax.strategies import metadata, skeleton
 from mdjax.strategies.base import Limits, Prompt, layout_chains, layout_prompts
 
 MIN_BUCKET = 16

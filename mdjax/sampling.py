@@ -8,14 +8,12 @@ distribution a strategy samples from (and the `p`/`q` of speculative acceptance)
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from mdjax.errors import MdjaxError
+from mdjax.errors import MdjaxError, check_count, check_real
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,14 +26,10 @@ class SamplingParams:
   min_p: float = 0.0
 
   def __post_init__(self):
-    for name in ("temperature", "top_p", "min_p"):
-      value = getattr(self, name)
-      if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
-        raise MdjaxError(f"{name} must be a finite number, got {value!r}")
-    if not self.temperature >= 0:
-      raise MdjaxError(f"temperature must be >= 0, got {self.temperature}")
-    if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-      raise MdjaxError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+    check_real("temperature", self.temperature, minimum=0)
+    for name in ("top_p", "min_p"):
+      check_real(name, getattr(self, name))
+    check_count("top_k", self.top_k, 0)
     if not 0 < self.top_p <= 1:
       raise MdjaxError(f"top_p must be in (0, 1], got {self.top_p}")
     if not 0 <= self.min_p <= 1:

@@ -15,12 +15,16 @@ TIMING_KEYS = {"ms_per_token", "prefill_ms", "decode_ms_per_token", "tokens_per_
                "roofline_fraction"}
 
 
+def run_quick(bench: str, out_dir: pathlib.Path) -> dict:
+  """Runs `experiments.<bench> --quick`; checks the PNG it drew; returns its JSON."""
+  subprocess.run([sys.executable, "-m", f"experiments.{bench}", "--quick", f"--out_dir={out_dir}"],
+                 cwd=REPO, check=True, timeout=600, capture_output=True)
+  assert (out_dir / f"{bench}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  return json.loads((out_dir / f"{bench}.json").read_text())
+
+
 def test_bench_decode_quick(tmp_path):
-  subprocess.run([sys.executable, "-m", "experiments.bench_decode", "--quick",
-                  f"--out_dir={tmp_path}"], cwd=REPO, check=True, timeout=120,
-                 capture_output=True)
-  results = json.loads((tmp_path / "bench_decode.json").read_text())
-  assert (tmp_path / "bench_decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  results = run_quick("bench_decode", tmp_path)
 
   assert {"cpu_count", "jax", "torch", "transformers", "torch_threads"} <= set(results["machine"])
   assert results["machine"]["bandwidth"]["read_gbps"] > 0
@@ -38,11 +42,7 @@ def test_bench_decode_quick(tmp_path):
 
 def test_bench_speculative_quick(tmp_path):
   """Every lossless contender reproduces greedy's tokens; the theory columns exist."""
-  subprocess.run([sys.executable, "-m", "experiments.bench_speculative", "--quick",
-                  f"--out_dir={tmp_path}"], cwd=REPO, check=True, timeout=600,
-                 capture_output=True)
-  results = json.loads((tmp_path / "bench_speculative.json").read_text())
-  assert (tmp_path / "bench_speculative.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  results = run_quick("bench_speculative", tmp_path)
   cells = results["batches"]["1"]
   for name, cell in cells.items():
     if not name.startswith("hf_"):
@@ -55,11 +55,7 @@ def test_bench_speculative_quick(tmp_path):
 
 def test_bench_branches_quick(tmp_path):
   """The shared cache, sequential and duplicated-batch runs produce the same answers."""
-  subprocess.run([sys.executable, "-m", "experiments.bench_branches", "--quick",
-                  f"--out_dir={tmp_path}"], cwd=REPO, check=True, timeout=600,
-                 capture_output=True)
-  results = json.loads((tmp_path / "bench_branches.json").read_text())
-  assert (tmp_path / "bench_branches.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  results = run_quick("bench_branches", tmp_path)
   assert [p["n"] for p in results["points"]] == list(results["settings"]["ns"])
   for point in results["points"]:
     assert point["same_tokens"]["batched"] and point["same_tokens"]["sequential"]

@@ -7,9 +7,9 @@ import numpy as np
 from mdjax.errors import MdjaxError
 from mdjax.models.config import ModelConfig
 from mdjax.sampling import SamplingParams
+from mdjax.strategies import margins, predict_user, reasoning
 from mdjax.strategies.autoregressive import Autoregressive
 from mdjax.strategies.beam import Beam
-from mdjax.strategies import margins, predict_user, reasoning
 from mdjax.strategies.entropy import EntropyBranching
 from mdjax.strategies.lookahead import Lookahead
 from mdjax.strategies.lookup import PromptLookup

@@ -24,7 +24,6 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from mdjax.cache import KVCache
-from mdjax.errors import MdjaxError
 from mdjax.models.config import ModelConfig
 from mdjax.step import decode_step
 from mdjax.topology import Topology
@@ -200,10 +199,3 @@ def prefill(params, prompt: Prompt, cache: KVCache, config: ModelConfig, attenti
                                  prompt.segments, topology, config=config,
                                  logits_at=prompt.branch_last, attention=attention)  # [B, N, V]
   return logits, cache, topology
-
-
-def check_count(name: str, value, minimum: int) -> None:
-  """Raises `MdjaxError` naming option `name` and its `value` unless it is an integer
-  >= `minimum` (a bool is not a count)."""
-  if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-    raise MdjaxError(f"{name} must be an integer >= {minimum}, got {value!r}")

@@ -36,15 +36,13 @@ or at `max_new_tokens`. `num_beams=1` is greedy search (transformers' choice), w
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from mdjax.cache import KVCache, gather_slots
-from mdjax.errors import MdjaxError
+from mdjax.errors import MdjaxError, check_count, check_real
 from mdjax.models.config import ModelConfig
 from mdjax.step import decode_step
 from mdjax.strategies.base import Limits, OutputBuffer, Prompt, prefill
@@ -90,12 +88,8 @@ class Beam:
   attention: str = "block_sparse"
 
   def __post_init__(self):
-    k = self.num_beams
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-      raise MdjaxError(f"num_beams must be an integer >= 1, got {k!r}")
-    lp = self.length_penalty
-    if not isinstance(lp, numbers.Real) or isinstance(lp, bool) or not math.isfinite(lp):
-      raise MdjaxError(f"length_penalty must be a finite number, got {lp!r}")
+    check_count("num_beams", self.num_beams, 1)
+    check_real("length_penalty", self.length_penalty)
     es = self.early_stopping
     if not (isinstance(es, bool) or (isinstance(es, str) and es == "never")):
       raise MdjaxError(f"early_stopping must be True, False or 'never', got {es!r}")

@@ -23,8 +23,6 @@ them (the others are padding and take no slot).
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -32,10 +30,10 @@ from jaxtyping import Array, Float, Int
 
 from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
-from mdjax.errors import MdjaxError
+from mdjax.errors import check_count, check_real
 from mdjax.models.config import ModelConfig
 from mdjax.step import decode_step
-from mdjax.strategies.base import Limits, OutputBuffer, Prompt, check_count, emit, prefill
+from mdjax.strategies.base import Limits, OutputBuffer, Prompt, emit, prefill
 from mdjax.topology import Topology
 
 
@@ -60,11 +58,8 @@ class EntropyBranching:
   def __post_init__(self):
     check_count("num_branches", self.num_branches, 1)
     check_count("branch_tokens", self.branch_tokens, 1)
-    for name in ("branch_entropy", "branch_varentropy"):
-      value = getattr(self, name)
-      if (not isinstance(value, numbers.Real) or isinstance(value, bool)
-          or not math.isfinite(value) or value < 0):
-        raise MdjaxError(f"{name} must be a finite number >= 0, got {value!r}")
+    check_real("branch_entropy", self.branch_entropy, minimum=0)
+    check_real("branch_varentropy", self.branch_varentropy, minimum=0)
 
   @property
   def exploration_slots(self) -> int:

@@ -85,10 +85,11 @@ from jaxtyping import Array, Bool, Int
 
 from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
+from mdjax.errors import check_count
 from mdjax.models.config import ModelConfig
 from mdjax.sampling import greedy_accept
 from mdjax.step import decode_step
-from mdjax.strategies.base import Limits, OutputBuffer, Prompt, check_count, emit, prefill
+from mdjax.strategies.base import Limits, OutputBuffer, Prompt, emit, prefill
 from mdjax.topology import Topology
 
 

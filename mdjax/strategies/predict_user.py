@@ -14,8 +14,7 @@ prompt-major; `out.intermediate[i]`: prompt i's candidates and replies.
 
 from __future__ import annotations
 
-from mdjax.errors import MdjaxError
-from mdjax.strategies.base import check_count
+from mdjax.errors import MdjaxError, check_count
 
 OPTIONS = ("num_candidates", "candidate_tokens", "user_prefix", "assistant_prefix", "turn_end",
            "reply", "temperature", "top_k", "top_p", "min_p")

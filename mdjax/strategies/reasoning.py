@@ -32,9 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mdjax.cache import KVCache
-from mdjax.errors import MdjaxError
+from mdjax.errors import MdjaxError, check_count
 from mdjax.step import decode_step
-from mdjax.strategies.base import check_count
 from mdjax.topology import Topology
 
 BRANCH_HEADER = "\n# Attempt {index}:\n"

@@ -31,8 +31,6 @@ loop ends as soon as every row has stopped; the target always scores
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -40,13 +38,13 @@ from jaxtyping import Array, Float, Int
 
 from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
-from mdjax.errors import MdjaxError
+from mdjax.errors import MdjaxError, check_count, check_real
 from mdjax.models.config import ModelConfig
 from mdjax.sampling import (SamplingParams, choose, greedy_accept, process_logits, row_keys,
                             speculative_accept)
 from mdjax.step import decode_step
 from mdjax.strategies import metadata
-from mdjax.strategies.base import Limits, OutputBuffer, Prompt, check_count, emit, prefill
+from mdjax.strategies.base import Limits, OutputBuffer, Prompt, emit, prefill
 
 SCHEDULES = ("constant", "heuristic")
 DRAFT_KEY, ACCEPT_KEY = 1, 2  # fold_in tags of a step's row key
@@ -76,10 +74,7 @@ class Speculative:
     if self.max_draft_tokens and self.max_draft_tokens < self.num_draft_tokens:
       raise MdjaxError(f"max_draft_tokens ({self.max_draft_tokens}) must be >= num_draft_tokens "
                        f"({self.num_draft_tokens})")
-    t = self.confidence_threshold
-    if (not isinstance(t, numbers.Real) or isinstance(t, bool) or not math.isfinite(t)
-        or not 0 <= t <= 1):
-      raise MdjaxError(f"confidence_threshold must be in [0, 1], got {t!r}")
+    check_real("confidence_threshold", self.confidence_threshold, minimum=0, maximum=1)
 
   @property
   def longest_chain(self) -> int:

@@ -64,11 +64,11 @@ from jaxtyping import Array, Bool, Float, Int
 
 from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
-from mdjax.errors import MdjaxError
+from mdjax.errors import MdjaxError, check_count
 from mdjax.sampling import process_logits, row_keys, tree_accept
 from mdjax.step import decode_step
 from mdjax.strategies import metadata
-from mdjax.strategies.base import check_count, emit
+from mdjax.strategies.base import emit
 from mdjax.strategies.speculative import ACCEPT_KEY, Speculative
 from mdjax.topology import Topology
 
