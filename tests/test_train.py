@@ -102,6 +102,32 @@ def test_copy_rows_repeat_their_first_half_at_the_requested_rate():
     data.Batches(sequences, 4, seed=0, copy_fraction=1.5)
 
 
+def test_random_copy_rows_repeat_a_random_block_beside_the_text_copies():
+  sequences = np.arange(2000 * 129).reshape(2000, 129) % 1000
+  plain = data.Batches(sequences, 50, seed=3)
+  mixed = data.Batches(sequences, 50, seed=3, copy_fraction=0.2, random_copy_fraction=0.3,
+                       vocab_size=5000)
+  kinds = []
+  for step in range(40):
+    a, b = plain.batch(step), mixed.batch(step)
+    for text, row in zip(a, b):
+      if np.array_equal(text, row):
+        kinds.append("plain")
+      elif np.array_equal(row[65:], text[:64]):
+        kinds.append("copy")
+      else:  # a block of 8..64 random ids (>= 3, < 5000) repeated: row[i] == row[i + period]
+        period = next(p for p in range(8, 65) if np.array_equal(row[p:], row[:-p]))
+        assert row.min() >= data.FIRST_RANDOM_ID and row.max() < 5000 and period <= 64
+        kinds.append("random")
+  shares = {k: kinds.count(k) / len(kinds) for k in ("plain", "copy", "random")}
+  assert 0.15 < shares["copy"] < 0.25 and 0.25 < shares["random"] < 0.35, shares
+  again = data.Batches(sequences, 50, seed=3, copy_fraction=0.2, random_copy_fraction=0.3,
+                       vocab_size=5000)
+  assert np.array_equal(again.batch(7), mixed.batch(7))
+  with pytest.raises(ValueError, match=r"copy_fraction \+ random_copy_fraction must be <= 1"):
+    data.Batches(sequences, 4, seed=0, copy_fraction=0.6, random_copy_fraction=0.6, vocab_size=9)
+
+
 def test_pack_overlaps_windows_by_one_token():
   packed = data.pack(np.arange(10), 3)
   assert packed.tolist() == [[0, 1, 2, 3], [3, 4, 5, 6], [6, 7, 8, 9]]

@@ -24,6 +24,16 @@ repetitions of their own first half::
 Code repeats itself (call sites, `self.x = x`, edited versions of a function), and a
 small model trained on a few million tokens does not learn to copy from plain text
 alone; the rows cost no extra data and stay a pure function of (seed, step).
+
+Random copy rows (`random_copy_fraction` > 0) are a stronger lesson: a block of
+8..64 uniformly random tokens, repeated to fill the row::
+
+    tokens: r0 r1 ... r(L-1) | r0 r1 ... r(L-1) | r0 ...
+    loss:   unpredictable    | predictable only by looking back L tokens and copying
+
+Nothing but an induction mechanism (find the earlier occurrence of the current
+token, copy what followed it) lowers their loss, so they pull one into existence
+faster than text copies, whose second half a language model half-predicts anyway.
 """
 
 from __future__ import annotations
@@ -153,14 +163,25 @@ class Batches:
   """
 
   def __init__(self, sequences: np.ndarray, batch_size: int, seed: int,
-               copy_fraction: float = 0.0):
+               copy_fraction: float = 0.0, random_copy_fraction: float = 0.0,
+               vocab_size: int = 0):
     if batch_size < 1:
       raise MdjaxError(f"batch_size must be >= 1, got {batch_size}")
-    if not 0 <= copy_fraction <= 1:
-      raise MdjaxError(f"copy_fraction must be in [0, 1], got {copy_fraction}")
+    for name, value in (("copy_fraction", copy_fraction),
+                        ("random_copy_fraction", random_copy_fraction)):
+      if not 0 <= value <= 1:
+        raise MdjaxError(f"{name} must be in [0, 1], got {value}")
+    if copy_fraction + random_copy_fraction > 1:
+      raise MdjaxError(f"copy_fraction + random_copy_fraction must be <= 1, got "
+                       f"{copy_fraction} + {random_copy_fraction}")
+    if random_copy_fraction and vocab_size <= FIRST_RANDOM_ID:
+      raise MdjaxError(f"random copy rows need the vocabulary size, got {vocab_size}")
     self.sequences = sequences
     self.batch_size = batch_size
     self.copy_fraction = copy_fraction
+    self.random_copy_fraction = random_copy_fraction
+    self.vocab_size = vocab_size
+    self.seed = seed
     self.key = jax.random.key(seed)
     self._permutations: dict[int, np.ndarray] = {}
 
@@ -175,10 +196,14 @@ class Batches:
     samples = step * self.batch_size + np.arange(self.batch_size)  # [B]
     rows = [self._permutation(int(i) // n)[int(i) % n] for i in samples]
     batch = self.sequences[rows]  # [B, T + 1]
-    copies = _unit_hash(samples) < self.copy_fraction  # [B]
-    if copies.any():
+    share = _unit_hash(samples)  # [B] in [0, 1): which kind of row each sample is
+    copies = share < self.copy_fraction
+    randoms = (share >= self.copy_fraction) & (share < self.copy_fraction + self.random_copy_fraction)
+    if copies.any() or randoms.any():
       batch = batch.copy()
       batch[copies] = repeat_first_half(batch[copies])
+      for row in np.flatnonzero(randoms):
+        batch[row] = random_repeats(self.seed, int(samples[row]), batch.shape[1], self.vocab_size)
     return batch
 
 
@@ -186,6 +211,16 @@ def repeat_first_half(sequences: np.ndarray) -> np.ndarray:
   """`[N, T]` -> `[N, T]`: the first `ceil(T / 2)` tokens, then them again (cut to T)."""
   half = (sequences.shape[1] + 1) // 2
   return np.concatenate([sequences[:, :half], sequences[:, :half]], axis=1)[:, :sequences.shape[1]]
+
+
+FIRST_RANDOM_ID = 3  # random rows skip the special tokens (<bos>, <eos>, <pad>)
+
+
+def random_repeats(seed: int, sample: int, length: int, vocab_size: int) -> np.ndarray:
+  """`[length]`: a block of 8..64 random ids drawn from (seed, sample), repeated."""
+  rng = np.random.default_rng([seed, sample])
+  block = rng.integers(FIRST_RANDOM_ID, vocab_size, rng.integers(8, 65))
+  return np.resize(block, length).astype(np.int32)
 
 
 def _unit_hash(samples: np.ndarray) -> np.ndarray:

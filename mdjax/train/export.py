@@ -60,6 +60,7 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
       "seq_len": config.seq_len,
       "tokens_seen": run.step * config.batch_size * config.seq_len,
       "copy_fraction": config.copy_fraction,
+      "random_copy_fraction": config.random_copy_fraction,
       **continued_from(config.init_from, run.step * config.batch_size * config.seq_len),
       **distilled_from(run, exported, config.batch_size),
       "num_params": run.model_config.num_params,
@@ -118,6 +119,9 @@ def continuation_line(summary: dict) -> str:
   if summary["copy_fraction"]:
     lines.append(f"{summary['copy_fraction']:.0%} of the sequences repeat their first half "
                  "(copy rows, see `mdjax.train.data`).")
+  if summary.get("random_copy_fraction"):
+    lines.append(f"{summary['random_copy_fraction']:.0%} of the sequences repeat a block of "
+                 "random ids (random copy rows, see `mdjax.train.data`).")
   if summary["init_from"]:
     lines.append(f"Continued from the weights of `{summary['init_from']}`: "
                  f"{summary['tokens_seen_total']:,} tokens seen in all.")
