@@ -157,20 +157,8 @@ class _Plan:
 def _layout(model: Model, prompts, strategy: str, branch_value, max_new_tokens: int
             ) -> tuple[Prompt, list[int], list[int]]:
   """The laid-out prompt batch, the prompt tokens of each row and its branch count."""
-  if strategy in ("skeleton_fill", "margin_notes"):
-    rows = [_skeleton_chunks(model, p, i)
-            for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts)]
-    suffixes = None
-    if strategy == "margin_notes":
-      if branch_value is None:
-        raise MdjaxError("strategy 'margin_notes' needs the option 'instruction'")
-      instruction = _continuation(model, branch_value)
-      suffixes = [[instruction] * len(chunks) for chunks in rows]
-    flat = [sum(chunks, []) + (suffixes[i][0] if suffixes else []) for i, chunks in enumerate(rows)]
-    check_context(model, flat, max_new_tokens)
-    total = [len(f) + (len(suffixes[i][0]) * (len(c) - 1) if suffixes else 0)
-             for i, (f, c) in enumerate(zip(flat, rows))]
-    return layout_chains(rows, bucket(max(total)), suffixes), total, [len(c) for c in rows]
+  if strategy in strategies.CHAIN_LAYOUTS:
+    return _layout_chains(model, prompts, strategy, branch_value, max_new_tokens)
   ids = encode_prompts(model, prompts)
   extra = strategies.branches(strategy, branch_value, len(ids),
                              lambda pieces: [_continuation(model, q) for q in pieces])
@@ -180,6 +168,25 @@ def _layout(model: Model, prompts, strategy: str, branch_value, max_new_tokens: 
            for i, c in enumerate(ids)]
   counts = [1] * len(ids) if extra is None else [len(b) for b in extra]
   return layout_prompts(ids, extra, bucket(max(total))), total, counts
+
+
+def _layout_chains(model: Model, prompts, strategy: str, suffix, max_new_tokens: int
+                   ) -> tuple[Prompt, list[int], list[int]]:
+  """`_layout` for chained chunks (skeleton source, margin notes), each branch after
+  its chunk appending `suffix` (the strategy's branch option, e.g. an instruction)."""
+  rows = [_skeleton_chunks(model, p, i)
+          for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts)]
+  suffixes = None
+  if strategy in strategies.BRANCH_OPTIONS:
+    if suffix is None:
+      raise MdjaxError(f"strategy {strategy!r} needs the option "
+                       f"{strategies.BRANCH_OPTIONS[strategy]!r}")
+    suffixes = [[_continuation(model, suffix)] * len(chunks) for chunks in rows]
+  flat = [sum(chunks, []) + (suffixes[i][0] if suffixes else []) for i, chunks in enumerate(rows)]
+  check_context(model, flat, max_new_tokens)
+  total = [len(f) + (len(suffixes[i][0]) * (len(c) - 1) if suffixes else 0)
+           for i, (f, c) in enumerate(zip(flat, rows))]
+  return layout_chains(rows, bucket(max(total)), suffixes), total, [len(c) for c in rows]
 
 
 def _skeleton_chunks(model: Model, skeleton_prompt, index: int) -> list[list[int]]:

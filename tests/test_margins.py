@@ -23,6 +23,8 @@ def test_margin_notes_see_the_running_prefix_and_the_instruction(family):
               for chunks in contexts for j in range(len(chunks))]
   assert out.sequences == expected
   assert out.stats["target_passes"] == 8
+  with pytest.raises(ValueError, match="strategy 'margin_notes' needs the option 'instruction'"):
+    mdjax.generate(model, contexts, strategy="margin_notes", max_new_tokens=9)
 
 
 @pytest.fixture(scope="module")

@@ -107,6 +107,9 @@ BUILDERS = {"greedy": (_greedy, ()), "sample": (_sample, SAMPLING_OPTIONS),
 BRANCH_OPTIONS = {"multi_question": "questions", "parallel_sample": "num_samples",
                   "margin_notes": "instruction", "prompt_lookup": "questions"}
 OPTIONAL_BRANCHES = ("prompt_lookup",)  # without the option: one plain branch per prompt
+# Strategies whose prompt is a chain of chunks with a branch after each chunk
+# (`base.layout_chains`); their branch option, if any, is text every branch appends.
+CHAIN_LAYOUTS = ("skeleton_fill", "margin_notes")
 COMMON_OPTIONS = ("attention",)
 
 
