@@ -41,7 +41,7 @@ import transformers
 import mdjax
 from experiments.benchlib import load_pair, machine_info, machine_line, memory_bandwidth, plt, save_figure, write_results
 from mdjax import strategies
-from mdjax.generate import bucket
+from mdjax.generate import bucket, cache_size
 
 
 _MODEL = flags.DEFINE_string("model", "random-llama", "Model name (random or shipped) or directory.")
@@ -82,7 +82,7 @@ def cache_slots(model: mdjax.Model, strategy: str, prompt_tokens: int, new_token
                 branches: int) -> int:
   """The slots per row `mdjax.generate` allocates for this request."""
   decoder = strategies.build(strategy, model.config, {})
-  return decoder.cache_slots(bucket(prompt_tokens), bucket(new_tokens), branches)
+  return cache_size(decoder, bucket(prompt_tokens), bucket(new_tokens), branches)
 
 
 def greedy(model, prompts, new_tokens: int, strategy: str = "greedy", **options) -> dict:

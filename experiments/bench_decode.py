@@ -50,7 +50,7 @@ import mdjax
 from mdjax import strategies
 from mdjax.cache import KVCache
 from experiments.benchlib import agreement, load_pair, machine_info, machine_line, memory_bandwidth, plt, save_figure, write_results
-from mdjax.generate import bucket
+from mdjax.generate import bucket, cache_size
 
 
 _MODELS = flags.DEFINE_list("models", ["random-llama"],
@@ -129,8 +129,8 @@ class BareStep:
     self.model = model
     config = model.config
     batch, prompt_len = prompts.shape
-    slots = strategies.build("greedy", config, {}).cache_slots(bucket(prompt_len),
-                                                               bucket(new_tokens))
+    slots = cache_size(strategies.build("greedy", config, {}), bucket(prompt_len),
+                       bucket(new_tokens), 1)
     self.topology = mdjax.Topology.causal(batch)
     positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), prompts.shape)
     cache = KVCache.create(config, batch, slots, model.params["embed"].dtype)

@@ -60,10 +60,10 @@ def test_finished_branches_stop_being_fed_to_the_model(models):
   assert out.sequences == [a for c, qs in zip(contexts, questions)
                            for a in sequential(model, c, qs, max_new_tokens=12, eos_token_id=eos)]
   passes = out.stats["target_passes"]
-  assert out.stats["decode_columns_fed"] < passes * 2 * 8, out.stats
+  assert out.stats["columns_fed"] < passes * 2 * 8, out.stats
   full = mdjax.generate(model, contexts, strategy="multi_question", questions=questions,
                         max_new_tokens=12, eos_token_id=[])
-  assert full.stats["decode_columns_fed"] == full.stats["target_passes"] * 2 * 8
+  assert full.stats["columns_fed"] == full.stats["target_passes"] * 2 * 8
 
 
 def test_one_question_list_serves_every_prompt(models):

@@ -1,12 +1,17 @@
 """prompt_lookup: the proposal rule, the greedy acceptance rule, and exactness vs greedy."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import mdjax
 from tests.helpers import random_model
+from mdjax.cache import KVCache
 from mdjax.sampling import greedy_accept
+from mdjax.step import decode_step
+from mdjax.strategies.base import chain_widths, decode_chains
+from mdjax.topology import Topology
 from mdjax.strategies.lookup import latest_ngram_continuation, propose_by_lookup
 
 
@@ -81,6 +86,43 @@ def test_prompt_lookup_saves_passes_on_repetitive_text(models):
                           eos_token_id=[])
   assert lookup.sequences == greedy.sequences
   assert lookup.stats["target_passes"] * 2 <= greedy.stats["target_passes"]
+
+
+def test_decode_chains_feeds_only_the_longest_prefix_and_matches_the_full_pass(models):
+  """Chains of 6 columns whose scored prefixes are at most 3 long: the pass runs on 3
+  columns, with the logits and cache a full-width `decode_step` gives."""
+  model = models[1]
+  cfg, params = model.config, model.params
+  rng = np.random.default_rng(2)
+  prompt = jnp.asarray(rng.integers(3, 64, (2, 5)), jnp.int32)
+  topology = Topology(parent=jnp.full((2, 1), -1, jnp.int32), fork=jnp.zeros((2, 1), jnp.int32))
+  positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
+  _, _, cache = decode_step(params, KVCache.create(cfg, 2, 32), prompt, positions,
+                            jnp.zeros((2, 5), jnp.int32), topology, config=cfg)
+  tokens = jnp.asarray(rng.integers(3, 64, (2, 1, 6)), jnp.int32)
+  chain_positions = (5 + jnp.arange(6))[None, None, :].repeat(2, axis=0)
+  scored = jnp.asarray([[3], [1]])  # prefixes: 3 tokens in row 0, 1 in row 1
+  segments = jnp.where(jnp.arange(6)[None, None, :] < scored[..., None], 0, -1)
+  spare = jax.tree.map(jnp.copy, cache)  # decode_step donates its cache
+  full_logits, _, full_cache = decode_step(params, spare, tokens[:, 0], chain_positions[:, 0],
+                                           segments[:, 0], topology, config=cfg)
+  logits, narrow_cache, fed = decode_chains(params, cache, tokens, chain_positions, segments,
+                                            topology, config=cfg, attention="block_sparse")
+  assert chain_widths(6) == (6, 3, 1) and int(fed) == 3
+  np.testing.assert_allclose(logits[:, 0, :3], full_logits[:, :3], atol=1e-5)
+  assert not np.asarray(logits[:, 0, 3:]).any()  # never fed
+  np.testing.assert_array_equal(narrow_cache.length, full_cache.length)
+  np.testing.assert_allclose(narrow_cache.k, full_cache.k, atol=1e-5)
+
+
+def test_passes_without_a_match_feed_one_column(models):
+  model = models[0]
+  out = mdjax.generate(model, [5], strategy="prompt_lookup", max_new_tokens=6, eos_token_id=[],
+                       prompt_lookup_num_tokens=8)
+  assert out.sequences[0][0] != 5, "the test needs a first token that the prompt lacks"
+  # the first pass looks the first token up in [5]: no match, one column instead of 9
+  assert out.stats["columns_fed"] <= (out.stats["target_passes"] - 1) * 9 + 1, out.stats
+  assert out.sequences == mdjax.generate(model, [5], max_new_tokens=6, eos_token_id=[]).sequences
 
 
 @pytest.mark.parametrize("option,value", [("prompt_lookup_num_tokens", 0),

@@ -89,7 +89,7 @@ class Autoregressive:
 
   def result(self, state: dict):
     return state["buffer"], {"target_passes": state["passes"],
-                             "decode_columns_fed": state["columns_fed"]}
+                             "columns_fed": state["columns_fed"]}
 
 
 def feed_widths(branches: int) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ one compiled program with no host sync per token.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -199,3 +200,41 @@ def prefill(params, prompt: Prompt, cache: KVCache, config: ModelConfig, attenti
                                  prompt.segments, topology, config=config,
                                  logits_at=prompt.branch_last, attention=attention)  # [B, N, V]
   return logits, cache, topology
+
+
+def chain_widths(width: int) -> tuple[int, ...]:
+  """The columns a verify pass may run on, widest first: the whole chain, half of it,
+  or only the last emitted token (nothing drafted)."""
+  return tuple(sorted({width, -(-width // 2), 1}, reverse=True))
+
+
+def decode_chains(params, cache: KVCache, tokens: Int[Array, "B N C"],
+                  positions: Int[Array, "B N C"], segments: Int[Array, "B N C"],
+                  topology: Topology, *, config: ModelConfig, attention: str
+                  ) -> tuple[Float[Array, "B N C V"], KVCache, Int[Array, ""]]:
+  """`decode_step` over N chains of C columns per row, each chain's scored tokens a
+  prefix (segment -1 after it), run only as wide as the longest prefix needs::
+
+      chains   c d0 d1 d2 d3 d4 | c d0 .  .  .  .     longest prefix 3 -> W = 3
+      fed      c d0 d1          | c d0 .              (W from `chain_widths(C)`)
+
+  Padding takes no cache slot, so the cache is the same at any W; the logits of the
+  columns not fed are zeros (past every prefix: never read). Saves the pass its
+  unused columns when chains come out short (no n-gram match, a low-confidence stop,
+  a small heuristic budget). Returns the logits, the cache and W.
+  """
+  batch, branches, width = tokens.shape
+  widths = chain_widths(width)
+  longest = (segments >= 0).sum(axis=-1).max()
+  level = sum((longest <= w).astype(jnp.int32) for w in widths[1:])  # narrowest that fits
+
+  def feed(fed: int, cache: KVCache):
+    def cut(x):
+      return x[..., :fed].reshape(batch, branches * fed)
+    logits, _, cache = decode_step(params, cache, cut(tokens), cut(positions), cut(segments),
+                                   topology, config=config, attention=attention)
+    logits = logits.reshape(batch, branches, fed, -1)
+    return jnp.pad(logits, ((0, 0), (0, 0), (0, width - fed), (0, 0))), cache
+
+  logits, cache = jax.lax.switch(level, [functools.partial(feed, w) for w in widths], cache)
+  return logits, cache, jnp.asarray(widths, jnp.int32)[level]

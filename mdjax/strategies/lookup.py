@@ -32,9 +32,8 @@ from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
 from mdjax.models.config import ModelConfig
 from mdjax.sampling import greedy_accept
-from mdjax.step import decode_step
 from mdjax.strategies import metadata
-from mdjax.strategies.base import Limits, OutputBuffer, Prompt, emit, prefill
+from mdjax.strategies.base import Limits, OutputBuffer, Prompt, decode_chains, emit, prefill
 
 
 def latest_ngram_continuation(history: Int[Array, "B H"], length: Int[Array, "B"], ngram: int,
@@ -125,7 +124,7 @@ class PromptLookup:
     zero = jnp.zeros((), jnp.int32)
     state = dict(cache=cache, topology=topology, limits=limits, buffer=buffer, history=history,
                  length=length + 1, branch_segment=prompt.branch_segment.reshape(rows),
-                 passes=zero, drafted=zero, accepted=zero)
+                 passes=zero, drafted=zero, accepted=zero, columns_fed=zero)
     if self.return_metadata:
       state["metadata"] = metadata.first(capacity, jax.nn.softmax(logits, axis=-1).reshape(
           rows, -1), first)
@@ -143,10 +142,11 @@ class PromptLookup:
     active = (offsets <= count[:, None]) & ~buffer.done[:, None]  # [R, 1 + D]
     segments = jnp.where(active, state["branch_segment"][:, None], -1)
     cached = state["cache"].length
-    logits, _, cache = decode_step(
-        params, state["cache"], tokens.reshape(batch, -1),
-        ((length - 1)[:, None] + offsets).reshape(batch, -1), segments.reshape(batch, -1),
-        state["topology"], config=self.config, attention=self.attention)  # [B, N (1 + D), V]
+    logits, cache, fed = decode_chains(
+        params, state["cache"], tokens.reshape(batch, -1, width),
+        ((length - 1)[:, None] + offsets).reshape(batch, -1, width),
+        segments.reshape(batch, -1, width), state["topology"], config=self.config,
+        attention=self.attention)  # [B, N, 1 + D, V]
     logits = logits.reshape(rows, width, -1)
     choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, 1 + D]
     accepted = greedy_accept(proposal, count, choice)  # [R]
@@ -166,7 +166,7 @@ class PromptLookup:
                               rows // batch * width)
     live = ~state["buffer"].done
     return dict(state, cache=cache, buffer=buffer, history=history, length=length + emitted,
-                passes=state["passes"] + 1,
+                passes=state["passes"] + 1, columns_fed=state["columns_fed"] + rows * fed,
                 drafted=state["drafted"] + jnp.where(live, count, 0).sum(),
                 accepted=state["accepted"] + jnp.where(live, accepted, 0).sum())
 
@@ -175,5 +175,6 @@ class PromptLookup:
 
   def result(self, state: dict):
     return state["buffer"], {"target_passes": state["passes"], "drafted": state["drafted"],
-                             "accepted": state["accepted"]} | (
+                             "accepted": state["accepted"],
+                             "columns_fed": state["columns_fed"]} | (
                                  {"metadata": state["metadata"]} if self.return_metadata else {})

@@ -24,8 +24,9 @@ How many tokens a row drafts (its `budget`, at most `max_draft_tokens`):
 transformers' rule: start at `num_draft_tokens`, +2 after a step that accepted the
 whole budget, -1 (at least 1) otherwise. A `confidence_threshold` > 0 also stops a
 row's chain after a token the draft gave less than that probability. The draft
-loop ends as soon as every row has stopped; the target always scores
-`max_draft_tokens + 1` positions (fixed shapes), ignoring those past a row's chain.
+loop ends as soon as every row has stopped; the target's pass runs on the whole
+`max_draft_tokens + 1` columns, half of them or one, whichever holds the longest
+chain of the batch (`base.decode_chains`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from mdjax.sampling import (SamplingParams, choose, greedy_accept, process_logit
                             speculative_accept)
 from mdjax.step import decode_step
 from mdjax.strategies import metadata
-from mdjax.strategies.base import Limits, OutputBuffer, Prompt, emit, prefill
+from mdjax.strategies.base import Limits, OutputBuffer, Prompt, decode_chains, emit, prefill
 
 SCHEDULES = ("constant", "heuristic")
 DRAFT_KEY, ACCEPT_KEY = 1, 2  # fold_in tags of a step's row key
@@ -108,7 +109,8 @@ class Speculative:
     zero, zeros = jnp.zeros((), jnp.int32), jnp.zeros((self.longest_chain,), jnp.int32)
     state = dict(cache=cache, topology=topology, limits=limits, buffer=buffer, last=first,
                  next_pos=prompt.lengths, budget=jnp.full((batch,), self.num_draft_tokens, jnp.int32),
-                 passes=zero, draft_passes=zero, drafted_at=zeros, accepted_at=zeros)
+                 passes=zero, draft_passes=zero, drafted_at=zeros, accepted_at=zeros,
+                 columns_fed=zero)
     if self.return_metadata:
       state["metadata"] = metadata.first(capacity, self._target_probs(logits[:, 0]), first)
     return state
@@ -198,10 +200,11 @@ class Speculative:
     offsets = jnp.arange(longest + 1)[None, :]
     scored = (offsets <= length[:, None]) & ~done[:, None]
     cached = state["cache"].length
-    logits, _, cache = decode_step(params["target"], drafted_state["cache"], tokens,
-                                   state["next_pos"][:, None] + offsets,
-                                   jnp.where(scored, 0, -1), state["topology"],
-                                   config=self.config, attention=self.attention)  # [B, 1 + D, V]
+    logits, cache, fed = decode_chains(params["target"], drafted_state["cache"], tokens[:, None],
+                                  (state["next_pos"][:, None] + offsets)[:, None],
+                                  jnp.where(scored, 0, -1)[:, None], state["topology"],
+                                  config=self.config, attention=self.attention)
+    logits = logits[:, 0]  # [B, 1 + D, V]
     accepted, next_token = self._verify(keys, chain, length, q, logits)
     emitted = jnp.where(offsets < accepted[:, None], jnp.pad(chain, ((0, 0), (0, 1))),
                         next_token[:, None])  # [B, 1 + D]: chain[:accepted], next_token
@@ -215,7 +218,8 @@ class Speculative:
         drafted_state, buffer=buffer, last=next_token, next_pos=state["next_pos"] + accepted + 1,
         cache=cache_ops.rollback(cache, jnp.where(done, cached, cached + 1 + accepted)),
         budget=self._next_budget(state["budget"], accepted),
-        passes=state["passes"] + 1, draft_passes=state["draft_passes"] + draft_passes,
+        passes=state["passes"] + 1, columns_fed=state["columns_fed"] + batch * fed,
+        draft_passes=state["draft_passes"] + draft_passes,
         drafted_at=state["drafted_at"] + live.sum(axis=0, dtype=jnp.int32),
         accepted_at=state["accepted_at"] + (live & (jnp.arange(longest)[None, :] <
                                                     accepted[:, None])).sum(axis=0, dtype=jnp.int32))
@@ -254,6 +258,7 @@ class Speculative:
     drafted, accepted = state["drafted_at"], state["accepted_at"]
     return state["buffer"], {
         "target_passes": state["passes"], "draft_passes": state["draft_passes"],
+        "columns_fed": state["columns_fed"],  # tokens fed to the target's passes
         "drafted": drafted.sum(), "accepted": accepted.sum(),
         "drafted_at": drafted, "accepted_at": accepted,  # per chain position
         # every verify of a live row drafts position 0: drafted[0] = verified chains
