@@ -93,8 +93,8 @@ class Autoregressive:
 
 
 def feed_widths(branches: int) -> tuple[int, ...]:
-  """The column counts a pass may run on, widest first: N, ceil(N/2), ceil(N/4) for
-  N >= 4 (fewer branches gain too little to pay for more compiled widths)."""
-  if branches < 4:
-    return (branches,)
-  return tuple(sorted({-(-branches // 2**k) for k in range(3)}, reverse=True))
+  """The column counts a pass may run on, widest first: N, ceil(N/2) for N >= 4, and
+  ceil(N/4) too for N >= 8 (each width is one more compiled pass; fewer branches gain
+  too little to pay for it)."""
+  halvings = 0 if branches < 4 else 1 if branches < 8 else 2
+  return tuple(sorted({-(-branches // 2**k) for k in range(halvings + 1)}, reverse=True))

@@ -203,9 +203,11 @@ def prefill(params, prompt: Prompt, cache: KVCache, config: ModelConfig, attenti
 
 
 def chain_widths(width: int) -> tuple[int, ...]:
-  """The columns a verify pass may run on, widest first: the whole chain, half of it,
-  or only the last emitted token (nothing drafted)."""
-  return tuple(sorted({width, -(-width // 2), 1}, reverse=True))
+  """The columns a verify pass may run on, widest first: the whole chain, half of it
+  (chains of 6 or more), or only the last emitted token (nothing drafted). Each width
+  is one more compiled pass."""
+  half = (-(-width // 2),) if width >= 6 else ()
+  return tuple(sorted({width, *half, 1}, reverse=True))
 
 
 def decode_chains(params, cache: KVCache, tokens: Int[Array, "B N C"],
