@@ -25,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 import mdjax
-from mdjax.models.transformer import forward_causal, lm_head
+from mdjax.models.transformer import causal_logits
 from mdjax.train import data
 
 _TARGET = flags.DEFINE_string("target", "code-tiny", "Target model (name or directory).")
@@ -50,7 +50,7 @@ def predictions(model: mdjax.Model, sequences: np.ndarray):
 
 
 def _scores(params, sequences, config):
-  logits = lm_head(params, forward_causal(params, sequences[:, :-1], config=config))  # [1, T, V]
+  logits = causal_logits(params, sequences[:, :-1], config=config)  # [1, T, V]
   logp = jax.nn.log_softmax(logits, axis=-1)
   true = jnp.take_along_axis(logp, sequences[:, 1:, None], axis=-1)[..., 0]  # [1, T]
   return jnp.argmax(logits, axis=-1), true

@@ -15,7 +15,7 @@ from mdjax.cache import KVCache
 from mdjax.models.config import ModelConfig
 from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
-from mdjax.models.transformer import forward_causal, lm_head
+from mdjax.models.transformer import causal_logits
 from mdjax.step import decode_step
 from mdjax.topology import Topology
 
@@ -113,8 +113,7 @@ def target_law(model: Model, prompt, position: int, options: dict) -> np.ndarray
   """Exact law of generated token `position` under target sampling with `options`:
   the mixture, over every earlier generated sequence of nonzero probability, of the
   law after it (up to vocab ** position sequences: small positions only)."""
-  run = jax.jit(lambda ids: lm_head(model.params, forward_causal(model.params, ids,
-                                                                  config=model.config)))
+  run = jax.jit(lambda ids: causal_logits(model.params, ids, config=model.config))
   prefixes, weights = np.asarray([prompt]), np.ones(1)  # [n, P + i], [n]
   while True:
     logits = np.asarray(run(jnp.asarray(prefixes))[:, -1])  # [n, V]

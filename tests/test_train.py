@@ -25,7 +25,7 @@ from configs import lm_tiny_test
 from mdjax.models import hf
 from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
-from mdjax.models.transformer import forward_causal, lm_head
+from mdjax.models.transformer import causal_logits
 from mdjax.train import data, distill, export, lm
 from mdjax.train import tokenizer as tokenizer_lib
 from tests.helpers import torch_logits
@@ -183,8 +183,8 @@ def test_export_loads_in_mdjax_and_transformers_with_the_same_logits(trained, tm
   assert model.tokenizer is not None and model.tokenizer.eos_token_id == 1
   ids = result.data.heldout[0, :24]
   ours = mdjax.forward_logits(model, ids)
-  in_memory = np.asarray(lm_head(result.params, forward_causal(
-      result.params, jnp.asarray(ids)[None], config=result.model_config))[0])
+  in_memory = np.asarray(causal_logits(result.params, jnp.asarray(ids)[None],
+                                       config=result.model_config)[0])
   torch_model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "export"))
   np.testing.assert_allclose(ours, torch_logits(torch_model.eval(), ids), atol=1e-4)
   np.testing.assert_allclose(ours, in_memory, atol=1e-4)

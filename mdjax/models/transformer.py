@@ -150,6 +150,13 @@ def forward_causal(params: Params, tokens: Int[Array, "B T"], *,
   return hidden
 
 
+def causal_logits(params: Params, tokens: Int[Array, "B T"], *,
+                  config: ModelConfig) -> Float[Array, "B T V"]:
+  """Next-token logits (float32) at every position of whole sequences: `forward_causal`
+  then `lm_head`."""
+  return lm_head(params, forward_causal(params, tokens, config=config))
+
+
 def lm_head(params: Params, hidden: Float[Array, "... D"]) -> Float[Array, "... V"]:
   """Logits in float32; the tied head reuses the embedding."""
   weight = params["lm_head"] if "lm_head" in params else params["embed"].T

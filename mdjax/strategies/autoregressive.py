@@ -24,7 +24,7 @@ from mdjax.cache import KVCache
 from mdjax.models.config import ModelConfig
 from mdjax.sampling import SamplingParams, choose, row_keys
 from mdjax.step import decode_step
-from mdjax.strategies.base import Limits, OutputBuffer, Prompt, emit, prefill
+from mdjax.strategies.base import Limits, OutputBuffer, Prompt, emit, narrowest, prefill
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,13 +50,11 @@ class Autoregressive:
   def step(self, params, state: dict) -> dict:
     done = state["buffer"].done.reshape(state["last"].shape)  # [B, N]
     widths = feed_widths(done.shape[1])
-    most_live = (~done).sum(axis=1).max()
-    level = sum((most_live <= w).astype(jnp.int32) for w in widths[1:])  # narrowest that fits
+    level, width = narrowest(widths, (~done).sum(axis=1).max())  # holds every row's live
     logits, cache = jax.lax.switch(
         level, [functools.partial(self._feed, width=w) for w in widths], params, state, done)
-    fed = jnp.asarray(widths, jnp.int32)[level] * done.shape[0]  # B * W token columns
     state = dict(state, cache=cache, next_pos=state["next_pos"] + 1, passes=state["passes"] + 1,
-                 columns_fed=state["columns_fed"] + fed)
+                 columns_fed=state["columns_fed"] + width * done.shape[0])  # B * W columns
     return self._commit(state, logits)
 
   def _feed(self, params, state: dict, done, *, width: int):

@@ -202,6 +202,13 @@ def prefill(params, prompt: Prompt, cache: KVCache, config: ModelConfig, attenti
   return logits, cache, topology
 
 
+def narrowest(widths: tuple[int, ...], need) -> tuple[jax.Array, jax.Array]:
+  """`(level, width)`: the index in `widths` (widest first) of the narrowest width
+  >= `need` (a traced count), for `lax.switch` over passes compiled at each width."""
+  level = sum((need <= w).astype(jnp.int32) for w in widths[1:])
+  return level, jnp.asarray(widths, jnp.int32)[level]
+
+
 def chain_widths(width: int) -> tuple[int, ...]:
   """The columns a verify pass may run on, widest first: the whole chain, half of it
   (chains of 6 or more), or only the last emitted token (nothing drafted). Each width
@@ -227,8 +234,7 @@ def decode_chains(params, cache: KVCache, tokens: Int[Array, "B N C"],
   """
   batch, branches, width = tokens.shape
   widths = chain_widths(width)
-  longest = (segments >= 0).sum(axis=-1).max()
-  level = sum((longest <= w).astype(jnp.int32) for w in widths[1:])  # narrowest that fits
+  level, fed_width = narrowest(widths, (segments >= 0).sum(axis=-1).max())
 
   def feed(fed: int, cache: KVCache):
     def cut(x):
@@ -239,4 +245,4 @@ def decode_chains(params, cache: KVCache, tokens: Int[Array, "B N C"],
     return jnp.pad(logits, ((0, 0), (0, 0), (0, width - fed), (0, 0))), cache
 
   logits, cache = jax.lax.switch(level, [functools.partial(feed, w) for w in widths], cache)
-  return logits, cache, jnp.asarray(widths, jnp.int32)[level]
+  return logits, cache, fed_width

@@ -26,7 +26,7 @@ import numpy as np
 from mdjax.errors import MdjaxError
 from mdjax.models import hf
 from mdjax.models.config import ModelConfig
-from mdjax.models.transformer import Params, forward_causal, lm_head
+from mdjax.models.transformer import Params, causal_logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +61,7 @@ def load_teacher(config: ml_collections.ConfigDict, student: ModelConfig) -> Tea
 def teacher_logits(teacher: Teacher, teacher_params: Params, inputs: jax.Array) -> jax.Array:
   """`[B, T] -> [B, T, V]`, no gradient (the params are an argument so jit does not bake
   them into the program as constants)."""
-  logits = lm_head(teacher_params, forward_causal(teacher_params, inputs, config=teacher.config))
-  return jax.lax.stop_gradient(logits)
+  return jax.lax.stop_gradient(causal_logits(teacher_params, inputs, config=teacher.config))
 
 
 def kl_to_teacher(student: jax.Array, teacher: jax.Array, temperature: float) -> jax.Array:
@@ -90,6 +89,6 @@ def agreement(params: Params, config: ModelConfig, teacher: Teacher, sequences: 
 
 @functools.partial(jax.jit, static_argnames=("config", "teacher_config"))
 def _same_argmax(params, teacher_params, inputs, *, config, teacher_config):
-  student = lm_head(params, forward_causal(params, inputs, config=config))
-  teacher = lm_head(teacher_params, forward_causal(teacher_params, inputs, config=teacher_config))
+  student = causal_logits(params, inputs, config=config)
+  teacher = causal_logits(teacher_params, inputs, config=teacher_config)
   return jnp.sum(jnp.argmax(student, axis=-1) == jnp.argmax(teacher, axis=-1))

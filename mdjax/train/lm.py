@@ -1,4 +1,4 @@
-"""Causal LM training over mdjax's own transformer (`forward_causal` + `lm_head`).
+"""Causal LM training over mdjax's own transformer (`causal_logits`).
 
 One run lives in `run_dir`::
 
@@ -41,7 +41,7 @@ from mdjax.errors import MdjaxError
 from mdjax.models import hf
 from mdjax.models.config import ModelConfig
 from mdjax.models.random_init import init_params
-from mdjax.models.transformer import Params, forward_causal, lm_head
+from mdjax.models.transformer import Params, causal_logits
 from mdjax.train import data, distill
 from mdjax.train import tokenizer as tokenizer_lib
 from mdjax.train.metrics import MetricsLog, plot_losses
@@ -86,7 +86,7 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
 
 def token_losses(params: Params, sequences: jax.Array, config: ModelConfig):
   """Per-token loss and correctness of `sequences` `[B, T + 1]`: both `[B, T]`."""
-  logits = lm_head(params, forward_causal(params, sequences[:, :-1], config=config))  # [B, T, V]
+  logits = causal_logits(params, sequences[:, :-1], config=config)  # [B, T, V]
   targets = sequences[:, 1:]  # [B, T]
   losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
   return losses, jnp.argmax(logits, axis=-1) == targets
@@ -103,7 +103,7 @@ def make_train_step(config: ModelConfig, optimizer: optax.GradientTransformation
 
   def loss_fn(params, batch, teacher_params):
     inputs, targets = batch[:, :-1], batch[:, 1:]
-    logits = lm_head(params, forward_causal(params, inputs, config=config))  # [B, T, V]
+    logits = causal_logits(params, inputs, config=config)  # [B, T, V]
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
     if teacher is None:
       return loss
