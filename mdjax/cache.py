@@ -54,23 +54,26 @@ class KVCache:
     return dataclasses.replace(self, **changes)
 
 
-def claim_slots(cache: KVCache, positions: Int[Array, "B T"], segments: Int[Array, "B T"]
-                ) -> tuple[KVCache, Int[Array, "B T"]]:
-  """Gives the tokens with `segment >= 0` the next free slots of their row.
+def claim_slots(cache: KVCache, positions: Int[Array, "B T"], segments: Int[Array, "B T"],
+                slots: Int[Array, "B T"] | None = None) -> tuple[KVCache, Int[Array, "B T"]]:
+  """Gives the tokens with `segment >= 0` the next free slots of their row, or the
+  `slots` given (a layout the strategy keeps, e.g. one region per branch).
 
-  Records their positions and segments and advances `length`; returns the slot of
-  every token (past the end for padding, which takes no slot). Their K/V are
-  written layer by layer with `write_layer`. Tokens that would overflow the row are
-  dropped, so callers size the cache (`mdjax.generate` does).
+  Records their positions and segments and moves `length` past the last slot taken;
+  returns the slot of every token (past the end for padding, which takes no slot).
+  Their K/V are written layer by layer with `write_layer`. Tokens that would
+  overflow the row are dropped, so callers size the cache (`mdjax.generate` does).
   """
   valid = segments >= 0  # [B, T]
-  offset = jnp.cumsum(valid, axis=1) - 1  # [B, T]
-  slot = jnp.where(valid, cache.length[:, None] + offset, cache.num_slots)  # [B, T]
+  if slots is None:
+    slots = cache.length[:, None] + jnp.cumsum(valid, axis=1) - 1  # [B, T]
+  slot = jnp.where(valid, slots, cache.num_slots)  # [B, T]
   rows = jnp.arange(slot.shape[0])[:, None]  # [B, 1]
+  end = jnp.where(valid, slot + 1, 0).max(axis=1, initial=0)  # [B]
   claimed = cache.replace(
       pos=cache.pos.at[rows, slot].set(positions, mode="drop"),
       seg=cache.seg.at[rows, slot].set(segments, mode="drop"),
-      length=jnp.minimum(cache.length + valid.sum(axis=1, dtype=jnp.int32), cache.num_slots))
+      length=jnp.minimum(jnp.maximum(cache.length, end), cache.num_slots))
   return claimed, slot
 
 

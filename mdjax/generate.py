@@ -22,7 +22,8 @@ from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
 from mdjax.models.model import Model
 from mdjax.strategies import metadata, skeleton
-from mdjax.strategies.base import Limits, Prompt, layout_chains, layout_prompts
+from mdjax.strategies.base import (Limits, Prompt, branch_token_counts, layout_chains,
+                                   layout_prompts)
 
 MIN_BUCKET = 16
 FINE_BUCKETS_ABOVE = 512
@@ -232,12 +233,24 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_toke
                   eos_ids=jnp.asarray(eos or (-1,), jnp.int32), key=jax.random.key(seed))
   capacity = bucket(max_new_tokens)
   num_branches = prompt.branch_segment.shape[1]
+  decoder = _with_regions(decoder, prompt, capacity)
   static = dict(num_slots=cache_size(decoder, prompt.tokens.shape[1], capacity, num_branches),
                 capacity=capacity,
                 cache_dtype=str(model.params["embed"].dtype))  # K/V in the weights' dtype
   output_rows = [i * num_branches + j for i, n in enumerate(counts) for j in range(n)]
   return _Plan(decoder=decoder, params=params, prompt=prompt, limits=limits, static=static,
                prompt_tokens=sum(total), output_rows=output_rows)
+
+
+def _with_regions(decoder, prompt: Prompt, capacity: int):
+  """A decoder that can keep one cache region per branch (it has a `regions` field)
+  gets them when the prompts have several branches: the shared tokens padded to a
+  bucket, then per branch its own prompt tokens (rounded to 16) + `capacity`."""
+  if prompt.branch_segment.shape[1] < 2 or "regions" not in {
+      f.name for f in dataclasses.fields(decoder)}:
+    return decoder
+  shared, own = branch_token_counts(prompt)
+  return dataclasses.replace(decoder, regions=(bucket(shared), -(-own // 16) * 16 + capacity))
 
 
 ATTENTION_BLOCK = 128  # the largest block of the block-sparse attention (`decode_step`)

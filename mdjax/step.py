@@ -21,11 +21,13 @@ from mdjax.models.transformer import Params, forward, lm_head
 from mdjax.topology import Topology
 
 
-@functools.partial(jax.jit, static_argnames=("config", "attention", "block_size"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("config", "attention", "block_size", "regions"),
+                   donate_argnames=("cache",))
 def decode_step(params: Params, cache: KVCache, tokens: Int[Array, "B T"],
                 positions: Int[Array, "B T"], segments: Int[Array, "B T"], topology: Topology,
                 *, config: ModelConfig, logits_at: Int[Array, "B R"] | None = None,
-                attention: str = "block_sparse", block_size: int = 128
+                attention: str = "block_sparse", block_size: int = 128,
+                slots: Int[Array, "B T"] | None = None, regions: tuple[int, int] | None = None
                 ) -> tuple[Float[Array, "B R V"], Float[Array, "B T D"], KVCache]:
   """One model pass: returns `(logits, hidden, cache)`.
 
@@ -35,9 +37,14 @@ def decode_step(params: Params, cache: KVCache, tokens: Int[Array, "B T"],
   cache:  the input cache (donated) with the tokens of segment >= 0 appended.
   attention: "block_sparse" (visits only visible key blocks of at most `block_size`
     slots) or "dense" (the reference); both give the same logits.
+  slots: the cache slot of each token (default: the next free ones of its row).
+  regions: `(shared, size)` when the cache holds one region of `size` slots per
+    branch after `shared` slots, and no token sees another branch's region: each
+    query then reads only its own region (`mdjax.models.attention.cascade_attention`).
   """
   hidden, cache = forward(params, cache, tokens, positions, segments, topology, config=config,
-                          attention=attention, block_size=block_size)
+                          attention=attention, block_size=block_size, slots=slots,
+                          regions=regions)
   picked = hidden if logits_at is None else jnp.take_along_axis(
       hidden, logits_at[..., None], axis=1)  # [B, R, D]
   return lm_head(params, picked), hidden, cache

@@ -124,20 +124,21 @@ def visibility_limits(topology: Topology) -> Int[Array, "B G G"]:
 def visible(limit: Int[Array, "B G G"], q_seg: Int[Array, "B T"], q_pos: Int[Array, "B T"],
             k_seg: Int[Array, "B S"], k_pos: Int[Array, "B S"],
             sliding_window: int | None = None) -> Bool[Array, "B T S"]:
-  """The visibility rule of the module docstring, for queries `T` against keys `S`.
+  """The visibility rule of the module docstring, for queries `T` against keys `S`
+  (the same keys for every query, or each query its own: `k_seg`, `k_pos` [B, T, S]).
 
   A query or key with segment -1 (padding, dead slot) sees / is seen by nothing.
   """
+  if k_seg.ndim == 2:
+    k_seg, k_pos = k_seg[:, None, :], k_pos[:, None, :]  # [B, 1, S]
   num_segments = limit.shape[-1]
   q_limits = jnp.take_along_axis(limit, jnp.clip(q_seg, 0, num_segments - 1)[..., None],
                                  axis=1)  # [B, T, G]
+  shape = (q_seg.shape[0], q_seg.shape[1], k_seg.shape[2])  # [B, T, S]
   key_limit = jnp.take_along_axis(
-      q_limits, jnp.broadcast_to(jnp.clip(k_seg, 0, num_segments - 1)[:, None, :],
-                                 (q_seg.shape[0], q_seg.shape[1], k_seg.shape[1])),
-      axis=2)  # [B, T, S]
-  kp = k_pos[:, None, :]  # [B, 1, S]
+      q_limits, jnp.broadcast_to(jnp.clip(k_seg, 0, num_segments - 1), shape), axis=2)
   qp = q_pos[:, :, None]  # [B, T, 1]
-  seen = (q_seg >= 0)[:, :, None] & (k_seg >= 0)[:, None, :] & (kp <= qp) & (kp < key_limit)
+  seen = (q_seg >= 0)[:, :, None] & (k_seg >= 0) & (k_pos <= qp) & (k_pos < key_limit)
   if sliding_window is not None:
-    seen &= qp - kp < sliding_window
+    seen &= qp - k_pos < sliding_window
   return seen

@@ -5,7 +5,8 @@ random order, padding tokens, dead slots, rows of different lengths): every
 token's logits, at the step it was fed, must equal the logits of its root-to-leaf
 path decoded alone from an empty cache. Cache operations (rollback, kill, remap +
 compact, gather) must leave logits exactly as if the removed tokens never existed.
-The block-sparse path must equal the dense reference.
+The block-sparse path must equal the dense reference, and so must the cascade
+path over a cache laid out in one region per branch.
 """
 
 import dataclasses
@@ -19,6 +20,7 @@ from mdjax.cache import KVCache
 from mdjax.models.config import ModelConfig
 from mdjax.models.random_init import init_params
 from mdjax.step import decode_step
+from mdjax.strategies.base import layout_prompts, region_prompt_slots, region_slot_base
 from mdjax.topology import Topology
 
 ATOL = 2e-5
@@ -145,6 +147,51 @@ def test_random_trees_equal_paths_decoded_alone(name, attention):
       for pos in range(len(tree.path(g)) - len(tree.tokens[g]), len(tree.path(g))):
         np.testing.assert_allclose(got[b, g, pos], reference[pos], atol=ATOL,
                                    err_msg=f"row {b} segment {g} position {pos}")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_branches_in_their_own_regions_equal_paths_decoded_alone(name):
+  """Ragged contexts and questions, one region per branch; the shared part (12
+  slots) ends inside a key block (42 slots: blocks of 7), so a block holds both
+  shared slots and region 0's, which the cascade must count once; branches skip
+  some passes (padding)."""
+  config = CONFIGS[name]
+  params = _params(config)
+  rng = np.random.default_rng(3)
+  batch, branches, regions = 2, 3, (12, 10)
+  contexts = [list(rng.integers(0, config.vocab_size, n)) for n in (12, 7)]
+  questions = [[list(rng.integers(0, config.vocab_size, rng.integers(1, 4)))
+                for _ in range(branches)] for _ in range(batch)]
+  prompt = layout_prompts(contexts, questions, width=32)
+  cache = KVCache.create(config, batch, regions[0] + branches * regions[1])
+  logits, _, cache = decode_step(params, cache, prompt.tokens, prompt.positions, prompt.segments,
+                                 prompt.topology(), config=config, logits_at=prompt.branch_last,
+                                 block_size=BLOCK, slots=region_prompt_slots(prompt, regions))
+  paths = [[contexts[b] + questions[b][j] for j in range(branches)] for b in range(batch)]
+  got = {(b, j, len(paths[b][j]) - 1): np.asarray(logits[b, j])
+         for b in range(batch) for j in range(branches)}
+  base = np.asarray(region_slot_base(prompt, regions))
+  for _ in range(4):
+    tokens = rng.integers(0, config.vocab_size, (batch, branches))
+    fed = rng.random((batch, branches)) < 0.75
+    positions = np.asarray([[len(p) for p in row] for row in paths])
+    segments = np.where(fed, np.asarray(prompt.branch_segment), -1)
+    logits, _, cache = decode_step(params, cache, jnp.asarray(tokens, jnp.int32),
+                                   jnp.asarray(positions, jnp.int32), jnp.asarray(segments),
+                                   prompt.topology(), config=config, block_size=BLOCK,
+                                   slots=jnp.asarray(base + positions), regions=regions)
+    for b, j in zip(*np.nonzero(fed)):
+      paths[b][j] = paths[b][j] + [int(tokens[b, j])]
+      got[b, j, positions[b, j]] = np.asarray(logits[b, j])
+  for b in range(batch):
+    for j in range(branches):
+      assert (np.asarray(cache.seg[b, base[b, j] + positions[b, j] - 1]) ==
+              np.asarray(prompt.branch_segment[b, j])), "the branch's tokens fill its region"
+      reference = alone(params, config, paths[b][j])
+      for (row, branch, pos), value in got.items():
+        if (row, branch) == (b, j):
+          np.testing.assert_allclose(value, reference[pos], atol=ATOL,
+                                     err_msg=f"row {b} branch {j} position {pos}")
 
 
 def _prefill(params, config, tokens, slots=6 * BLOCK, batch=1):

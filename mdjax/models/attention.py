@@ -12,6 +12,11 @@ summation order:
 * `block_sparse_attention` — walks the cache in blocks of `block_size` slots, only
   up to the fullest row's length, and skips every block that no query of the batch
   can see (other branches' tokens, dead slots); an online softmax merges blocks.
+* `cascade_attention` — for caches laid out in *regions*, one per branch after a
+  shared prefix: the prefix's blocks are walked as above by all queries at once,
+  then each query reads only its own branch's region. A block holding several
+  branches' tokens is read by every query; a region is read by one, so a step's
+  attention work is N x (prefix + own tokens), not N x (prefix + all N branches').
 
 Einsum letters: B batch, T queries, S keys, K kv heads, R query heads per kv head
 (N = K * R), H head dim.
@@ -38,6 +43,7 @@ class Queries:
   q: Float[Array, "B T N H"]
   positions: Int[Array, "B T"]
   segments: Int[Array, "B T"]
+  slots: Int[Array, "B T"]  # cache slot each query's own K/V went to (past the end: none)
   limit: Int[Array, "B G G"]  # mdjax.topology.visibility_limits
 
 
@@ -78,58 +84,109 @@ def dense_attention(queries: Queries, cache: KVCache, layer: int, *,
   return masked_attention(queries.q, cache.k[layer], cache.v[layer], mask)
 
 
-def block_sparse_attention(queries: Queries, cache: KVCache, layer: int, *,
-                           sliding_window: int | None,
-                           block_size: int) -> Float[Array, "B T N H"]:
-  """Online-softmax attention over the visible key blocks of `layer` only.
+def _absorb(carry, scores: Float[Array, "B K R T S"], values, values_letters: str):
+  """Online softmax: folds one more set of key scores (and their `values`, einsum
+  letters `values_letters`) into `carry = (peak, total, acc)`."""
+  peak, total, acc = carry  # [B, K, R, T], [B, K, R, T], [B, K, R, T, H]
+  new_peak = jnp.maximum(peak, scores.max(-1))
+  base = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
+  rescale = jnp.exp(peak - base)
+  weights = jnp.exp(scores - base[..., None])
+  acc = acc * rescale[..., None] + jnp.einsum(f"bkrts,{values_letters}->bkrth", weights,
+                                              values.astype(jnp.float32))
+  return new_peak, total * rescale + weights.sum(-1), acc
+
+
+def _visit_blocks(qg: Float[Array, "B T K R H"], queries: Queries, cache: KVCache, layer: int, *,
+                  sliding_window: int | None, block_size: int, end: int | None = None):
+  """The online-softmax carry of the queries over the visible key blocks of `layer`
+  (slots before `end` only, when given).
 
   Blocks past the fullest row's `length` are not visited; a visited block's K/V
   are sliced out of the stacked cache only when some query can see into it, so
-  invisible blocks are never read. `block_size` must divide the slot count.
+  invisible blocks are never read.
   """
-  qg = _grouped(queries.q, cache.k.shape[3])  # [B, T, K, R, H]
   b, t, k, r, h = qg.shape
+  filled = cache.length.max() if end is None else jnp.minimum(cache.length.max(), end)
 
   def visit(block, carry):
-    peak, total, acc = carry  # [B, K, R, T], [B, K, R, T], [B, K, R, T, H]
     start = block * block_size
     k_pos = jax.lax.dynamic_slice_in_dim(cache.pos, start, block_size, axis=1)  # [B, Bk]
     k_seg = jax.lax.dynamic_slice_in_dim(cache.seg, start, block_size, axis=1)
+    if end is not None:
+      k_seg = jnp.where(start + jnp.arange(block_size) < end, k_seg, -1)
     mask = visible(queries.limit, queries.segments, queries.positions, k_seg, k_pos,
                    sliding_window)  # [B, T, Bk]
 
     def read_block(carry):
-      peak, total, acc = carry
       index = (layer, 0, start, 0, 0)
       size = (1, b, block_size, k, h)
       keys = jax.lax.dynamic_slice(cache.k, index, size)[0]  # [B, Bk, K, H]
       values = jax.lax.dynamic_slice(cache.v, index, size)[0]
-      scores = _scores(qg, keys, mask)  # [B, K, R, T, Bk]
-      new_peak = jnp.maximum(peak, scores.max(-1))
-      base = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
-      rescale = jnp.exp(peak - base)
-      weights = jnp.exp(scores - base[..., None])
-      acc = acc * rescale[..., None] + jnp.einsum("bkrts,bskh->bkrth", weights,
-                                                  values.astype(jnp.float32))
-      return new_peak, total * rescale + weights.sum(-1), acc
+      return _absorb(carry, _scores(qg, keys, mask), values, "bskh")
 
     return jax.lax.cond(mask.any(), read_block, lambda c: c, carry)
 
   carry = (jnp.full((b, k, r, t), -jnp.inf), jnp.zeros((b, k, r, t)), jnp.zeros((b, k, r, t, h)))
-  num_blocks = (cache.length.max() + block_size - 1) // block_size
-  _, total, acc = jax.lax.fori_loop(0, num_blocks, visit, carry)
+  return jax.lax.fori_loop(0, (filled + block_size - 1) // block_size, visit, carry)
+
+
+def block_sparse_attention(queries: Queries, cache: KVCache, layer: int, *,
+                           sliding_window: int | None,
+                           block_size: int) -> Float[Array, "B T N H"]:
+  """Online-softmax attention over the visible key blocks of `layer` only.
+  `block_size` must divide the slot count."""
+  qg = _grouped(queries.q, cache.k.shape[3])  # [B, T, K, R, H]
+  _, total, acc = _visit_blocks(qg, queries, cache, layer, sliding_window=sliding_window,
+                                block_size=block_size)
+  return _finish(acc, total, queries.q.dtype)
+
+
+def cascade_attention(queries: Queries, cache: KVCache, layer: int, *,
+                      sliding_window: int | None, block_size: int,
+                      regions: tuple[int, int]) -> Float[Array, "B T N H"]:
+  """Attention over a cache of `regions = (shared, size)`: slots `[0, shared)` hold
+  what several branches see, then region j (`size` slots from `shared + j * size`)
+  holds branch j's own tokens. Three branches, a query of branch 1::
+
+      slot    0 ............ shared | region 0 | region 1 | region 2 |
+      read    blocks, by all queries |          | this query|          |
+
+  The shared part goes block by block for all queries (`_visit_blocks`); then each
+  query gathers the region its own slot lies in, `size` slots, and merges it in.
+  Exact only when no query sees a token outside the shared part and its own region
+  (the strategy's layout guarantees it; the mask still decides within both).
+  """
+  shared, size = regions
+  qg = _grouped(queries.q, cache.k.shape[3])  # [B, T, K, R, H]
+  carry = _visit_blocks(qg, queries, cache, layer, sliding_window=sliding_window,
+                        block_size=block_size, end=shared)
+  own = (queries.slots >= shared) & (queries.slots < cache.num_slots)  # [B, T]
+  first = shared + (queries.slots - shared) // size * size  # [B, T] the region's first slot
+  slot = jnp.clip(first[..., None] + jnp.arange(size), 0, cache.num_slots - 1)  # [B, T, Rg]
+  rows = jnp.arange(slot.shape[0])[:, None, None]
+  mask = visible(queries.limit, queries.segments, queries.positions, cache.seg[rows, slot],
+                 cache.pos[rows, slot], sliding_window) & own[..., None]  # [B, T, Rg]
+  keys = cache.k[layer][rows, slot]  # [B, T, Rg, K, H]
+  scores = jnp.einsum("btkrh,btskh->bkrts", qg, keys.astype(jnp.float32))
+  scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+  _, total, acc = _absorb(carry, scores, cache.v[layer][rows, slot], "btskh")
   return _finish(acc, total, queries.q.dtype)
 
 
 ATTENTION_IMPLS = ("block_sparse", "dense")
 
 
-def attention_fn(impl: str, num_slots: int, max_block_size: int = 128):
+def attention_fn(impl: str, num_slots: int, max_block_size: int = 128,
+                 regions: tuple[int, int] | None = None):
   """The attention of `impl`; the block size is the largest divisor of `num_slots`
-  not above `max_block_size` (blocks must tile the cache exactly)."""
+  not above `max_block_size` (blocks must tile the cache exactly). With `regions`,
+  "block_sparse" becomes `cascade_attention`; "dense" reads every slot anyway."""
   if impl not in ATTENTION_IMPLS:
     raise ValueError(f"unknown attention impl {impl!r}; valid: {ATTENTION_IMPLS}")
   if impl == "dense":
     return dense_attention
   block_size = max(d for d in range(1, min(max_block_size, num_slots) + 1) if num_slots % d == 0)
+  if regions is not None:
+    return functools.partial(cascade_attention, block_size=block_size, regions=regions)
   return functools.partial(block_sparse_attention, block_size=block_size)

@@ -110,16 +110,20 @@ def _layers(config: ModelConfig, params: Params, x: Float[Array, "B T D"],
 
 def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
             segments: Int[Array, "B T"], topology: Topology, *, config: ModelConfig,
-            attention: str = "block_sparse", block_size: int = 128):
+            attention: str = "block_sparse", block_size: int = 128,
+            slots: Int[Array, "B T"] | None = None, regions: tuple[int, int] | None = None):
   """Runs the T tokens through every layer over `cache`; returns the final hidden
   states `[B, T, D]` (after the final norm) and the cache with the T tokens added.
 
   Tokens with segment -1 are padding: they see nothing, are seen by nothing and
-  take no cache slot.
+  take no cache slot. The others take the next free slots, or `slots` when given;
+  `regions` (see `mdjax.models.attention.cascade_attention`) says the cache is laid
+  out in one region per branch and every query sees only the shared part and its own.
   """
-  attention_impl = attention_fn(attention, cache.num_slots, block_size)
-  cache, slot = cache_ops.claim_slots(cache, positions, segments)
-  meta = dict(positions=positions, segments=segments, limit=visibility_limits(topology))
+  attention_impl = attention_fn(attention, cache.num_slots, block_size, regions)
+  cache, slot = cache_ops.claim_slots(cache, positions, segments, slots)
+  meta = dict(positions=positions, segments=segments, slots=slot,
+              limit=visibility_limits(topology))
 
   def attend(q, k, v, index, cache):
     cache = cache_ops.write_layer(cache, index, slot, k, v)

@@ -10,6 +10,16 @@ and one pass::
     slot   0 1 2 | 3 4 | 5 6 | 7 8
     seg    0 0 0 | 1 1 | 2 2 | 1 2       context at 0..2; questions at 3..4
     pos    0 1 2 | 3 4 | 3 4 | 5 5       answers continue at 5, 6, ... in their segment
+
+With `regions = (shared, size)` (what `mdjax.generate` sets for N >= 2 branches)
+each branch instead owns `size` slots after `shared` ones, question then answer, so
+a pass's query reads only the context and its own region
+(`mdjax.models.attention.cascade_attention`). The same two questions, shared = 4,
+size = 4::
+
+    slot   0 1 2 . | 4 5 6 . | 8 9 10 .
+    seg    0 0 0   | 1 1 1   | 2 2 2
+    pos    0 1 2   | 3 4 5   | 3 4 5
 """
 
 from __future__ import annotations
@@ -24,7 +34,8 @@ from mdjax.cache import KVCache
 from mdjax.models.config import ModelConfig
 from mdjax.sampling import SamplingParams, choose, row_keys
 from mdjax.step import decode_step
-from mdjax.strategies.base import Limits, OutputBuffer, Prompt, emit, narrowest, prefill
+from mdjax.strategies.base import (Limits, OutputBuffer, Prompt, emit, narrowest, prefill,
+                                   region_prompt_slots, region_slot_base)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,18 +43,25 @@ class Autoregressive:
   config: ModelConfig
   sampling: SamplingParams = SamplingParams(temperature=0.0)
   attention: str = "block_sparse"
+  regions: tuple[int, int] | None = None  # (shared slots, slots per branch), or appending
 
   def cache_slots(self, prompt_len: int, max_new_tokens: int, branches: int = 1) -> int:
-    """Slots per row: the padded prompt, then one per generated token of every branch."""
+    """Slots per row: the padded prompt, then one per generated token of every branch
+    (or the shared slots and one region per branch)."""
+    if self.regions is not None:
+      shared, size = self.regions
+      return shared + size * branches
     return prompt_len + max_new_tokens * branches
 
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits, capacity: int) -> dict:
-    logits, cache, topology = prefill(params, prompt, cache, self.config, self.attention)
+    slots = None if self.regions is None else region_prompt_slots(prompt, self.regions)
+    logits, cache, topology = prefill(params, prompt, cache, self.config, self.attention, slots)
     absent = (prompt.branch_segment < 0).reshape(-1)  # [B * N] rows of missing branches
     buffer = dataclasses.replace(OutputBuffer.empty(absent.shape[0], capacity), done=absent)
     state = dict(cache=cache, topology=topology, limits=limits, buffer=buffer,
                  branch_segment=prompt.branch_segment, next_pos=prompt.branch_positions(),
                  last=jnp.zeros(prompt.branch_segment.shape, jnp.int32),
+                 slot_base=None if self.regions is None else region_slot_base(prompt, self.regions),
                  passes=jnp.zeros((), jnp.int32), columns_fed=jnp.zeros((), jnp.int32))
     return self._commit(state, logits)
 
@@ -66,9 +84,12 @@ class Autoregressive:
       columns = jnp.argsort(done, axis=1, stable=True)[:, :width]  # [B, W] live first
     pick = functools.partial(jnp.take_along_axis, indices=columns, axis=1)
     segments = jnp.where(pick(done), -1, pick(state["branch_segment"]))  # [B, W]
-    logits, _, cache = decode_step(params, state["cache"], pick(state["last"]),
-                                   pick(state["next_pos"]), segments, state["topology"],
-                                   config=self.config, attention=self.attention)  # [B, W, V]
+    positions = pick(state["next_pos"])  # [B, W]
+    slots = None if self.regions is None else pick(state["slot_base"]) + positions
+    logits, _, cache = decode_step(params, state["cache"], pick(state["last"]), positions,
+                                   segments, state["topology"], config=self.config,
+                                   attention=self.attention, slots=slots,
+                                   regions=self.regions)  # [B, W, V]
     rows = jnp.arange(batch)[:, None]
     full = jnp.zeros((batch, branches, logits.shape[-1]), logits.dtype)
     return full.at[rows, columns].set(logits), cache  # finished columns: zeros, never emitted

@@ -191,15 +191,47 @@ def emit(buffer: OutputBuffer, new: Int[Array, "R A"], num_new: Int[Array, "R"],
   return OutputBuffer(tokens=tokens, count=count, done=done), taken
 
 
-def prefill(params, prompt: Prompt, cache: KVCache, config: ModelConfig, attention: str
+def prefill(params, prompt: Prompt, cache: KVCache, config: ModelConfig, attention: str,
+            slots: Int[Array, "B P"] | None = None
             ) -> tuple[Float[Array, "B N V"], KVCache, Topology]:
-  """Every row's context and branch tokens in one pass: the logits that start each
-  branch, the cache, and the prompt's topology."""
+  """Every row's context and branch tokens in one pass (into `slots` when given): the
+  logits that start each branch, the cache, and the prompt's topology."""
   topology = prompt.topology()
   logits, _, cache = decode_step(params, cache, prompt.tokens, prompt.positions,
                                  prompt.segments, topology, config=config,
-                                 logits_at=prompt.branch_last, attention=attention)  # [B, N, V]
+                                 logits_at=prompt.branch_last, attention=attention,
+                                 slots=slots)  # [B, N, V]
   return logits, cache, topology
+
+
+def branch_token_counts(prompt: Prompt) -> tuple[int, int]:
+  """(host) The most shared prompt tokens of a row, and the most prompt tokens of one
+  branch (its question, suffix): what `regions` must hold besides generated tokens."""
+  segments, branch = np.asarray(prompt.segments), np.asarray(prompt.branch_segment)
+  in_branch = (segments[:, :, None] == branch[:, None, :]) & (segments >= 0)[..., None]  # [B,P,N]
+  shared = ((segments >= 0) & ~in_branch.any(-1)).sum(axis=1)  # [B]
+  return int(shared.max()), int(in_branch.sum(axis=1).max())
+
+
+def region_slot_base(prompt: Prompt, regions: tuple[int, int]) -> Int[Array, "B N"]:
+  """With one cache region per branch (`regions = (shared, size)`, see
+  `mdjax.models.attention.cascade_attention`), branch j's token at position p takes
+  slot `base[b, j] + p`: its region's first slot minus its fork position, so the
+  branch's tokens fill the region in order from its fork (question, then answer)."""
+  shared, size = regions
+  fork = jnp.take_along_axis(prompt.fork, jnp.maximum(prompt.branch_segment, 0), axis=1)
+  return shared + jnp.arange(prompt.branch_segment.shape[1]) * size - fork  # [B, N]
+
+
+def region_prompt_slots(prompt: Prompt, regions: tuple[int, int]) -> Int[Array, "B P"]:
+  """The slot of every prompt token with one region per branch: shared tokens (which
+  come first in the prompt) keep their index, branch tokens go to their region."""
+  in_branch = ((prompt.segments[:, :, None] == prompt.branch_segment[:, None, :])
+               & (prompt.segments >= 0)[..., None])  # [B, P, N]
+  base = jnp.take_along_axis(region_slot_base(prompt, regions), jnp.argmax(in_branch, -1),
+                             axis=1)  # [B, P]
+  return jnp.where(in_branch.any(-1), base + prompt.positions,
+                   jnp.arange(prompt.tokens.shape[1]))
 
 
 def narrowest(widths: tuple[int, ...], need) -> tuple[jax.Array, jax.Array]:
