@@ -40,8 +40,6 @@ import transformers
 
 import mdjax
 from experiments.benchlib import load_pair, machine_info, machine_line, memory_bandwidth, plt, save_figure, write_results
-from mdjax import strategies
-from mdjax.generate import bucket, cache_size
 
 
 _MODEL = flags.DEFINE_string("model", "random-llama", "Model name (random or shipped) or directory.")
@@ -73,22 +71,18 @@ QUICK = dict(model="random-llama-tiny", ns=(1, 2), contexts=(32,), new_tokens=(4
              repeats=1)
 
 
-def kv_bytes(model: mdjax.Model, rows: int, slots: int) -> int:
+def kv_bytes(model: mdjax.Model, slots: int) -> int:
+  """K and V bytes of `slots` cache slots in the model's weight dtype."""
   c = model.config
-  return 2 * c.num_layers * rows * slots * c.num_kv_heads * c.head_dim * 4  # float32 K and V
-
-
-def cache_slots(model: mdjax.Model, strategy: str, prompt_tokens: int, new_tokens: int,
-                branches: int) -> int:
-  """The slots per row `mdjax.generate` allocates for this request."""
-  decoder = strategies.build(strategy, model.config, {})
-  return cache_size(decoder, bucket(prompt_tokens), bucket(new_tokens), branches)
+  itemsize = model.params["embed"].dtype.itemsize
+  return 2 * c.num_layers * slots * c.num_kv_heads * c.head_dim * itemsize
 
 
 def greedy(model, prompts, new_tokens: int, strategy: str = "greedy", **options) -> dict:
   out = mdjax.generate(model, prompts, strategy=strategy, max_new_tokens=new_tokens,
                        eos_token_id=[], **options)
-  return dict(seconds=out.stats["wall_s"], sequences=out.sequences)
+  return dict(seconds=out.stats["wall_s"], sequences=out.sequences,
+              kv_bytes=out.stats["kv_cache_bytes"])
 
 
 def sequential(model, context, questions, new_tokens: int) -> dict:
@@ -128,17 +122,13 @@ def bench_point(model, reference, n: int, context_len: int, new_tokens: int,
       times[name].append(contenders[name]()["seconds"])
   wall = {name: statistics.median(t) for name, t in times.items()}
   tokens = n * new_tokens
-  shared_slots = cache_slots(model, "multi_question", context_len + n * settings.question_len,
-                             new_tokens, n)
-  batched_slots = cache_slots(model, "greedy", context_len + settings.question_len, new_tokens, 1)
   cell = dict(
       wall_s=wall, tokens_per_s={k: tokens / v for k, v in wall.items() if k != "shared_1"},
       speedup={k: wall[k] / wall["shared"] for k in ("batched", "hf", "sequential") if k in wall},
       step_ms=(wall["shared"] - wall["shared_1"]) / max(1, new_tokens - 1) * 1e3,
-      kv_bytes=dict(shared=kv_bytes(model, 1, shared_slots),
-                    batched=kv_bytes(model, n, batched_slots),
-                    shared_needed=kv_bytes(model, 1, context_len + n * (settings.question_len
-                                                                       + new_tokens))),
+      kv_bytes=dict(shared=results["shared"]["kv_bytes"], batched=results["batched"]["kv_bytes"],
+                    shared_needed=kv_bytes(model, context_len + n * (settings.question_len
+                                                                    + new_tokens))),
       same_tokens={k: results[k]["sequences"] == results["shared"]["sequences"]
                    for k in ("batched", "sequential", "hf") if k in results})
   return cell

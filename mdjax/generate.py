@@ -264,6 +264,14 @@ def cache_size(decoder, prompt_width: int, capacity: int, branches: int) -> int:
   return slots if slots <= ATTENTION_BLOCK else -(-slots // ATTENTION_BLOCK) * ATTENTION_BLOCK
 
 
+def _kv_cache_bytes(model: Model, plan: _Plan) -> int:
+  """Bytes of the target's K and V caches this request allocated (every row's slots)."""
+  c = model.config
+  rows, slots = plan.prompt.tokens.shape[0], plan.static["num_slots"]
+  itemsize = jnp.dtype(plan.static["cache_dtype"]).itemsize
+  return 2 * c.num_layers * rows * slots * c.num_kv_heads * c.head_dim * itemsize
+
+
 def _ranked_hypotheses(tokens: np.ndarray, counts: np.ndarray, scores: np.ndarray,
                       num_prompts: int) -> list[list[dict]]:
   """Per prompt, its scored hypotheses best first, from rank-major output rows (row
@@ -298,7 +306,7 @@ def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: in
   token_metadata = stats.pop("metadata", None)
   stats = {k: np.asarray(v).tolist() for k, v in jax.device_get(stats).items()}
   stats.update(generated_tokens=sum(len(s) for s in sequences), prompt_tokens=plan.prompt_tokens,
-               wall_s=wall_s, compile_s=compile_s)
+               kv_cache_bytes=_kv_cache_bytes(model, plan), wall_s=wall_s, compile_s=compile_s)
   stats["tokens_per_pass"] = stats["generated_tokens"] / max(1, stats["target_passes"] + 1)
   texts = None
   if model.tokenizer is not None:

@@ -66,6 +66,23 @@ def test_finished_branches_stop_being_fed_to_the_model(models):
   assert full.stats["columns_fed"] == full.stats["target_passes"] * 2 * 8
 
 
+def test_shared_cache_holds_the_context_once(models):
+  """KV bytes of N questions over one context: the context once, plus one region per
+  branch (question + new tokens, rounded to 16), against N copies when batching."""
+  model, n, context_len, new = models[0], 8, 100, 16
+  context = list(range(3, 3 + context_len))
+  questions = [[40 + j, 41 + j] for j in range(n)]
+  shared = mdjax.generate(model, context, strategy="multi_question", questions=questions,
+                          max_new_tokens=new, eos_token_id=[])
+  batched = mdjax.generate(model, [context + q for q in questions], max_new_tokens=new,
+                           eos_token_id=[])
+  assert shared.sequences == batched.sequences
+  c = model.config
+  per_slot = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4  # float32 K and V
+  assert shared.stats["kv_cache_bytes"] == per_slot * (128 + n * (16 + new))
+  assert batched.stats["kv_cache_bytes"] == per_slot * n * 256  # bucket(102) + 16, 2 blocks
+
+
 def test_one_question_list_serves_every_prompt(models):
   model = models[0]
   contexts, questions = [[4, 5, 6], [9, 9]], [[30], [31, 32]]
