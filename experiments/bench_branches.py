@@ -12,9 +12,10 @@ prompts with the same weights everywhere:
 
 Reported per point: wall seconds (median of interleaved repeats), generated tokens per
 second, KV-cache bytes each allocates, the speedups of (a) over (b), (c), (d), and
-whether (a), (b), (c) produced the same tokens. Also the step time of (a) vs N at a
-fixed number of generated tokens: (wall(new) - wall(1)) / (new - 1), which must not
-grow with the other branches' tokens.
+whether (a), (b), (c) produced the same tokens. Also the step time of (a) and (c) vs
+N at a fixed number of generated tokens: (wall(new) - wall(1)) / (new - 1). Both grow
+with N (every pass feeds N tokens through the MLP); (a)'s must not grow faster than
+(c)'s, i.e. a branch's attention must not read the other branches' tokens.
 
     python -m experiments.bench_branches [--ns=1,2,4,8,16,32] [--contexts=256,1024] \
         [--new_tokens=16,128] [--model=random-llama] [--quick]
@@ -111,6 +112,7 @@ def bench_point(model, reference, n: int, context_len: int, new_tokens: int,
       "shared": lambda: greedy(model, [context], new_tokens, "multi_question", questions=questions),
       "shared_1": lambda: greedy(model, [context], 1, "multi_question", questions=questions),
       "batched": lambda: greedy(model, rows, new_tokens),
+      "batched_1": lambda: greedy(model, rows, 1),
       "hf": lambda: hf(reference, rows, new_tokens)}
   if n <= settings.skip_sequential_above:
     contenders["sequential"] = lambda: sequential(model, context, questions, new_tokens)
@@ -123,9 +125,10 @@ def bench_point(model, reference, n: int, context_len: int, new_tokens: int,
   wall = {name: statistics.median(t) for name, t in times.items()}
   tokens = n * new_tokens
   cell = dict(
-      wall_s=wall, tokens_per_s={k: tokens / v for k, v in wall.items() if k != "shared_1"},
+      wall_s=wall, tokens_per_s={k: tokens / v for k, v in wall.items() if not k.endswith("_1")},
       speedup={k: wall[k] / wall["shared"] for k in ("batched", "hf", "sequential") if k in wall},
-      step_ms=(wall["shared"] - wall["shared_1"]) / max(1, new_tokens - 1) * 1e3,
+      step_ms={k: (wall[k] - wall[f"{k}_1"]) / max(1, new_tokens - 1) * 1e3
+               for k in ("shared", "batched")},
       kv_bytes=dict(shared=results["shared"]["kv_bytes"], batched=results["batched"]["kv_bytes"],
                     shared_needed=kv_bytes(model, context_len + n * (settings.question_len
                                                                     + new_tokens))),
@@ -151,19 +154,22 @@ def run(settings: Settings, partial: pathlib.Path | None = None) -> dict:
 
 
 def table(results: dict) -> str:
-  lines = ["    N  ctx  new  shared s  vs batched  vs hf  vs sequential  step ms  KV shared/batched"]
+  lines = ["    N  ctx  new  shared s  vs batched  vs hf  vs sequential  step ms sh/bat  "
+           "KV shared/batched"]
   for p in results["points"]:
     s = p["speedup"]
     seq = f"{s['sequential']:.2f}x" if "sequential" in s else "-"
     lines.append(f"{p['n']:>5} {p['context']:>4} {p['new_tokens']:>4}  {p['wall_s']['shared']:8.3f}"
-                 f"  {s['batched']:9.2f}x  {s['hf']:5.2f}x  {seq:>13}  {p['step_ms']:7.2f}  "
+                 f"  {s['batched']:9.2f}x  {s['hf']:5.2f}x  {seq:>13}  {p['step_ms']['shared']:6.2f}/"
+                 f"{p['step_ms']['batched']:<6.2f}  "
                  f"{p['kv_bytes']['shared'] / 2**20:.1f}/{p['kv_bytes']['batched'] / 2**20:.1f} MiB")
   return "\n".join(lines)
 
 
 def plot(results: dict, path: pathlib.Path) -> None:
   """Left: speedup of the shared cache vs N over each alternative, one line style per
-  (context, new tokens). Right: the shared cache's step time vs N."""
+  (context, new tokens). Right: step time vs N of the shared cache (red) beside
+  batching's (blue): a pass of N branches should cost what N rows cost, not more."""
   fig, (speed, steps) = plt.subplots(1, 2, figsize=(13, 5))
   settings = results["settings"]
   colors = {"batched": "tab:blue", "hf": "tab:orange", "sequential": "tab:green"}
@@ -175,8 +181,10 @@ def plot(results: dict, path: pathlib.Path) -> None:
       ys = [p["speedup"][name] for p in points if name in p["speedup"]]
       speed.plot(xs, ys, styles[i % len(styles)], color=color,
                  label=f"vs {name}, ctx {ctx}, new {new}")
-    steps.plot([p["n"] for p in points], [p["step_ms"] for p in points], styles[i % len(styles)],
-               label=f"ctx {ctx}, new {new}")
+    for name in ("shared", "batched"):
+      steps.plot([p["n"] for p in points], [p["step_ms"][name] for p in points],
+                 styles[i % len(styles)], color=colors.get(name, "tab:red"),
+                 label=f"{name}, ctx {ctx}, new {new}")
   speed.axhline(1.0, color="black", lw=0.8)
   for ax in (speed, steps):
     ax.set_xscale("log", base=2)
@@ -184,7 +192,7 @@ def plot(results: dict, path: pathlib.Path) -> None:
     ax.legend(fontsize=7)
   speed.set_ylabel("speedup of the shared cache (x)")
   speed.set_yscale("log")
-  steps.set_ylabel("ms per decode step of all N branches")
+  steps.set_ylabel("ms per decode step of all N branches / rows")
   save_figure(fig, path, f"multi_question over one shared cache, {results['model']}\n"
                          f"{machine_line(results['machine'])}")
 

@@ -171,6 +171,8 @@ def _layout(model: Model, prompts, strategy: str, branch_value, max_new_tokens: 
   ids = encode_prompts(model, prompts)
   extra = strategies.branches(strategy, branch_value, len(ids),
                              lambda pieces: [_continuation(model, q) for q in pieces])
+  if extra is not None and max(len(b) for b in extra) == 1:  # nothing to share: plain prompts
+    ids, extra = [c + b[0] for c, b in zip(ids, extra)], None
   rows = ids if extra is None else [c + max(b, key=len) for c, b in zip(ids, extra)]
   check_context(model, rows, max_new_tokens)
   total = [len(c) + (0 if extra is None else sum(len(b) for b in extra[i]))
