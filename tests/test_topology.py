@@ -152,13 +152,15 @@ def test_random_trees_equal_paths_decoded_alone(name, attention):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_branches_in_their_own_regions_equal_paths_decoded_alone(name):
   """Ragged contexts and questions, one region per branch; the shared part (12
-  slots) ends inside a key block (42 slots: blocks of 7), so a block holds both
-  shared slots and region 0's, which the cascade must count once; branches skip
-  some passes (padding)."""
+  slots) ends inside a key block (75 slots: blocks of 5), so a block holds both
+  shared slots and region 0's, which the cascade must count once; regions (21
+  slots) are read in chunks of 7, up to the fullest one's fill; branches skip
+  some passes (padding); passes feed the branches in order (regions read as one
+  slice) and reversed (each query gathers its own region)."""
   config = CONFIGS[name]
   params = _params(config)
   rng = np.random.default_rng(3)
-  batch, branches, regions = 2, 3, (12, 10)
+  batch, branches, regions = 2, 3, (12, 21)
   contexts = [list(rng.integers(0, config.vocab_size, n)) for n in (12, 7)]
   questions = [[list(rng.integers(0, config.vocab_size, rng.integers(1, 4)))
                 for _ in range(branches)] for _ in range(batch)]
@@ -171,18 +173,22 @@ def test_branches_in_their_own_regions_equal_paths_decoded_alone(name):
   got = {(b, j, len(paths[b][j]) - 1): np.asarray(logits[b, j])
          for b in range(batch) for j in range(branches)}
   base = np.asarray(region_slot_base(prompt, regions))
-  for _ in range(4):
+  for i in range(6):
     tokens = rng.integers(0, config.vocab_size, (batch, branches))
     fed = rng.random((batch, branches)) < 0.75
     positions = np.asarray([[len(p) for p in row] for row in paths])
     segments = np.where(fed, np.asarray(prompt.branch_segment), -1)
-    logits, _, cache = decode_step(params, cache, jnp.asarray(tokens, jnp.int32),
-                                   jnp.asarray(positions, jnp.int32), jnp.asarray(segments),
-                                   prompt.topology(), config=config, block_size=BLOCK,
-                                   slots=jnp.asarray(base + positions), regions=regions)
+    order = np.arange(branches)[::-1 if i % 2 else 1]  # reversed: each query gathers its region
+    logits, _, cache = decode_step(params, cache, jnp.asarray(tokens[:, order], jnp.int32),
+                                   jnp.asarray(positions[:, order], jnp.int32),
+                                   jnp.asarray(segments[:, order]), prompt.topology(),
+                                   config=config, block_size=BLOCK,
+                                   slots=jnp.asarray((base + positions)[:, order]),
+                                   regions=regions)
+    logits = np.asarray(logits)[:, np.argsort(order)]
     for b, j in zip(*np.nonzero(fed)):
       paths[b][j] = paths[b][j] + [int(tokens[b, j])]
-      got[b, j, positions[b, j]] = np.asarray(logits[b, j])
+      got[b, j, positions[b, j]] = logits[b, j]
   for b in range(batch):
     for j in range(branches):
       assert (np.asarray(cache.seg[b, base[b, j] + positions[b, j] - 1]) ==
