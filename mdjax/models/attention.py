@@ -152,9 +152,10 @@ def cascade_attention(queries: Queries, cache: KVCache, layer: int, *,
       read    blocks, by all queries |          | this query|          |
 
   The shared part goes block by block for all queries (`_visit_blocks`); then each
-  query reads the region its own slot lies in, `size` slots, and merges it in.
-  Exact only when no query sees a token outside the shared part and its own region
-  (the strategy's layout guarantees it; the mask still decides within both).
+  query reads the region its own slot lies in, up to where it is filled, and merges
+  it in (`_absorb_own_regions`). Exact only when no query sees a token outside the
+  shared part and its own region, and the queries are their regions' newest tokens
+  (the strategy's layout guarantees both; the mask still decides within them).
   """
   qg = _grouped(queries.q, cache.k.shape[3])  # [B, T, K, R, H]
   carry = _visit_blocks(qg, queries, cache, layer, sliding_window=sliding_window,
