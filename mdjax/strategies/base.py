@@ -204,12 +204,17 @@ def prefill(params, prompt: Prompt, cache: KVCache, config: ModelConfig, attenti
   return logits, cache, topology
 
 
+def branch_membership(prompt: Prompt) -> Bool[Array, "B P N"]:
+  """`[b, i, j]`: prompt token i of row b belongs to branch j (its question, suffix)."""
+  return ((prompt.segments[:, :, None] == prompt.branch_segment[:, None, :])
+          & (prompt.segments >= 0)[..., None])
+
+
 def branch_token_counts(prompt: Prompt) -> tuple[int, int]:
   """(host) The most shared prompt tokens of a row, and the most prompt tokens of one
-  branch (its question, suffix): what `regions` must hold besides generated tokens."""
-  segments, branch = np.asarray(prompt.segments), np.asarray(prompt.branch_segment)
-  in_branch = (segments[:, :, None] == branch[:, None, :]) & (segments >= 0)[..., None]  # [B,P,N]
-  shared = ((segments >= 0) & ~in_branch.any(-1)).sum(axis=1)  # [B]
+  branch: what `regions` must hold besides generated tokens."""
+  in_branch = np.asarray(branch_membership(prompt))  # [B, P, N]
+  shared = ((np.asarray(prompt.segments) >= 0) & ~in_branch.any(-1)).sum(axis=1)  # [B]
   return int(shared.max()), int(in_branch.sum(axis=1).max())
 
 
@@ -224,10 +229,10 @@ def region_slot_base(prompt: Prompt, regions: tuple[int, int]) -> Int[Array, "B 
 
 
 def region_prompt_slots(prompt: Prompt, regions: tuple[int, int]) -> Int[Array, "B P"]:
-  """The slot of every prompt token with one region per branch: shared tokens (which
-  come first in the prompt) keep their index, branch tokens go to their region."""
-  in_branch = ((prompt.segments[:, :, None] == prompt.branch_segment[:, None, :])
-               & (prompt.segments >= 0)[..., None])  # [B, P, N]
+  """The slot of every prompt token with one region per branch: shared tokens keep
+  their index (`layout_prompts` and `layout_chains` put them first), branch tokens go
+  to their region."""
+  in_branch = branch_membership(prompt)  # [B, P, N]
   base = jnp.take_along_axis(region_slot_base(prompt, regions), jnp.argmax(in_branch, -1),
                              axis=1)  # [B, P]
   return jnp.where(in_branch.any(-1), base + prompt.positions,
