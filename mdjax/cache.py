@@ -7,7 +7,8 @@
 
 Rows fill independently (ragged lengths are normal). A slot's position and segment
 are all attention needs to decide visibility (see `mdjax.topology`), so slot order
-carries no meaning: branches may interleave freely.
+carries no meaning: branches may interleave freely. A strategy may still keep a
+layout that lets attention skip work: `CacheRegions`, one region per branch.
 
 Example, one row after a prompt of 3 tokens and two decoded beams (segments 1, 2)::
 
@@ -20,12 +21,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from mdjax.models.config import ModelConfig
+
+
+class CacheRegions(NamedTuple):
+  """A cache laid out as `shared` slots every branch sees, then one region of `size`
+  slots per branch (region j from slot `shared + j * size`) that only branch j sees;
+  see `mdjax.models.attention.cascade_attention`. Static (hashable) under jit.
+
+  in_order: this pass's query t is branch t's newest token (so it lies in region t),
+    which lets attention read a chunk of all regions as one view of the cache
+    instead of gathering each query's own; a property of the pass, not the layout.
+  """
+  shared: int
+  size: int
+  in_order: bool = False
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "pos", "seg", "length"],

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mdjax import strategies
-from mdjax.cache import KVCache
+from mdjax.cache import CacheRegions, KVCache
 from mdjax.errors import MdjaxError
 from mdjax.models.model import Model
 from mdjax.strategies import metadata, skeleton
@@ -252,7 +252,8 @@ def _with_regions(decoder, prompt: Prompt, capacity: int):
       f.name for f in dataclasses.fields(decoder)}:
     return decoder
   shared, own = branch_token_counts(prompt)
-  return dataclasses.replace(decoder, regions=(bucket(shared), -(-own // 16) * 16 + capacity))
+  return dataclasses.replace(decoder, regions=CacheRegions(bucket(shared),
+                                                           -(-own // 16) * 16 + capacity))
 
 
 ATTENTION_BLOCK = 128  # the largest block of the block-sparse attention (`decode_step`)

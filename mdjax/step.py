@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from mdjax.cache import KVCache
+from mdjax.cache import CacheRegions, KVCache
 from mdjax.models.config import ModelConfig
 from mdjax.models.transformer import Params, forward, lm_head
 from mdjax.topology import Topology
@@ -27,7 +27,7 @@ def decode_step(params: Params, cache: KVCache, tokens: Int[Array, "B T"],
                 positions: Int[Array, "B T"], segments: Int[Array, "B T"], topology: Topology,
                 *, config: ModelConfig, logits_at: Int[Array, "B R"] | None = None,
                 attention: str = "block_sparse", block_size: int = 128,
-                slots: Int[Array, "B T"] | None = None, regions: tuple[int, int] | None = None
+                slots: Int[Array, "B T"] | None = None, regions: CacheRegions | None = None
                 ) -> tuple[Float[Array, "B R V"], Float[Array, "B T D"], KVCache]:
   """One model pass: returns `(logits, hidden, cache)`.
 
@@ -38,8 +38,8 @@ def decode_step(params: Params, cache: KVCache, tokens: Int[Array, "B T"],
   attention: "block_sparse" (visits only visible key blocks of at most `block_size`
     slots) or "dense" (the reference); both give the same logits.
   slots: the cache slot of each token (default: the next free ones of its row).
-  regions: `(shared, size)` when the cache holds one region of `size` slots per
-    branch after `shared` slots, and no token sees another branch's region: each
+  regions: when the cache holds one region per branch after the shared slots
+    (`mdjax.cache.CacheRegions`) and no token sees another branch's region: each
     query then reads only its own region (`mdjax.models.attention.cascade_attention`).
   """
   hidden, cache = forward(params, cache, tokens, positions, segments, topology, config=config,

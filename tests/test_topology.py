@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mdjax import cache as cache_ops
-from mdjax.cache import KVCache
+from mdjax.cache import CacheRegions, KVCache
 from mdjax.models.config import ModelConfig
 from mdjax.models.random_init import init_params
 from mdjax.step import decode_step
@@ -160,12 +160,12 @@ def test_branches_in_their_own_regions_equal_paths_decoded_alone(name):
   config = CONFIGS[name]
   params = _params(config)
   rng = np.random.default_rng(3)
-  batch, branches, regions = 2, 3, (12, 21)
+  batch, branches, regions = 2, 3, CacheRegions(12, 21)
   contexts = [list(rng.integers(0, config.vocab_size, n)) for n in (12, 7)]
   questions = [[list(rng.integers(0, config.vocab_size, rng.integers(1, 4)))
                 for _ in range(branches)] for _ in range(batch)]
   prompt = layout_prompts(contexts, questions, width=32)
-  cache = KVCache.create(config, batch, regions[0] + branches * regions[1])
+  cache = KVCache.create(config, batch, regions.shared + branches * regions.size)
   logits, _, cache = decode_step(params, cache, prompt.tokens, prompt.positions, prompt.segments,
                                  prompt.topology(), config=config, logits_at=prompt.branch_last,
                                  block_size=BLOCK, slots=region_prompt_slots(prompt, regions))
@@ -184,7 +184,7 @@ def test_branches_in_their_own_regions_equal_paths_decoded_alone(name):
                                    jnp.asarray(segments[:, order]), prompt.topology(),
                                    config=config, block_size=BLOCK,
                                    slots=jnp.asarray((base + positions)[:, order]),
-                                   regions=regions)
+                                   regions=regions._replace(in_order=i % 2 == 0))
     logits = np.asarray(logits)[:, np.argsort(order)]
     for b, j in zip(*np.nonzero(fed)):
       paths[b][j] = paths[b][j] + [int(tokens[b, j])]

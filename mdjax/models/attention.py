@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from mdjax.cache import KVCache
+from mdjax.cache import CacheRegions, KVCache
 from mdjax.topology import visible
 
 
@@ -143,8 +143,8 @@ def block_sparse_attention(queries: Queries, cache: KVCache, layer: int, *,
 
 def cascade_attention(queries: Queries, cache: KVCache, layer: int, *,
                       sliding_window: int | None, block_size: int,
-                      regions: tuple[int, int]) -> Float[Array, "B T N H"]:
-  """Attention over a cache of `regions = (shared, size)`: slots `[0, shared)` hold
+                      regions: CacheRegions) -> Float[Array, "B T N H"]:
+  """Attention over a cache of `regions = (shared, size, in_order)`: slots `[0, shared)` hold
   what several branches see, then region j (`size` slots from `shared + j * size`)
   holds branch j's own tokens. Three branches, a query of branch 1::
 
@@ -159,20 +159,20 @@ def cascade_attention(queries: Queries, cache: KVCache, layer: int, *,
   """
   qg = _grouped(queries.q, cache.k.shape[3])  # [B, T, K, R, H]
   carry = _visit_blocks(qg, queries, cache, layer, sliding_window=sliding_window,
-                        block_size=block_size, end=regions[0])
+                        block_size=block_size, end=regions.shared)
   _, total, acc = _absorb_own_regions(carry, qg, queries, cache, layer, regions, sliding_window)
   return _finish(acc, total, queries.q.dtype)
 
 
 def _absorb_own_regions(carry, qg: Float[Array, "B T K R H"], queries: Queries, cache: KVCache,
-                        layer: int, regions: tuple[int, int], sliding_window: int | None,
+                        layer: int, regions: CacheRegions, sliding_window: int | None,
                         max_chunk: int = 16):
   """Folds each query's own region into the online-softmax `carry`, chunk by chunk
   of at most `max_chunk` slots, only as far as the fullest region is filled (a region
   is sized for the whole budget; its branch fills it in order, the query's own slot
-  last). When query t lies in region t (a pass feeding every branch in order) a chunk
-  of every region is one static view of the cache; otherwise each query gathers it."""
-  shared, size = regions
+  last). When the pass is `in_order` (query t lies in region t) a chunk of the first
+  T regions is one static view of the cache; otherwise each query gathers its own."""
+  shared, size, in_order = regions
   b, t = queries.slots.shape
   chunk = max(d for d in range(1, min(max_chunk, size) + 1) if size % d == 0)
   own = (queries.slots >= shared) & (queries.slots < cache.num_slots)  # [B, T]
@@ -196,27 +196,25 @@ def _absorb_own_regions(carry, qg: Float[Array, "B T K R H"], queries: Queries, 
     return absorb(cache.k[layer][rows, slot], cache.v[layer][rows, slot], cache.seg[rows, slot],
                   cache.pos[rows, slot], carry)
 
-  def in_order(index, carry):
+  def in_order_chunk(index, carry):
     def cut(x):  # [B, S, ...] -> [B, T, C, ...]: chunk `index` of the first T regions
       regions_view = jax.lax.slice_in_dim(x, shared, shared + t * size, axis=1).reshape(
           b, t, size, *x.shape[2:])
       return jax.lax.dynamic_slice_in_dim(regions_view, index * chunk, chunk, axis=2)
     return absorb(cut(cache.k[layer]), cut(cache.v[layer]), cut(cache.seg), cut(cache.pos), carry)
 
-  def walk(read, carry):
-    return jax.lax.fori_loop(0, (filled + chunk - 1) // chunk, read, carry)
-
-  if shared + t * size > cache.num_slots:
-    return walk(gathered, carry)
-  return jax.lax.cond((~own | (region == jnp.arange(t))).all(), functools.partial(walk, in_order),
-                      functools.partial(walk, gathered), carry)
+  if in_order and shared + t * size > cache.num_slots:
+    raise ValueError(f"an in-order pass of {t} queries needs {t} regions of {size} slots after "
+                     f"{shared}, but the cache has {cache.num_slots} slots")
+  return jax.lax.fori_loop(0, -(-filled // chunk), in_order_chunk if in_order else gathered,
+                           carry)
 
 
 ATTENTION_IMPLS = ("block_sparse", "dense")
 
 
 def attention_fn(impl: str, num_slots: int, max_block_size: int = 128,
-                 regions: tuple[int, int] | None = None):
+                 regions: CacheRegions | None = None):
   """The attention of `impl`; the block size is the largest divisor of `num_slots`
   not above `max_block_size` (blocks must tile the cache exactly). With `regions`,
   "block_sparse" becomes `cascade_attention`; "dense" reads every slot anyway."""

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from mdjax import cache as cache_ops
-from mdjax.cache import KVCache
+from mdjax.cache import CacheRegions, KVCache
 from mdjax.models.attention import Queries, attention_fn, masked_attention
 from mdjax.models.config import ModelConfig
 from mdjax.topology import Topology, visibility_limits, visible
@@ -111,7 +111,7 @@ def _layers(config: ModelConfig, params: Params, x: Float[Array, "B T D"],
 def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
             segments: Int[Array, "B T"], topology: Topology, *, config: ModelConfig,
             attention: str = "block_sparse", block_size: int = 128,
-            slots: Int[Array, "B T"] | None = None, regions: tuple[int, int] | None = None):
+            slots: Int[Array, "B T"] | None = None, regions: CacheRegions | None = None):
   """Runs the T tokens through every layer over `cache`; returns the final hidden
   states `[B, T, D]` (after the final norm) and the cache with the T tokens added.
 

@@ -11,7 +11,7 @@ and one pass::
     seg    0 0 0 | 1 1 | 2 2 | 1 2       context at 0..2; questions at 3..4
     pos    0 1 2 | 3 4 | 3 4 | 5 5       answers continue at 5, 6, ... in their segment
 
-With `regions = (shared, size)` (what `mdjax.generate` sets for N >= 2 branches)
+With `regions` (`mdjax.cache.CacheRegions`; `mdjax.generate` sets them for N >= 2 branches)
 each branch instead owns `size` slots after `shared` ones, question then answer, so
 a pass's query reads only the context and its own region
 (`mdjax.models.attention.cascade_attention`). The same two questions, shared = 4,
@@ -30,7 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from mdjax.cache import KVCache
+from mdjax.cache import CacheRegions, KVCache
 from mdjax.models.config import ModelConfig
 from mdjax.sampling import SamplingParams, choose, row_keys
 from mdjax.step import decode_step
@@ -43,14 +43,13 @@ class Autoregressive:
   config: ModelConfig
   sampling: SamplingParams = SamplingParams(temperature=0.0)
   attention: str = "block_sparse"
-  regions: tuple[int, int] | None = None  # (shared slots, slots per branch), or appending
+  regions: CacheRegions | None = None  # one cache region per branch, or appending
 
   def cache_slots(self, prompt_len: int, max_new_tokens: int, branches: int = 1) -> int:
     """Slots per row: the padded prompt, then one per generated token of every branch
     (or the shared slots and one region per branch)."""
     if self.regions is not None:
-      shared, size = self.regions
-      return shared + size * branches
+      return self.regions.shared + self.regions.size * branches
     return prompt_len + max_new_tokens * branches
 
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits, capacity: int) -> dict:
@@ -89,10 +88,14 @@ class Autoregressive:
     logits, _, cache = decode_step(params, state["cache"], pick(state["last"]), positions,
                                    segments, state["topology"], config=self.config,
                                    attention=self.attention, slots=slots,
-                                   regions=self.regions)  # [B, W, V]
+                                   regions=self._pass_regions(width == branches))  # [B, W, V]
     rows = jnp.arange(batch)[:, None]
     full = jnp.zeros((batch, branches, logits.shape[-1]), logits.dtype)
     return full.at[rows, columns].set(logits), cache  # finished columns: zeros, never emitted
+
+  def _pass_regions(self, full_width: bool) -> CacheRegions | None:
+    """A full-width pass feeds branch t as column t, so its queries are in order."""
+    return None if self.regions is None else self.regions._replace(in_order=full_width)
 
   def _commit(self, state: dict, logits) -> dict:
     """Chooses every branch's next token from `logits` [B, N, V] and emits it."""

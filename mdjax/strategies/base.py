@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from mdjax.cache import KVCache
+from mdjax.cache import CacheRegions, KVCache
 from mdjax.models.config import ModelConfig
 from mdjax.step import decode_step
 from mdjax.topology import Topology
@@ -218,17 +218,17 @@ def branch_token_counts(prompt: Prompt) -> tuple[int, int]:
   return int(shared.max()), int(in_branch.sum(axis=1).max())
 
 
-def region_slot_base(prompt: Prompt, regions: tuple[int, int]) -> Int[Array, "B N"]:
-  """With one cache region per branch (`regions = (shared, size)`, see
-  `mdjax.models.attention.cascade_attention`), branch j's token at position p takes
-  slot `base[b, j] + p`: its region's first slot minus its fork position, so the
-  branch's tokens fill the region in order from its fork (question, then answer)."""
-  shared, size = regions
+def region_slot_base(prompt: Prompt, regions: CacheRegions) -> Int[Array, "B N"]:
+  """With one cache region per branch (`mdjax.cache.CacheRegions`), branch j's token
+  at position p takes slot `base[b, j] + p`: its region's first slot minus its fork
+  position, so the branch's tokens fill the region in order from its fork (question,
+  then answer)."""
   fork = jnp.take_along_axis(prompt.fork, jnp.maximum(prompt.branch_segment, 0), axis=1)
-  return shared + jnp.arange(prompt.branch_segment.shape[1]) * size - fork  # [B, N]
+  first = regions.shared + jnp.arange(prompt.branch_segment.shape[1]) * regions.size  # [N]
+  return first - fork  # [B, N]
 
 
-def region_prompt_slots(prompt: Prompt, regions: tuple[int, int]) -> Int[Array, "B P"]:
+def region_prompt_slots(prompt: Prompt, regions: CacheRegions) -> Int[Array, "B P"]:
   """The slot of every prompt token with one region per branch: shared tokens keep
   their index (`layout_prompts` and `layout_chains` put them first), branch tokens go
   to their region."""
