@@ -35,7 +35,7 @@ from mdjax.models.config import ModelConfig
 from mdjax.sampling import SamplingParams, choose, row_keys
 from mdjax.step import decode_step
 from mdjax.strategies.base import (Limits, OutputBuffer, Prompt, emit, narrowest, prefill,
-                                   region_prompt_slots, region_slot_base)
+                                   region_prompt_slots, region_slot_base, switch_in_place)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,14 +68,18 @@ class Autoregressive:
     done = state["buffer"].done.reshape(state["last"].shape)  # [B, N]
     widths = feed_widths(done.shape[1])
     level, width = narrowest(widths, (~done).sum(axis=1).max())  # holds every row's live
-    logits, cache = jax.lax.switch(
-        level, [functools.partial(self._feed, width=w) for w in widths], params, state, done)
+    unfed = jnp.zeros((*done.shape, self.config.vocab_size), jnp.float32)  # [B, N, V]
+    others = {k: v for k, v in state.items() if k != "cache"}  # the cache only in the carry
+    logits, cache = switch_in_place(
+        level, [functools.partial(self._feed, width=w) for w in widths], (unfed, state["cache"]),
+        params, others, done)
     state = dict(state, cache=cache, next_pos=state["next_pos"] + 1, passes=state["passes"] + 1,
                  columns_fed=state["columns_fed"] + width * done.shape[0])  # B * W columns
     return self._commit(state, logits)
 
-  def _feed(self, params, state: dict, done, *, width: int):
-    """One pass over `width` columns, the live branches first: logits `[B, N, V]`."""
+  def _feed(self, carry, params, state: dict, done, *, width: int):
+    """One pass over `width` columns, the live branches first: `(logits [B, N, V],
+    cache)` from the `(logits, cache)` carry."""
     batch, branches = done.shape
     if width == branches:
       columns = jnp.broadcast_to(jnp.arange(branches), done.shape)
@@ -85,13 +89,12 @@ class Autoregressive:
     segments = jnp.where(pick(done), -1, pick(state["branch_segment"]))  # [B, W]
     positions = pick(state["next_pos"])  # [B, W]
     slots = None if self.regions is None else pick(state["slot_base"]) + positions
-    logits, _, cache = decode_step(params, state["cache"], pick(state["last"]), positions,
+    logits, _, cache = decode_step(params, carry[1], pick(state["last"]), positions,
                                    segments, state["topology"], config=self.config,
                                    attention=self.attention, slots=slots,
                                    regions=self._pass_regions(width == branches))  # [B, W, V]
     rows = jnp.arange(batch)[:, None]
-    full = jnp.zeros((batch, branches, logits.shape[-1]), logits.dtype)
-    return full.at[rows, columns].set(logits), cache  # finished columns: zeros, never emitted
+    return carry[0].at[rows, columns].set(logits), cache  # finished columns: zeros, never emitted
 
   def _pass_regions(self, full_width: bool) -> CacheRegions | None:
     """A full-width pass feeds branch t as column t, so its queries are in order."""
