@@ -152,11 +152,10 @@ def test_random_trees_equal_paths_decoded_alone(name, attention):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_branches_in_their_own_regions_equal_paths_decoded_alone(name):
   """Ragged contexts and questions, one region per branch; the shared part (12
-  slots) ends inside a key block (75 slots: blocks of 5), so a block holds both
-  shared slots and region 0's, which the cascade must count once; regions (21
-  slots) are read in chunks of 7, up to the fullest one's fill; branches skip
-  some passes (padding); passes feed the branches in order (regions read as one
-  slice) and reversed (each query gathers its own region)."""
+  slots, read at once) ends where region 0 begins, which the cascade must not
+  count twice; regions (21 slots) are read in chunks of 7, up to the fullest one's
+  fill; branches skip some passes (padding); passes feed the branches in order
+  (regions read as one slice) and reversed (each query gathers its own region)."""
   config = CONFIGS[name]
   params = _params(config)
   rng = np.random.default_rng(3)

@@ -13,8 +13,8 @@ summation order:
   up to the fullest row's length, and skips every block that no query of the batch
   can see (other branches' tokens, dead slots); an online softmax merges blocks.
 * `cascade_attention` — for caches laid out in *regions*, one per branch after a
-  shared prefix: the prefix's blocks are walked as above by all queries at once,
-  then each query reads only its own branch's region. A block holding several
+  shared prefix: the prefix is read once for all queries at once, then each query
+  reads only its own branch's region. A block holding several
   branches' tokens is read by every query; a region is read by one, so a step's
   attention work is N x (prefix + own tokens), not N x (prefix + all N branches').
 
@@ -58,6 +58,11 @@ def _scores(qg, keys, mask):
   return jnp.where(mask[:, None, None], s, -jnp.inf)
 
 
+def _weigh(weights: Float[Array, "B K R T S"], values: Float[Array, "B S K H"]
+           ) -> Float[Array, "B K R T H"]:
+  return jnp.einsum("bkrts,bskh->bkrth", weights, values.astype(jnp.float32))
+
+
 def _finish(acc, total, dtype) -> Float[Array, "B T N H"]:
   """acc [B, K, R, T, H] / total [B, K, R, T]; queries that see nothing give 0."""
   out = acc / jnp.where(total > 0, total, 1.0)[..., None]
@@ -72,8 +77,7 @@ def masked_attention(q: Float[Array, "B T N H"], keys: Float[Array, "B S K H"],
   scores = _scores(_grouped(q, keys.shape[2]), keys, mask)  # [B, K, R, T, S]
   peak = jnp.max(scores, axis=-1, keepdims=True)
   weights = jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0))
-  acc = jnp.einsum("bkrts,bskh->bkrth", weights, values.astype(jnp.float32))
-  return _finish(acc, weights.sum(-1), q.dtype)
+  return _finish(_weigh(weights, values), weights.sum(-1), q.dtype)
 
 
 def dense_attention(queries: Queries, cache: KVCache, layer: int, *,
@@ -95,24 +99,27 @@ def _absorb(carry, scores: Float[Array, "B K R T S"], weigh):
   return new_peak, total * rescale + weights.sum(-1), acc * rescale[..., None] + weigh(weights)
 
 
+def _no_keys(qg: Float[Array, "B T K R H"]):
+  """The online-softmax carry `(peak, total, acc)` before any key is absorbed."""
+  b, t, k, r, h = qg.shape
+  return jnp.full((b, k, r, t), -jnp.inf), jnp.zeros((b, k, r, t)), jnp.zeros((b, k, r, t, h))
+
+
 def _visit_blocks(qg: Float[Array, "B T K R H"], queries: Queries, cache: KVCache, layer: int, *,
-                  sliding_window: int | None, block_size: int, end: int | None = None):
-  """The online-softmax carry of the queries over the visible key blocks of `layer`
-  (slots before `end` only, when given).
+                  sliding_window: int | None, block_size: int):
+  """The online-softmax carry of the queries over the visible key blocks of `layer`.
 
   Blocks past the fullest row's `length` are not visited; a visited block's K/V
   are sliced out of the stacked cache only when some query can see into it, so
   invisible blocks are never read.
   """
-  b, t, k, r, h = qg.shape
-  filled = cache.length.max() if end is None else jnp.minimum(cache.length.max(), end)
+  b, _, k, _, h = qg.shape
+  filled = cache.length.max()
 
   def visit(block, carry):
     start = block * block_size
     k_pos = jax.lax.dynamic_slice_in_dim(cache.pos, start, block_size, axis=1)  # [B, Bk]
     k_seg = jax.lax.dynamic_slice_in_dim(cache.seg, start, block_size, axis=1)
-    if end is not None:
-      k_seg = jnp.where(start + jnp.arange(block_size) < end, k_seg, -1)
     mask = visible(queries.limit, queries.segments, queries.positions, k_seg, k_pos,
                    sliding_window)  # [B, T, Bk]
 
@@ -121,13 +128,11 @@ def _visit_blocks(qg: Float[Array, "B T K R H"], queries: Queries, cache: KVCach
       size = (1, b, block_size, k, h)
       keys = jax.lax.dynamic_slice(cache.k, index, size)[0]  # [B, Bk, K, H]
       values = jax.lax.dynamic_slice(cache.v, index, size)[0]
-      return _absorb(carry, _scores(qg, keys, mask), lambda weights: jnp.einsum(
-          "bkrts,bskh->bkrth", weights, values.astype(jnp.float32)))
+      return _absorb(carry, _scores(qg, keys, mask), functools.partial(_weigh, values=values))
 
     return jax.lax.cond(mask.any(), read_block, lambda c: c, carry)
 
-  carry = (jnp.full((b, k, r, t), -jnp.inf), jnp.zeros((b, k, r, t)), jnp.zeros((b, k, r, t, h)))
-  return jax.lax.fori_loop(0, (filled + block_size - 1) // block_size, visit, carry)
+  return jax.lax.fori_loop(0, (filled + block_size - 1) // block_size, visit, _no_keys(qg))
 
 
 def block_sparse_attention(queries: Queries, cache: KVCache, layer: int, *,
@@ -142,24 +147,29 @@ def block_sparse_attention(queries: Queries, cache: KVCache, layer: int, *,
 
 
 def cascade_attention(queries: Queries, cache: KVCache, layer: int, *,
-                      sliding_window: int | None, block_size: int,
+                      sliding_window: int | None,
                       regions: CacheRegions) -> Float[Array, "B T N H"]:
-  """Attention over a cache of `regions = (shared, size, in_order)`: slots `[0, shared)` hold
-  what several branches see, then region j (`size` slots from `shared + j * size`)
+  """Attention over a cache of `regions = (shared, size, in_order)`: slots `[0, shared)`
+  hold what several branches see, then region j (`size` slots from `shared + j * size`)
   holds branch j's own tokens. Three branches, a query of branch 1::
 
       slot    0 ............ shared | region 0 | region 1 | region 2 |
-      read    blocks, by all queries |          | this query|          |
+      read    at once, all queries  |          | this query|          |
 
-  The shared part goes block by block for all queries (`_visit_blocks`); then each
-  query reads the region its own slot lies in, up to where it is filled, and merges
-  it in (`_absorb_own_regions`). Exact only when no query sees a token outside the
-  shared part and its own region, and the queries are their regions' newest tokens
-  (the strategy's layout guarantees both; the mask still decides within them).
+  The shared part is one masked product for all queries (its length is static and
+  every branch sees it, so there is nothing to skip; one product runs faster than a
+  walk over its blocks); then each query reads the region its own slot lies in, up
+  to where it is filled, and merges it in (`_absorb_own_regions`). Exact only when
+  no query sees a token outside the shared part and its own region, and the queries
+  are their regions' newest tokens (the strategy's layout guarantees both; the mask
+  still decides within them).
   """
   qg = _grouped(queries.q, cache.k.shape[3])  # [B, T, K, R, H]
-  carry = _visit_blocks(qg, queries, cache, layer, sliding_window=sliding_window,
-                        block_size=block_size, end=regions.shared)
+  shared = slice(0, regions.shared)
+  mask = visible(queries.limit, queries.segments, queries.positions, cache.seg[:, shared],
+                 cache.pos[:, shared], sliding_window)  # [B, T, shared]
+  carry = _absorb(_no_keys(qg), _scores(qg, cache.k[layer, :, shared], mask),
+                  functools.partial(_weigh, values=cache.v[layer, :, shared]))
   _, total, acc = _absorb_own_regions(carry, qg, queries, cache, layer, regions, sliding_window)
   return _finish(acc, total, queries.q.dtype)
 
@@ -224,5 +234,5 @@ def attention_fn(impl: str, num_slots: int, max_block_size: int = 128,
     return dense_attention
   block_size = max(d for d in range(1, min(max_block_size, num_slots) + 1) if num_slots % d == 0)
   if regions is not None:
-    return functools.partial(cascade_attention, block_size=block_size, regions=regions)
+    return functools.partial(cascade_attention, regions=regions)
   return functools.partial(block_sparse_attention, block_size=block_size)
