@@ -13,10 +13,10 @@ summation order:
   up to the fullest row's length, and skips every block that no query of the batch
   can see (other branches' tokens, dead slots); an online softmax merges blocks.
 * `cascade_attention` — for caches laid out in *regions*, one per branch after a
-  shared prefix: the prefix is read once for all queries at once, then each query
-  reads only its own branch's region. A block holding several
-  branches' tokens is read by every query; a region is read by one, so a step's
-  attention work is N x (prefix + own tokens), not N x (prefix + all N branches').
+  shared prefix: the prefix is read once for all queries, then each query reads only
+  its own branch's region. A block holding several branches' tokens is read by every
+  query; a region is read by one, so a step's attention work is N x (prefix + own
+  tokens), not N x (prefix + all N branches').
 
 Einsum letters: B batch, T queries, S keys, K kv heads, R query heads per kv head
 (N = K * R), H head dim.
@@ -232,7 +232,7 @@ def attention_fn(impl: str, num_slots: int, max_block_size: int = 128,
     raise ValueError(f"unknown attention impl {impl!r}; valid: {ATTENTION_IMPLS}")
   if impl == "dense":
     return dense_attention
-  block_size = max(d for d in range(1, min(max_block_size, num_slots) + 1) if num_slots % d == 0)
   if regions is not None:
     return functools.partial(cascade_attention, regions=regions)
+  block_size = max(d for d in range(1, min(max_block_size, num_slots) + 1) if num_slots % d == 0)
   return functools.partial(block_sparse_attention, block_size=block_size)
