@@ -1,5 +1,8 @@
 """MultiDecode branches over one shared cache: each answer == its sequential counterpart."""
 
+import importlib
+import re
+
 import numpy as np
 import pytest
 
@@ -125,3 +128,26 @@ def test_parallel_sample_first_tokens_follow_the_sampling_law(models):
 def test_bad_branch_options(models, kwargs, match):
   with pytest.raises(mdjax.MdjaxError, match=match):
     mdjax.generate(models[0], [1, 2, 3], **kwargs)
+
+
+def test_the_decode_loop_writes_the_cache_in_place(models):
+  """XLA:CPU copies the KV cache inside `lax.switch`/`lax.cond` branches; the pass
+  that picks its width (N = 8: widths 8, 4, 2) must not run inside one
+  (`strategies.base.switch_in_place`). Counts, in the compiled program, the copies
+  of a whole K or V cache outside its entry computation (the loop's body)."""
+  model = models[0]
+  generate_module = importlib.import_module("mdjax.generate")
+  mdjax.clear_compiled()
+  out = mdjax.generate(model, [[5, 6, 7, 8]], "multi_question", max_new_tokens=8, eos_token_id=[],
+                       questions=[[[9 + j, 10 + j] for j in range(8)]])
+  assert len(out.sequences) == 8
+  (program,) = generate_module._compiled.values()
+  c = model.config
+  cache = re.compile(rf"= f32\[{c.num_layers},1,\d+,{c.num_kv_heads},{c.head_dim}\]\S* copy\(")
+  computation, copies = None, []
+  for line in program.as_text().splitlines():
+    if line and not line.startswith(" "):
+      computation = line.split(" ")[0]
+    elif cache.search(line) and computation != "ENTRY":
+      copies.append(line.strip())
+  assert not copies, copies
