@@ -1,8 +1,9 @@
 """Speculative decoding and prompt lookup: speed, target passes and acceptance vs theory.
 
-On the shipped pair (code-tiny target, code-tiny-draft) and prompts cut from the
-target's held-out files (never trained on), each row generating `--new_tokens`
-tokens with no early stop:
+On the shipped pair (code-tiny target, code-tiny-draft) and `--prompts` prompts cut
+from the target's held-out files (never trained on), run in groups of the batch size
+(so batch-1 numbers are totals or means over several prompts, not one prompt's luck),
+each row generating `--new_tokens` tokens with no early stop:
 
 * mdjax greedy, speculative with a constant chain of gamma = 1..8 tokens, the
   heuristic schedule, a draft tree (depth 4, top-4, 16 nodes), self-speculation
@@ -48,6 +49,9 @@ _TARGET = flags.DEFINE_string("target", "code-tiny", "Target model (name or dire
 _DRAFT = flags.DEFINE_string("draft", "code-tiny-draft", "Draft model (same tokenizer).")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8"], "Batch sizes.")
 _GAMMAS = flags.DEFINE_list("gammas", [str(g) for g in range(1, 9)], "Draft chain lengths.")
+_PROMPTS = flags.DEFINE_integer(
+    "prompts", 4, "Held-out prompts per contender, run in groups of the batch size (at least "
+    "one group): at batch 1 the numbers are sums or means over this many prompts.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 256, "Prompt tokens per row.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "Generated tokens per row.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions of every contender (median).")
@@ -63,12 +67,13 @@ LOOKUP = dict(prompt_lookup_num_tokens=10, max_ngram_size=2)
 class Settings:
   batches: tuple[int, ...]
   gammas: tuple[int, ...]
+  prompts: int
   prompt_len: int
   new_tokens: int
   repeats: int
 
 
-QUICK = dict(batches=(1,), gammas=(1, 2), prompt_len=64, new_tokens=8, repeats=1)
+QUICK = dict(batches=(1,), gammas=(1, 2), prompts=1, prompt_len=64, new_tokens=8, repeats=1)
 
 
 def heldout_prompts(model: mdjax.Model, count: int, length: int) -> np.ndarray:
@@ -88,16 +93,27 @@ def copy_prompts(model: mdjax.Model, count: int, length: int) -> np.ndarray:
   return np.stack([np.concatenate([c, instruction, c[:8]]) for c in chunks]).astype(np.int32)
 
 
-def run_mdjax(model, prompts: np.ndarray, new_tokens: int, strategy: str, **options) -> dict:
-  out = mdjax.generate(model, prompts, strategy=strategy, max_new_tokens=new_tokens,
-                       eos_token_id=[], **options)
-  return dict(seconds=out.stats["wall_s"], sequences=out.sequences, stats=out.stats)
+SUMMED_STATS = ("target_passes", "draft_passes")  # counts; the other stats are rates
+RATE_STATS = ("mean_accepted_length", "acceptance_rate_at")
 
 
-def run_transformers(reference, prompts: np.ndarray, new_tokens: int, **options) -> dict:
-  """One transformers greedy `generate` per row (assisted generation takes one row)."""
+def run_mdjax(model, groups: np.ndarray, new_tokens: int, strategy: str, **options) -> dict:
+  """One `generate` per group of `groups` [G, batch, L], in turn: the seconds and
+  pass counts summed over the groups, the rates (acceptance) their mean."""
+  runs = [mdjax.generate(model, rows, strategy=strategy, max_new_tokens=new_tokens,
+                         eos_token_id=[], **options) for rows in groups]
+  stats = {k: sum(r.stats[k] for r in runs) for k in SUMMED_STATS if k in runs[0].stats}
+  stats |= {k: np.mean([r.stats[k] for r in runs], axis=0).tolist()
+            for k in RATE_STATS if k in runs[0].stats}
+  return dict(seconds=sum(r.stats["wall_s"] for r in runs), stats=stats,
+              sequences=[s for r in runs for s in r.sequences])
+
+
+def run_transformers(reference, groups: np.ndarray, new_tokens: int, **options) -> dict:
+  """One transformers greedy `generate` per row of `groups` [G, 1, L] (assisted
+  generation takes one row)."""
   sequences, seconds = [], 0.0
-  for row in prompts:
+  for row in groups.reshape(-1, groups.shape[-1]):
     ids = torch.from_numpy(row[None].astype(np.int64))
     start = time.perf_counter()
     out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -125,9 +141,10 @@ def timed(contenders: dict, repeats: int, label: str) -> dict:
   return {name: dict(results[name], seconds=statistics.median(times[name])) for name in names}
 
 
-def summarize(result: dict, greedy: dict, new_tokens: int) -> dict:
-  """The numbers of one contender beside greedy's (same prompts, same budget)."""
-  cell = dict(ms_per_token=result["seconds"] / new_tokens * 1e3,
+def summarize(result: dict, greedy: dict, steps: int) -> dict:
+  """The numbers of one contender beside greedy's (same prompts, same budget); `steps`:
+  the tokens each row generated in all its groups (ms per token is per step of a batch)."""
+  cell = dict(ms_per_token=result["seconds"] / steps * 1e3,
               speedup_vs_greedy=greedy["seconds"] / result["seconds"],
               tokens=agreement(result["sequences"], np.asarray(greedy["sequences"])))
   stats = result.get("stats")
@@ -150,8 +167,9 @@ def speculative_cell(result: dict, gamma: int) -> dict:
 
 def bench_batch(target, draft, reference, batch: int, settings: Settings) -> dict:
   n = settings.new_tokens
-  prompts = heldout_prompts(target, batch, settings.prompt_len)
-  copies = copy_prompts(target, batch, settings.prompt_len)
+  groups = -(-settings.prompts // batch)  # batch-1 numbers average several prompts
+  prompts = heldout_prompts(target, groups * batch, settings.prompt_len).reshape(groups, batch, -1)
+  copies = copy_prompts(target, groups * batch, settings.prompt_len).reshape(groups, batch, -1)
   contenders = {"greedy": lambda: run_mdjax(target, prompts, n, "greedy"),
                 "prompt_lookup": lambda: run_mdjax(target, prompts, n, "prompt_lookup", **LOOKUP),
                 "heuristic": lambda: run_mdjax(target, prompts, n, "speculative", draft=draft,
@@ -199,7 +217,7 @@ def bench_batch(target, draft, reference, batch: int, settings: Settings) -> dic
     base = results["copy_greedy" if "copy" in name else "greedy"]
     if name.startswith("hf_"):
       base = results["hf_copy_greedy" if "copy" in name else "hf_greedy"]
-    cells[name] = summarize(result, base, n)
+    cells[name] = summarize(result, base, n * groups)
     for key in ("gamma", "speedup_vs_hf_greedy", "mdjax_speedup_vs_hf_assisted"):
       if key in result:
         cells[name][key] = result[key]
@@ -270,7 +288,8 @@ def main(argv):
   transformers.logging.set_verbosity_error()
   transformers.utils.logging.disable_progress_bar()
   settings = Settings(batches=tuple(int(b) for b in _BATCHES.value),
-                      gammas=tuple(int(g) for g in _GAMMAS.value), prompt_len=_PROMPT_LEN.value,
+                      gammas=tuple(int(g) for g in _GAMMAS.value), prompts=_PROMPTS.value,
+                      prompt_len=_PROMPT_LEN.value,
                       new_tokens=_NEW_TOKENS.value, repeats=_REPEATS.value)
   if _QUICK.value:
     settings = dataclasses.replace(settings, **QUICK)
