@@ -34,8 +34,8 @@ from mdjax.cache import CacheRegions, KVCache
 from mdjax.models.config import ModelConfig
 from mdjax.sampling import SamplingParams, choose, row_keys
 from mdjax.step import decode_step
-from mdjax.strategies.base import (Limits, OutputBuffer, Prompt, emit, narrowest, prefill,
-                                   region_prompt_slots, region_slot_base, switch_in_place)
+from mdjax.strategies.base import (Limits, OutputBuffer, Prompt, emit, prefill,
+                                   region_prompt_slots, region_slot_base, run_narrowest)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,12 +66,11 @@ class Autoregressive:
 
   def step(self, params, state: dict) -> dict:
     done = state["buffer"].done.reshape(state["last"].shape)  # [B, N]
-    widths = feed_widths(done.shape[1])
-    level, width = narrowest(widths, (~done).sum(axis=1).max())  # holds every row's live
     unfed = jnp.zeros((*done.shape, self.config.vocab_size), jnp.float32)  # [B, N, V]
     others = {k: v for k, v in state.items() if k != "cache"}  # the cache only in the carry
-    logits, cache = switch_in_place(
-        level, [functools.partial(self._feed, width=w) for w in widths], (unfed, state["cache"]),
+    (logits, cache), width = run_narrowest(
+        feed_widths(done.shape[1]), (~done).sum(axis=1).max(),  # holds every row's live
+        lambda w: functools.partial(self._feed, width=w), (unfed, state["cache"]),
         params, others, done)
     state = dict(state, cache=cache, next_pos=state["next_pos"] + 1, passes=state["passes"] + 1,
                  columns_fed=state["columns_fed"] + width * done.shape[0])  # B * W columns

@@ -239,11 +239,13 @@ def region_prompt_slots(prompt: Prompt, regions: CacheRegions) -> Int[Array, "B 
                    jnp.arange(prompt.tokens.shape[1]))
 
 
-def narrowest(widths: tuple[int, ...], need) -> tuple[jax.Array, jax.Array]:
-  """`(level, width)`: the index in `widths` (widest first) of the narrowest width
-  >= `need` (a traced count), for `switch_in_place` over passes compiled at each width."""
+def run_narrowest(widths: tuple[int, ...], need, pass_at, carry, *operands):
+  """`(pass_at(w)(carry, *operands), w)` for the narrowest `w` in `widths` (widest
+  first) that holds `need` (a traced count) columns. Every width is compiled; only
+  the one taken runs, in place (`switch_in_place`)."""
   level = sum((need <= w).astype(jnp.int32) for w in widths[1:])
-  return level, jnp.asarray(widths, jnp.int32)[level]
+  carry = switch_in_place(level, [pass_at(w) for w in widths], carry, *operands)
+  return carry, jnp.asarray(widths, jnp.int32)[level]
 
 
 def switch_in_place(index, branches, carry, *operands):
@@ -287,9 +289,6 @@ def decode_chains(params, cache: KVCache, tokens: Int[Array, "B N C"],
   a small heuristic budget). Returns the logits, the cache and W.
   """
   batch, branches, width = tokens.shape
-  widths = chain_widths(width)
-  level, fed_width = narrowest(widths, (segments >= 0).sum(axis=-1).max())
-
   def feed(fed: int, carry):
     def cut(x):
       return x[..., :fed].reshape(batch, branches * fed)
@@ -299,6 +298,7 @@ def decode_chains(params, cache: KVCache, tokens: Int[Array, "B N C"],
     return jnp.pad(logits, ((0, 0), (0, 0), (0, width - fed), (0, 0))), cache
 
   unfed = jnp.zeros((batch, branches, width, config.vocab_size), jnp.float32)
-  logits, cache = switch_in_place(level, [functools.partial(feed, w) for w in widths],
-                                  (unfed, cache))
+  (logits, cache), fed_width = run_narrowest(
+      chain_widths(width), (segments >= 0).sum(axis=-1).max(),
+      lambda w: functools.partial(feed, w), (unfed, cache))
   return logits, cache, fed_width
