@@ -15,7 +15,9 @@ each row generating `--new_tokens` tokens with no early stop:
   model predicts from it, (1 - alpha^(gamma+1)) / (1 - alpha), beside the measured
   value (plotted together);
 * a copy-heavy task (a held-out code chunk, then the instruction to repeat it and its
-  first tokens): greedy vs prompt lookup vs speculative;
+  first tokens): greedy vs prompt lookup vs speculative, and how much of the chunk
+  greedy actually copies (`copies_the_chunk`: a model that does not copy gains there
+  only from loops in its own output);
 * at batch 1 (transformers' assisted generation takes one row), transformers on the
   same float32 weights: greedy, assisted generation with the draft (the same gamma
   as mdjax's best, constant schedule) and prompt lookup.
@@ -84,13 +86,14 @@ def heldout_prompts(model: mdjax.Model, count: int, length: int) -> np.ndarray:
   return np.stack([stream[s:s + length] for s in starts]).astype(np.int32)
 
 
-def copy_prompts(model: mdjax.Model, count: int, length: int) -> np.ndarray:
+def copy_prompts(model: mdjax.Model, count: int, length: int) -> tuple[np.ndarray, np.ndarray]:
   """`[count, length]`: a held-out chunk, the repeat instruction, the chunk's first
-  8 tokens; the continuation that copies is the rest of the chunk."""
+  8 tokens; and `[count, chunk - 8]`, the rest of the chunk: the continuation that copies."""
   instruction = model.tokenizer.encode(COPY_INSTRUCTION)
   chunk = length - len(instruction) - 8
   chunks = heldout_prompts(model, count, chunk)
-  return np.stack([np.concatenate([c, instruction, c[:8]]) for c in chunks]).astype(np.int32)
+  prompts = np.stack([np.concatenate([c, instruction, c[:8]]) for c in chunks])
+  return prompts.astype(np.int32), chunks[:, 8:]
 
 
 SUMMED_STATS = ("target_passes", "draft_passes")  # counts; the other stats are rates
@@ -169,7 +172,8 @@ def bench_batch(target, draft, reference, batch: int, settings: Settings) -> dic
   n = settings.new_tokens
   groups = -(-settings.prompts // batch)  # batch-1 numbers average several prompts
   prompts = heldout_prompts(target, groups * batch, settings.prompt_len).reshape(groups, batch, -1)
-  copies = copy_prompts(target, groups * batch, settings.prompt_len).reshape(groups, batch, -1)
+  copies, copy_of_chunk = copy_prompts(target, groups * batch, settings.prompt_len)
+  copies = copies.reshape(groups, batch, -1)
   contenders = {"greedy": lambda: run_mdjax(target, prompts, n, "greedy"),
                 "prompt_lookup": lambda: run_mdjax(target, prompts, n, "prompt_lookup", **LOOKUP),
                 "heuristic": lambda: run_mdjax(target, prompts, n, "speculative", draft=draft,
@@ -223,6 +227,9 @@ def bench_batch(target, draft, reference, batch: int, settings: Settings) -> dic
         cells[name][key] = result[key]
   for gamma in settings.gammas:
     cells[f"gamma_{gamma}"].update(speculative_cell(results[f"gamma_{gamma}"], gamma))
+  compared = min(n, copy_of_chunk.shape[1])  # does greedy copy, or do drafts predict a loop?
+  cells["copy_greedy"]["copies_the_chunk"] = agreement(
+      [row[:compared] for row in results["copy_greedy"]["sequences"]], copy_of_chunk[:, :compared])
   if batch == 1:
     cells["hf_greedy"]["tokens_vs_mdjax"] = agreement(
         results["hf_greedy"]["sequences"], np.asarray(results["greedy"]["sequences"]))
@@ -250,6 +257,9 @@ def table(results: dict) -> str:
       same = f"{c['tokens']['matching_tokens']}/{c['tokens']['total_tokens']}"
       lines.append(f"{batch:>5}  {name:<22} {c['ms_per_token']:7.2f}  "
                    f"{c['speedup_vs_greedy']:8.2f}x  {passes!s:>6}  {ratio:>8}  {same}")
+    copied = cells["copy_greedy"]["copies_the_chunk"]
+    lines.append(f"{batch:>5}  copy prompts: greedy repeats {copied['matching_tokens']} of "
+                 f"{copied['total_tokens']} chunk tokens in place")
   return "\n".join(lines)
 
 

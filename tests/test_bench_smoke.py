@@ -51,6 +51,9 @@ def test_bench_speculative_quick(tmp_path):
     cell = cells[f"gamma_{gamma}"]
     assert 0 <= cell["alpha"] <= 1 and 1 <= cell["predicted_tokens_per_verify"] <= gamma + 1
   assert cells["hf_assisted"]["gamma"] in results["settings"]["gammas"]
+  copied = cells["copy_greedy"]["copies_the_chunk"]  # of the held-out chunk, per position
+  assert copied["total_tokens"] == results["settings"]["new_tokens"]
+  assert 0 <= copied["matching_tokens"] <= copied["total_tokens"]
 
 
 def test_bench_branches_quick(tmp_path):
