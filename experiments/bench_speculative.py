@@ -8,8 +8,10 @@ each row generating `--new_tokens` tokens with no early stop:
 * mdjax greedy, speculative with a constant chain of gamma = 1..8 tokens, the
   heuristic schedule, a draft tree (depth 4, top-4, 16 nodes), self-speculation
   (2 of 6 layers), lookahead (W 7, N 5, G 7) and prompt lookup, at every batch size: ms per token (per step
-  of the batch, prefill included), target passes, tokens per target pass, and that
-  the tokens equal greedy's;
+  of the batch, prefill included), the time to the first token and the decode time
+  per token after it (what vLLM's benchmark calls TTFT and TPOT: the same generation
+  cut at one token, paired within a repetition), target passes, tokens per target
+  pass, and that the tokens equal greedy's;
 * for each gamma: the measured acceptance alpha (the rate of the first drafted token,
   which is always verified) and the tokens per verify pass Leviathan et al.'s i.i.d.
   model predicts from it, (1 - alpha^(gamma+1)) / (1 - alpha), beside the measured
@@ -101,30 +103,35 @@ RATE_STATS = ("mean_accepted_length", "acceptance_rate_at")
 
 
 def run_mdjax(model, groups: np.ndarray, new_tokens: int, strategy: str, **options) -> dict:
-  """One `generate` per group of `groups` [G, batch, L], in turn: the seconds and
-  pass counts summed over the groups, the rates (acceptance) their mean."""
-  runs = [mdjax.generate(model, rows, strategy=strategy, max_new_tokens=new_tokens,
-                         eos_token_id=[], **options) for rows in groups]
+  """One `generate` per group of `groups` [G, batch, L], in turn, then the same cut at
+  one token: the seconds of each (summed over the groups), the pass counts summed,
+  the rates (acceptance) their mean."""
+  def generate(rows, tokens):
+    return mdjax.generate(model, rows, strategy=strategy, max_new_tokens=tokens,
+                          eos_token_id=[], **options)
+  runs = [generate(rows, new_tokens) for rows in groups]
+  first = sum(generate(rows, 1).stats["wall_s"] for rows in groups)
   stats = {k: sum(r.stats[k] for r in runs) for k in SUMMED_STATS if k in runs[0].stats}
   stats |= {k: np.mean([r.stats[k] for r in runs], axis=0).tolist()
             for k in RATE_STATS if k in runs[0].stats}
-  return dict(seconds=sum(r.stats["wall_s"] for r in runs), stats=stats,
-              sequences=[s for r in runs for s in r.sequences])
+  return dict(seconds=sum(r.stats["wall_s"] for r in runs), first_token_seconds=first,
+              stats=stats, sequences=[s for r in runs for s in r.sequences])
 
 
 def run_transformers(reference, groups: np.ndarray, new_tokens: int, **options) -> dict:
   """One transformers greedy `generate` per row of `groups` [G, 1, L] (assisted
-  generation takes one row)."""
-  sequences, seconds = [], 0.0
-  for row in groups.reshape(-1, groups.shape[-1]):
-    ids = torch.from_numpy(row[None].astype(np.int64))
+  generation takes one row), then the same cut at one token: seconds of each."""
+  def generate(ids, tokens):
     start = time.perf_counter()
     out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             pad_token_id=0, **options)
-    seconds += time.perf_counter() - start
-    sequences.append(out[0, ids.shape[1]:].tolist())
-  return dict(seconds=seconds, sequences=sequences)
+                             max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0,
+                             **options)
+    return time.perf_counter() - start, out[0, ids.shape[1]:].tolist()
+  rows = [torch.from_numpy(row[None].astype(np.int64)) for row in groups.reshape(-1, groups.shape[-1])]
+  runs = [generate(ids, new_tokens) for ids in rows]
+  return dict(seconds=sum(seconds for seconds, _ in runs),
+              first_token_seconds=sum(generate(ids, 1)[0] for ids in rows),
+              sequences=[tokens for _, tokens in runs])
 
 
 def predicted_tokens_per_pass(alpha: float, gamma: int) -> float:
@@ -134,21 +141,32 @@ def predicted_tokens_per_pass(alpha: float, gamma: int) -> float:
 
 def timed(contenders: dict, repeats: int, label: str) -> dict:
   """Each contender once untimed (compile, warm up), then `repeats` interleaved timed
-  runs; returns per contender the last run's result with the median seconds."""
+  runs; returns per contender the last run's result with the median seconds, the
+  median seconds to the first token, and the median of the paired differences
+  (`decode_seconds`: everything after the first token)."""
   results = {name: run() for name, run in contenders.items()}
-  times = {name: [] for name in contenders}
+  runs = {name: [] for name in contenders}
   names = list(contenders)
   for rep in tqdm.trange(repeats, desc=label, leave=False):
     for name in names[rep % len(names):] + names[:rep % len(names)]:
-      times[name].append(contenders[name]()["seconds"])
-  return {name: dict(results[name], seconds=statistics.median(times[name])) for name in names}
+      runs[name].append(contenders[name]())
+  def median(name, seconds):
+    return statistics.median(seconds(run) for run in runs[name])
+  return {name: dict(results[name], seconds=median(name, lambda r: r["seconds"]),
+                     first_token_seconds=median(name, lambda r: r["first_token_seconds"]),
+                     decode_seconds=median(name, lambda r: r["seconds"] - r["first_token_seconds"]))
+          for name in names}
 
 
-def summarize(result: dict, greedy: dict, steps: int) -> dict:
+def summarize(result: dict, greedy: dict, steps: int, groups: int) -> dict:
   """The numbers of one contender beside greedy's (same prompts, same budget); `steps`:
-  the tokens each row generated in all its groups (ms per token is per step of a batch)."""
+  the tokens each row generated in all its `groups` (ms per token is per step of a
+  batch; the decode part is the `steps - groups` steps after each first token)."""
   cell = dict(ms_per_token=result["seconds"] / steps * 1e3,
               speedup_vs_greedy=greedy["seconds"] / result["seconds"],
+              first_token_ms=result["first_token_seconds"] / groups * 1e3,
+              decode_ms_per_token=result["decode_seconds"] / (steps - groups) * 1e3,
+              decode_speedup_vs_greedy=greedy["decode_seconds"] / result["decode_seconds"],
               tokens=agreement(result["sequences"], np.asarray(greedy["sequences"])))
   stats = result.get("stats")
   if stats:
@@ -221,7 +239,7 @@ def bench_batch(target, draft, reference, batch: int, settings: Settings) -> dic
     base = results["copy_greedy" if "copy" in name else "greedy"]
     if name.startswith("hf_"):
       base = results["hf_copy_greedy" if "copy" in name else "hf_greedy"]
-    cells[name] = summarize(result, base, n * groups)
+    cells[name] = summarize(result, base, n * groups, groups)
     for key in ("gamma", "speedup_vs_hf_greedy", "mdjax_speedup_vs_hf_assisted"):
       if key in result:
         cells[name][key] = result[key]
@@ -247,7 +265,8 @@ def run(settings: Settings) -> dict:
 
 
 def table(results: dict) -> str:
-  lines = ["batch  contender               ms/tok  vs greedy  passes  passes x  same tokens"]
+  lines = ["batch  contender               ms/tok  vs greedy  TTFT ms  decode ms/tok  vs greedy  "
+           "passes  passes x  same tokens"]
   for batch, cells in results["batches"].items():
     for name, c in cells.items():
       if "ms_per_token" not in c:
@@ -256,7 +275,9 @@ def table(results: dict) -> str:
       ratio = f"{c['passes_ratio_vs_greedy']:.2f}x" if "passes_ratio_vs_greedy" in c else ""
       same = f"{c['tokens']['matching_tokens']}/{c['tokens']['total_tokens']}"
       lines.append(f"{batch:>5}  {name:<22} {c['ms_per_token']:7.2f}  "
-                   f"{c['speedup_vs_greedy']:8.2f}x  {passes!s:>6}  {ratio:>8}  {same}")
+                   f"{c['speedup_vs_greedy']:8.2f}x  {c['first_token_ms']:7.1f}  "
+                   f"{c['decode_ms_per_token']:13.2f}  {c['decode_speedup_vs_greedy']:8.2f}x  "
+                   f"{passes!s:>6}  {ratio:>8}  {same}")
     copied = cells["copy_greedy"]["copies_the_chunk"]
     lines.append(f"{batch:>5}  copy prompts: greedy repeats {copied['matching_tokens']} of "
                  f"{copied['total_tokens']} chunk tokens in place")
@@ -281,8 +302,11 @@ def plot(results: dict, path: pathlib.Path) -> None:
   names = [n for n in next(iter(results["batches"].values())) if n not in ("greedy", "hf_greedy")]
   width = 0.8 / len(results["batches"])
   for i, (batch, cells) in enumerate(results["batches"].items()):
-    values = [cells.get(n, {}).get("speedup_vs_greedy", 0.0) for n in names]
-    speed.bar(np.arange(len(names)) + i * width, values, width, label=f"batch {batch}")
+    x = np.arange(len(names)) + i * width
+    speed.bar(x, [cells.get(n, {}).get("speedup_vs_greedy", 0.0) for n in names], width,
+              label=f"batch {batch}, whole generation")
+    speed.plot(x, [cells.get(n, {}).get("decode_speedup_vs_greedy", np.nan) for n in names],
+               "k.", ms=5, label="after the first token" if i == 0 else None)
   speed.axhline(1.0, color="black", lw=0.8)
   speed.set_xticks(np.arange(len(names)) + width * (len(results["batches"]) - 1) / 2, names,
                    rotation=60, ha="right", fontsize=8)
@@ -303,6 +327,9 @@ def main(argv):
                       new_tokens=_NEW_TOKENS.value, repeats=_REPEATS.value)
   if _QUICK.value:
     settings = dataclasses.replace(settings, **QUICK)
+  if settings.new_tokens < 2:
+    raise app.UsageError(f"--new_tokens must be >= 2 (decode time is measured after the first "
+                         f"token), got {settings.new_tokens}")
   if _TORCH_THREADS.value:
     torch.set_num_threads(_TORCH_THREADS.value)
   results = run(settings)

@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CELL_KEYS = {"mdjax", "transformers", "speedup", "decode_speedup", "bare_step_ms", "loop_ratio",
              "roofline_ms", "tokens"}
@@ -50,6 +52,12 @@ def test_bench_speculative_quick(tmp_path):
   for gamma in results["settings"]["gammas"]:
     cell = cells[f"gamma_{gamma}"]
     assert 0 <= cell["alpha"] <= 1 and 1 <= cell["predicted_tokens_per_verify"] <= gamma + 1
+  assert results["settings"]["repeats"] == 1 and results["settings"]["prompts"] == 1
+  for cell in cells.values():  # one run each: the whole = the first token + the decode after it
+    whole = cell["ms_per_token"] * results["settings"]["new_tokens"]
+    parts = cell["first_token_ms"] + cell["decode_ms_per_token"] * (results["settings"]["new_tokens"] - 1)
+    assert cell["first_token_ms"] > 0 and cell["decode_ms_per_token"] > 0
+    assert parts == pytest.approx(whole, rel=1e-9)
   assert cells["hf_assisted"]["gamma"] in results["settings"]["gammas"]
   copied = cells["copy_greedy"]["copies_the_chunk"]  # of the held-out chunk, per position
   assert copied["total_tokens"] == results["settings"]["new_tokens"]
