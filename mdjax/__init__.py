@@ -12,8 +12,8 @@ import numpy as np
 
 from mdjax.cache import KVCache
 from mdjax.errors import CheckpointError, MdjaxError
-from mdjax.generate import (GenerationOutput, bucket, check_context, clear_compiled, encode_prompts,
-                            generate, stream)
+from mdjax.generate import (GenerationOutput, bucket, check_context, clear_compiled,
+                            compiled_programs, encode_prompts, generate, stream)
 from mdjax.models.config import ModelConfig, RopeScaling, weight_dtype
 from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
@@ -21,7 +21,8 @@ from mdjax.models.registry import RANDOM_MODELS
 from mdjax.step import decode_step
 from mdjax.topology import Topology
 
-__all__ = ["load", "forward_logits", "generate", "stream", "clear_compiled", "Model", "ModelConfig", "RopeScaling",
+__all__ = ["load", "forward_logits", "generate", "stream", "clear_compiled", "compiled_programs",
+           "Model", "ModelConfig", "RopeScaling",
            "KVCache", "Topology", "decode_step", "GenerationOutput", "MdjaxError",
            "CheckpointError"]
 

@@ -126,6 +126,13 @@ _run_jit = jax.jit(_run, static_argnames=("strategy", "num_slots", "capacity", "
 _compiled: dict = {}
 
 
+def compiled_programs() -> list[jax.stages.Compiled]:
+  """The whole-generation programs `generate` has compiled since the last
+  `clear_compiled`, oldest first: how many a workload needed, and each one's HLO
+  (`.as_text()`) or XLA's cost estimate (`.cost_analysis()`)."""
+  return list(_compiled.values())
+
+
 def clear_compiled() -> None:
   """Forgets every compiled program, `generate`'s and `stream`'s, and JAX's own jit
   caches (frees their memory and code mappings; the next call compiles again)."""

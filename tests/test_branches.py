@@ -1,6 +1,5 @@
 """MultiDecode branches over one shared cache: each answer == its sequential counterpart."""
 
-import importlib
 import re
 
 import numpy as np
@@ -136,12 +135,11 @@ def test_the_decode_loop_writes_the_cache_in_place(models):
   (`strategies.base.switch_in_place`). Counts, in the compiled program, the copies
   of a whole K or V cache outside its entry computation (the loop's body)."""
   model = models[0]
-  generate_module = importlib.import_module("mdjax.generate")
   mdjax.clear_compiled()
   out = mdjax.generate(model, [[5, 6, 7, 8]], "multi_question", max_new_tokens=8, eos_token_id=[],
                        questions=[[[9 + j, 10 + j] for j in range(8)]])
   assert len(out.sequences) == 8
-  (program,) = generate_module._compiled.values()
+  (program,) = mdjax.compiled_programs()
   c = model.config
   cache = re.compile(rf"= f32\[{c.num_layers},1,\d+,{c.num_kv_heads},{c.head_dim}\]\S* copy\(")
   computation, copies = None, []

@@ -87,6 +87,9 @@ def test_compiled_program_is_reused_across_prompt_lengths():
   first = mdjax.generate(model, [1, 2, 3], max_new_tokens=9)
   again = mdjax.generate(model, [1, 2, 3, 4, 5], max_new_tokens=10)  # same buckets
   assert first.stats["compile_s"] > 0 and again.stats["compile_s"] == 0
+  assert len(mdjax.compiled_programs()) == 1
+  mdjax.generate(model, [1, 2, 3], max_new_tokens=40)  # a bigger output bucket: a new program
+  assert len(mdjax.compiled_programs()) == 2
 
 
 def test_stream_yields_the_same_tokens_as_generate():
