@@ -311,7 +311,8 @@ def plot(results: dict, path: pathlib.Path) -> None:
   speed.set_xticks(np.arange(len(names)) + width * (len(results["batches"]) - 1) / 2, names,
                    rotation=60, ha="right", fontsize=8)
   speed.set_ylabel("speedup per token vs greedy (same library)")
-  speed.legend(fontsize=8)
+  speed.set_ylim(top=speed.get_ylim()[1] * 1.15)  # room above the bars for the legend
+  speed.legend(fontsize=8, loc="upper center", ncol=3)
   machine = results["machine"]
   save_figure(fig, path, f"{results['target']} with draft {results['draft']}\n"
                          f"{machine_line(machine)}")
