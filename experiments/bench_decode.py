@@ -49,7 +49,9 @@ import transformers
 import mdjax
 from mdjax import strategies
 from mdjax.cache import KVCache
-from experiments.benchlib import agreement, load_pair, machine_info, machine_line, memory_bandwidth, plt, save_figure, write_results
+from experiments.benchlib import (agreement, load_pair, machine_info, machine_line,
+                                  median_after_first_token, memory_bandwidth, plt, save_figure,
+                                  write_results)
 from mdjax.generate import bucket, cache_size
 
 
@@ -191,10 +193,9 @@ def bench_batch(model: mdjax.Model, reference, batch: int, settings: Settings,
 
   def per_token(lib: str) -> dict:
     full, prefill = times[lib], times[f"{lib}_prefill"]
-    decode = [(a - b) / (n - 1) for a, b in zip(full, prefill)]  # paired within a repetition
     return dict(ms_per_token=statistics.median(full) / n * 1e3,
                 prefill_ms=statistics.median(prefill) * 1e3,
-                decode_ms_per_token=statistics.median(decode) * 1e3,
+                decode_ms_per_token=median_after_first_token(full, prefill) / (n - 1) * 1e3,
                 tokens_per_s=batch * n / statistics.median(full))
 
   ours_t, theirs_t = per_token("mdjax"), per_token("transformers")

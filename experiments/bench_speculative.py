@@ -45,7 +45,9 @@ import tqdm
 import transformers
 
 import mdjax
-from experiments.benchlib import agreement, load_pair, machine_info, machine_line, memory_bandwidth, plt, save_figure, write_results
+from experiments.benchlib import (agreement, load_pair, machine_info, machine_line,
+                                  median_after_first_token, memory_bandwidth, plt, save_figure,
+                                  write_results)
 from mdjax.train import data
 
 
@@ -127,7 +129,8 @@ def run_transformers(reference, groups: np.ndarray, new_tokens: int, **options) 
                              max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0,
                              **options)
     return time.perf_counter() - start, out[0, ids.shape[1]:].tolist()
-  rows = [torch.from_numpy(row[None].astype(np.int64)) for row in groups.reshape(-1, groups.shape[-1])]
+  rows = [torch.from_numpy(row[None].astype(np.int64))
+          for row in groups.reshape(-1, groups.shape[-1])]
   runs = [generate(ids, new_tokens) for ids in rows]
   return dict(seconds=sum(seconds for seconds, _ in runs),
               first_token_seconds=sum(generate(ids, 1)[0] for ids in rows),
@@ -150,11 +153,12 @@ def timed(contenders: dict, repeats: int, label: str) -> dict:
   for rep in tqdm.trange(repeats, desc=label, leave=False):
     for name in names[rep % len(names):] + names[:rep % len(names)]:
       runs[name].append(contenders[name]())
-  def median(name, seconds):
-    return statistics.median(seconds(run) for run in runs[name])
-  return {name: dict(results[name], seconds=median(name, lambda r: r["seconds"]),
-                     first_token_seconds=median(name, lambda r: r["first_token_seconds"]),
-                     decode_seconds=median(name, lambda r: r["seconds"] - r["first_token_seconds"]))
+  def seconds(name, key):
+    return [run[key] for run in runs[name]]
+  return {name: dict(results[name], seconds=statistics.median(seconds(name, "seconds")),
+                     first_token_seconds=statistics.median(seconds(name, "first_token_seconds")),
+                     decode_seconds=median_after_first_token(seconds(name, "seconds"),
+                                                             seconds(name, "first_token_seconds")))
           for name in names}
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import platform
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -70,6 +71,13 @@ def agreement(ours: list[list[int]], theirs: np.ndarray) -> dict:
   prefix = [int(row.argmin()) if not row.all() else len(row) for row in same]
   return dict(matching_tokens=int(same.sum()), total_tokens=int(same.size),
               identical_prefix=min(prefix))
+
+
+def median_after_first_token(whole: list[float], first: list[float]) -> float:
+  """The median over repetitions of a generation's seconds after its first token: each
+  whole run minus the run cut at one token from the same repetition (paired, so a slow
+  repetition slows both)."""
+  return statistics.median(w - f for w, f in zip(whole, first, strict=True))
 
 
 def machine_info(bandwidth: dict) -> dict:

@@ -55,7 +55,8 @@ def test_bench_speculative_quick(tmp_path):
   assert results["settings"]["repeats"] == 1 and results["settings"]["prompts"] == 1
   for cell in cells.values():  # one run each: the whole = the first token + the decode after it
     whole = cell["ms_per_token"] * results["settings"]["new_tokens"]
-    parts = cell["first_token_ms"] + cell["decode_ms_per_token"] * (results["settings"]["new_tokens"] - 1)
+    parts = (cell["first_token_ms"]
+             + cell["decode_ms_per_token"] * (results["settings"]["new_tokens"] - 1))
     assert cell["first_token_ms"] > 0 and cell["decode_ms_per_token"] > 0
     assert parts == pytest.approx(whole, rel=1e-9)
   assert cells["hf_assisted"]["gamma"] in results["settings"]["gammas"]
