@@ -148,6 +148,23 @@ def test_trainer_overfits_one_batch():
   assert float(metrics["loss"]) < 0.1
 
 
+def test_copy_evaluation_scores_exactly_the_repeated_tokens_after_the_first(trained):
+  result, config = trained
+  sequences = result.data.heldout[:3]  # [3, T + 1]
+  got = lm.evaluate_copying(result.params, sequences, result.model_config, batch_size=2)
+  rows = data.repeat_first_half(sequences)
+  half, width = (sequences.shape[1] + 1) // 2, sequences.shape[1]
+  scored = np.arange(half + 1, width)  # positions of a1, a2, ... in the repeated half
+  assert np.array_equal(rows[:, scored], sequences[:, scored - half])
+  losses, correct = lm.token_losses(result.params, jnp.asarray(rows), result.model_config)
+  assert got["loss"] == pytest.approx(float(np.asarray(losses)[:, scored - 1].mean()), rel=1e-5)
+  assert got["accuracy"] == pytest.approx(float(np.asarray(correct)[:, scored - 1].mean()))
+  evaluations = [json.loads(line) for line in
+                 (pathlib.Path(config.run_dir) / "metrics.jsonl").read_text().splitlines()
+                 if "heldout_loss" in line]
+  assert evaluations and all("heldout_copy_accuracy" in r for r in evaluations)
+
+
 def _train_command(run_dir) -> list[str]:
   return [sys.executable, "-m", "experiments.train_lm", "--config=configs/lm_tiny_test.py",
           f"--config.run_dir={run_dir}", f"--config.data_dir={SMALL_DATA}"]

@@ -31,7 +31,7 @@ import ml_collections
 from mdjax.models import hf
 from mdjax.models.model import Model
 from mdjax.train import distill
-from mdjax.train.lm import Run, evaluate
+from mdjax.train.lm import Run, evaluate, evaluate_copying
 
 
 def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.PathLike,
@@ -45,6 +45,7 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
   shutil.copyfile(run_dir / "heldout_files.json", directory / "heldout_files.json")
   exported = hf.load_hf_dir(directory)
   result = evaluate(exported.params, run.data.heldout, exported.config, config.batch_size)
+  copying = evaluate_copying(exported.params, run.data.heldout, exported.config, config.batch_size)
   device = jax.devices()[0]
   summary = {
       "command": command or shlex.join([sys.executable, *sys.argv]),
@@ -71,6 +72,8 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
       "heldout_accuracy": result["accuracy"],
       "heldout_bytes_per_token": run.data.heldout_bytes_per_token,
       "heldout_nats_per_byte": result["loss"] / run.data.heldout_bytes_per_token,
+      "heldout_copy_loss": copying["loss"],
+      "heldout_copy_accuracy": copying["accuracy"],
   }
   (directory / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   write_fingerprint(exported, run.data.heldout[:FINGERPRINT_SEQUENCES, :FINGERPRINT_TOKENS + 1],
@@ -166,4 +169,8 @@ tokens seen, AdamW with warmup + cosine decay, trained on {s["trained_on"]}.
 | held-out sequences | loss (nats/token) | top-1 next-token accuracy | bytes/token | nats/byte |
 |---|---|---|---|---|
 | {s["eval_sequences"]} x {s["seq_len"]} tokens | {s["heldout_loss"]:.4f} | {s["heldout_accuracy"]:.4f} | {s["heldout_bytes_per_token"]:.3f} | {s["heldout_nats_per_byte"]:.4f} |
+
+Copying: the same sequences with their first half repeated, scored on the repeated half
+(`mdjax.train.lm.evaluate_copying`): loss {s["heldout_copy_loss"]:.4f}, top-1 accuracy
+{s["heldout_copy_accuracy"]:.4f} (a model that copies scores ~0 and ~1).
 """

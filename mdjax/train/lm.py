@@ -9,7 +9,8 @@ One run lives in `run_dir`::
                            `config.tokenizer` names an existing one)
       checkpoints/<step>/  orbax: params + optimizer state, written atomically, last N kept
       metrics.jsonl        train loss (mean since the last record), grad norm, lr,
-                           tokens per s; held-out loss, top-1 accuracy, nats per byte
+                           tokens per s; held-out loss, top-1 accuracy, nats per byte,
+                           and the same on held-out copy rows (`evaluate_copying`)
       loss.png             the loss curves
       export/              Hugging Face format (see `mdjax.train.export`)
 
@@ -122,23 +123,40 @@ def make_train_step(config: ModelConfig, optimizer: optax.GradientTransformation
   return step
 
 
-def evaluate(params: Params, sequences: np.ndarray, config: ModelConfig,
-             batch_size: int) -> dict[str, float]:
-  """Mean loss (nats per token) and top-1 next-token accuracy over `sequences`."""
+def evaluate(params: Params, sequences: np.ndarray, config: ModelConfig, batch_size: int,
+             first_target: int = 0) -> dict[str, float]:
+  """Mean loss (nats per token) and top-1 next-token accuracy over `sequences`' targets
+  from index `first_target` on (target j is token j + 1)."""
   total_loss, total_correct, count = 0.0, 0, 0
   for start in range(0, len(sequences), batch_size):
     losses, correct = _eval_batch(params, jnp.asarray(sequences[start:start + batch_size]),
-                                  config=config)
+                                  config=config, first_target=first_target)
     total_loss += float(losses)
     total_correct += int(correct)
-    count += sequences[start:start + batch_size, 1:].size
+    count += sequences[start:start + batch_size, 1 + first_target:].size
   return {"loss": total_loss / count, "accuracy": total_correct / count}
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _eval_batch(params, sequences, *, config):
+def evaluate_copying(params: Params, sequences: np.ndarray, config: ModelConfig,
+                     batch_size: int) -> dict[str, float]:
+  """How well the model repeats text it was just shown: `evaluate` on the repeated half
+  of `sequences` turned into copy rows (`data.repeat_first_half`)::
+
+      tokens:  a0 a1 ... a(h-1) | a0 a1 a2 ... a(h-1)
+      scored:                         ^^ ^^ ... ^^^^^^   (each follows a token seen before)
+
+  A model that copies scores accuracy ~1 and loss ~0 there; one that does not scores
+  about its plain held-out numbers.
+  """
+  half = (sequences.shape[1] + 1) // 2
+  return evaluate(params, data.repeat_first_half(sequences), config, batch_size,
+                  first_target=half)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "first_target"))
+def _eval_batch(params, sequences, *, config, first_target):
   losses, correct = token_losses(params, sequences, config)
-  return losses.sum(), correct.sum()
+  return losses[:, first_target:].sum(), correct[:, first_target:].sum()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,9 +303,11 @@ def train(config: ml_collections.ConfigDict, *, progress: bool = True,
       last_time, last_step, loss_sum = now, step, 0.0
     if step % config.eval_every == 0 or step == end:
       result = evaluate(state["params"], run_data.heldout, cfg, config.batch_size)
+      copying = evaluate_copying(state["params"], run_data.heldout, cfg, config.batch_size)
       record = {"step": step, "heldout_loss": result["loss"],
                 "heldout_accuracy": result["accuracy"],
-                "heldout_nats_per_byte": result["loss"] / run_data.heldout_bytes_per_token}
+                "heldout_nats_per_byte": result["loss"] / run_data.heldout_bytes_per_token,
+                "heldout_copy_loss": copying["loss"], "heldout_copy_accuracy": copying["accuracy"]}
       if teacher:
         record["heldout_teacher_agreement"] = distill.agreement(
             state["params"], cfg, teacher, run_data.heldout, config.batch_size)

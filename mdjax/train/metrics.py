@@ -33,18 +33,22 @@ class MetricsLog:
 
 
 def plot_losses(records: list[dict], path: str | os.PathLike, title: str) -> None:
-  """Train loss (every logged step) and held-out loss (every evaluation) against step."""
+  """Train loss (every logged step), held-out loss and held-out copy loss (every
+  evaluation) against step."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   train = [(r["step"], r["loss"]) for r in records if "loss" in r]
   heldout = [(r["step"], r["heldout_loss"]) for r in records if "heldout_loss" in r]
+  copying = [(r["step"], r["heldout_copy_loss"]) for r in records if "heldout_copy_loss" in r]
   fig, ax = plt.subplots(figsize=(7, 4.5))
   if train:
     ax.plot(*zip(*train), label="train", linewidth=1)
   if heldout:
     ax.plot(*zip(*heldout), "o-", label="held-out", linewidth=1.5)
+  if copying:
+    ax.plot(*zip(*copying), "s--", label="held-out, repeated half of copy rows", linewidth=1.5)
   ax.set(xlabel="step", ylabel="loss (nats / token)", title=title)
   ax.grid(alpha=0.3)
   ax.legend()
