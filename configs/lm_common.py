@@ -46,6 +46,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.keep_checkpoints = 3
   config.export_dir = ""
   config.export_dtype = "bfloat16"  # or "float32"
+  config.export_shard_mb = 0.0  # > 0: weights in shards of at most this many MiB, with an index
   config.export_only = False  # export the latest checkpoint without training further
   config.card_notes = ""  # a markdown file appended to the model card
   return config

@@ -214,6 +214,21 @@ def test_export_loads_in_mdjax_and_transformers_with_the_same_logits(trained, tm
   assert recomputed == pytest.approx({k: fingerprint[k] for k in ("loss", "accuracy")}, abs=1e-6)
 
 
+def test_export_shards_on_request_and_loads_the_same_weights(trained, tmp_path):
+  result, config = trained
+  sharded = config.copy_and_resolve_references()
+  sharded.export_shard_mb = 0.02  # the tiny model has 0.14 MiB of float32 weights
+  export.export(result, sharded, tmp_path / "sharded")
+  assert len(list((tmp_path / "sharded").glob("model-*-of-*.safetensors"))) > 1
+  assert not (tmp_path / "sharded" / "model.safetensors").exists()
+  model = mdjax.load(tmp_path / "sharded")
+  for got, want in zip(jax.tree.leaves(model.params), jax.tree.leaves(result.params)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  sharded.export_shard_mb = -1.0
+  with pytest.raises(ValueError, match="export_shard_mb must be >= 0"):
+    lm.validate(sharded)
+
+
 def test_init_from_continues_an_export_and_counts_all_tokens(trained, tmp_path):
   result, config = trained
   export.export(result, config, tmp_path / "first")

@@ -41,7 +41,8 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
   run_dir = pathlib.Path(config.run_dir)
   model = Model(config=run.model_config, params=run.params, tokenizer=run.tokenizer,
                 name=directory.name)
-  hf.save_hf(model, directory, dtype=config.export_dtype)
+  hf.save_hf(model, directory, dtype=config.export_dtype,
+             max_shard_bytes=int(config.export_shard_mb * 2**20) or None)
   shutil.copyfile(run_dir / "heldout_files.json", directory / "heldout_files.json")
   exported = hf.load_hf_dir(directory)
   result = evaluate(exported.params, run.data.heldout, exported.config, config.batch_size)

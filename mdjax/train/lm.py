@@ -245,6 +245,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
                "keep_checkpoints", "eval_sequences"):
     if config[name] < 1:
       raise MdjaxError(f"config.{name} must be >= 1, got {config[name]}")
+  if config.export_shard_mb < 0:
+    raise MdjaxError(f"config.export_shard_mb must be >= 0 (0: one file), got "
+                     f"{config.export_shard_mb}")
 
 
 def train(config: ml_collections.ConfigDict, *, progress: bool = True,
