@@ -13,8 +13,10 @@ the run takes small steps: 2 x 512 tokens gives a predicted ~16M tokens, against
 at code-tiny's 8 x 512. Two 2-layer probes on this machine showed the rest of the
 recipe: on repeated random blocks of a vocabulary of 8192, a tied model's loss fell
 below uniform within 400 steps (8.56 vs ln 8192 = 9.01), an untied one's did not
-(9.02); with a vocabulary of 64 the plateau ended after ~850 steps of 16 x 128 tokens. The held-out copy accuracy (`lm.evaluate_copying`, in
-metrics.jsonl at every evaluation) shows when the circuit forms.
+(9.02); with a vocabulary of 64 the plateau ended after ~850 steps of 16 x 128 tokens.
+The held-out copy accuracy (`lm.evaluate_copying`, in metrics.jsonl at every
+evaluation) shows when the circuit forms: in this run it left the plain accuracy
+from step ~2,000 and reached 0.69 at step 5,000 (plain 0.37; code-tiny: 0.35 and 0.33).
 
 16,000 steps are ~4 h of two CPU cores: the run is resumed across sessions (a
 killed run resumes bit for bit from its latest checkpoint).
