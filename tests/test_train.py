@@ -102,6 +102,23 @@ def test_copy_rows_repeat_their_first_half_at_the_requested_rate():
     data.Batches(sequences, 4, seed=0, copy_fraction=1.5)
 
 
+def test_copy_rows_with_a_minimum_period_repeat_prefixes_of_many_lengths():
+  sequences = np.arange(400 * 65).reshape(400, 65)  # every id distinct: periods are exact
+  copying = data.Batches(sequences, 40, seed=5, copy_fraction=1.0, copy_min_period=8)
+  plain = data.Batches(sequences, 40, seed=5)
+  periods = []
+  for step in range(10):
+    for text, row in zip(plain.batch(step), copying.batch(step)):
+      period = next(p for p in range(1, 65) if np.array_equal(row[p:], row[:-p]))
+      assert 8 <= period <= 33 and np.array_equal(row[:period], text[:period])
+      periods.append(period)
+  assert len(set(periods)) > 20  # drawn from 8..33, not one fixed offset
+  assert np.array_equal(copying.batch(3), data.Batches(sequences, 40, 5, 1.0,
+                                                       copy_min_period=8).batch(3))
+  with pytest.raises(ValueError, match=r"copy_min_period must be in \[0, 33\]"):
+    data.Batches(sequences, 4, seed=0, copy_fraction=0.5, copy_min_period=34)
+
+
 def test_random_copy_rows_repeat_a_random_block_beside_the_text_copies():
   sequences = np.arange(2000 * 129).reshape(2000, 129) % 1000
   plain = data.Batches(sequences, 50, seed=3)

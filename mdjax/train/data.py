@@ -21,6 +21,10 @@ repetitions of their own first half::
     tokens: a0 a1 ... a(h-1) | a0 a1 ... a(h-1) | a0 ...      (h = (seq_len + 1) // 2)
     loss:   plain LM         | exact copies: teaches the model to attend back and copy
 
+With `copy_min_period` = m > 0 the repeated prefix has a length p drawn per row from
+m..h, and the row is that prefix over and over (a0 .. a(p-1) a0 .. a(p-1) a0 ..): the
+model sees copies at many distances, as in real prompts, not only at h.
+
 Code repeats itself (call sites, `self.x = x`, edited versions of a function), and a
 small model trained on a few million tokens does not learn to copy from plain text
 alone; the rows cost no extra data and stay a pure function of (seed, step).
@@ -164,7 +168,7 @@ class Batches:
 
   def __init__(self, sequences: np.ndarray, batch_size: int, seed: int,
                copy_fraction: float = 0.0, random_copy_fraction: float = 0.0,
-               vocab_size: int = 0):
+               vocab_size: int = 0, copy_min_period: int = 0):
     if batch_size < 1:
       raise MdjaxError(f"batch_size must be >= 1, got {batch_size}")
     for name, value in (("copy_fraction", copy_fraction),
@@ -176,6 +180,11 @@ class Batches:
                        f"{copy_fraction} + {random_copy_fraction}")
     if random_copy_fraction and vocab_size <= FIRST_RANDOM_ID:
       raise MdjaxError(f"random copy rows need the vocabulary size, got {vocab_size}")
+    half = (sequences.shape[1] + 1) // 2
+    if not 0 <= copy_min_period <= half:
+      raise MdjaxError(f"copy_min_period must be in [0, {half}] (0: always the first half of "
+                       f"the {sequences.shape[1]}-token rows), got {copy_min_period}")
+    self.copy_min_period = copy_min_period
     self.sequences = sequences
     self.batch_size = batch_size
     self.copy_fraction = copy_fraction
@@ -201,10 +210,25 @@ class Batches:
     randoms = (share >= self.copy_fraction) & (share < self.copy_fraction + self.random_copy_fraction)
     if copies.any() or randoms.any():
       batch = batch.copy()
-      batch[copies] = repeat_first_half(batch[copies])
+      for row in np.flatnonzero(copies):
+        batch[row] = repeat_prefix(batch[row], self._copy_period(int(samples[row])))
       for row in np.flatnonzero(randoms):
         batch[row] = random_repeats(self.seed, int(samples[row]), batch.shape[1], self.vocab_size)
     return batch
+
+
+  def _copy_period(self, sample: int) -> int:
+    """The length of the prefix a copy row repeats: h, or drawn from m..h per sample."""
+    half = (self.sequences.shape[1] + 1) // 2
+    if not self.copy_min_period:
+      return half
+    return int(np.random.default_rng([self.seed, sample, 1]).integers(self.copy_min_period,
+                                                                      half + 1))
+
+
+def repeat_prefix(row: np.ndarray, period: int) -> np.ndarray:
+  """`[T]` -> `[T]`: the first `period` tokens of `row`, repeated to fill T."""
+  return np.resize(row[:period], row.shape[0])
 
 
 def repeat_first_half(sequences: np.ndarray) -> np.ndarray:

@@ -62,6 +62,7 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
       "seq_len": config.seq_len,
       "tokens_seen": run.step * config.batch_size * config.seq_len,
       "copy_fraction": config.copy_fraction,
+      "copy_min_period": config.copy_min_period,
       "random_copy_fraction": config.random_copy_fraction,
       **continued_from(config.init_from, run.step * config.batch_size * config.seq_len),
       **distilled_from(run, exported, config.batch_size),
@@ -121,7 +122,10 @@ def continuation_line(summary: dict) -> str:
   """The card's sentences on copy rows, the run this one continued and its teacher."""
   lines = []
   if summary["copy_fraction"]:
-    lines.append(f"{summary['copy_fraction']:.0%} of the sequences repeat their first half "
+    repeated = (f"a prefix of their own, over and over (its length drawn per row from "
+                f"{summary['copy_min_period']} tokens to half the row)"
+                if summary.get("copy_min_period") else "their first half")
+    lines.append(f"{summary['copy_fraction']:.0%} of the sequences repeat {repeated} "
                  "(copy rows, see `mdjax.train.data`).")
   if summary.get("random_copy_fraction"):
     lines.append(f"{summary['random_copy_fraction']:.0%} of the sequences repeat a block of "

@@ -179,7 +179,7 @@ def prepare_data(config: ml_collections.ConfigDict, corpus: data.Corpus, fast_to
   target_bytes = tokenizer_lib.token_byte_lengths(fast_tokenizer)[picked[:, 1:]]  # [E, T]
   return Data(batches=data.Batches(data.pack(train, config.seq_len), config.batch_size,
                                    config.seed, config.copy_fraction, config.random_copy_fraction,
-                                   fast_tokenizer.get_vocab_size()),
+                                   fast_tokenizer.get_vocab_size(), config.copy_min_period),
               heldout=picked, heldout_bytes_per_token=float(target_bytes.mean()),
               train_tokens=len(train))
 
