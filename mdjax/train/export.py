@@ -122,9 +122,8 @@ def continuation_line(summary: dict) -> str:
   """The card's sentences on copy rows, the run this one continued and its teacher."""
   lines = []
   if summary["copy_fraction"]:
-    repeated = (f"a prefix of their own, over and over (its length drawn per row from "
-                f"{summary['copy_min_period']} tokens to half the row)"
-                if summary.get("copy_min_period") else "their first half")
+    repeated = (f"a prefix of their own over and over, {summary['copy_min_period']} tokens to "
+                "half the row long" if summary.get("copy_min_period") else "their first half")
     lines.append(f"{summary['copy_fraction']:.0%} of the sequences repeat {repeated} "
                  "(copy rows, see `mdjax.train.data`).")
   if summary.get("random_copy_fraction"):
