@@ -218,7 +218,6 @@ class Batches:
         batch[row] = random_repeats(self.seed, int(samples[row]), batch.shape[1], self.vocab_size)
     return batch
 
-
   def _copy_period(self, sample: int) -> int:
     """The length of the prefix a copy row repeats: h, or drawn from m..h per sample."""
     half = (self.sequences.shape[1] + 1) // 2
