@@ -176,10 +176,35 @@ def test_copy_evaluation_scores_exactly_the_repeated_tokens_after_the_first(trai
   losses, correct = lm.token_losses(result.params, jnp.asarray(rows), result.model_config)
   assert got["loss"] == pytest.approx(float(np.asarray(losses)[:, scored - 1].mean()), rel=1e-5)
   assert got["accuracy"] == pytest.approx(float(np.asarray(correct)[:, scored - 1].mean()))
+  # greedy_copy: decode greedily after the original and the repeat's first 4 tokens
+  copies = rows[:, half + lm.COPY_SHOWN:half + lm.COPY_SHOWN + lm.COPY_RUN]  # the tokens to copy
+  expected = [_greedy(result, row[:half + lm.COPY_SHOWN], copies.shape[1]) == copy.tolist()
+              for row, copy in zip(rows, copies)]
+  assert got["greedy_copy"] == pytest.approx(np.mean(expected))
   evaluations = [json.loads(line) for line in
                  (pathlib.Path(config.run_dir) / "metrics.jsonl").read_text().splitlines()
                  if "heldout_loss" in line]
-  assert evaluations and all("heldout_copy_accuracy" in r for r in evaluations)
+  assert evaluations and all("heldout_copy_accuracy" in r and "heldout_greedy_copy" in r
+                             for r in evaluations)
+
+
+def test_greedy_copy_needs_every_token_after_the_shown_ones_right():
+  half, width = 10, 10 + lm.COPY_SHOWN + lm.COPY_RUN + 5
+  correct = np.ones((4, width), bool)
+  correct[0, half + lm.COPY_SHOWN - 1] = False  # the first copied token wrong
+  correct[1, half + lm.COPY_SHOWN + lm.COPY_RUN - 2] = False  # the last one wrong
+  correct[2, half + lm.COPY_SHOWN - 2] = False  # a shown token wrong: not part of the copy
+  correct[3, half + lm.COPY_SHOWN + lm.COPY_RUN - 1] = False  # the token after the 32
+  assert lm.greedy_copied(correct, half).tolist() == [False, False, True, True]
+
+
+def _greedy(result, prompt: np.ndarray, steps: int) -> list[int]:
+  """`steps` greedy tokens after `prompt` `[P]`, one full forward pass per token."""
+  tokens = [int(t) for t in prompt]
+  for _ in range(steps):
+    logits = causal_logits(result.params, jnp.asarray([tokens]), config=result.model_config)
+    tokens.append(int(jnp.argmax(logits[0, -1])))
+  return tokens[len(prompt):]
 
 
 def _train_command(run_dir) -> list[str]:

@@ -76,6 +76,7 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
       "heldout_nats_per_byte": result["loss"] / run.data.heldout_bytes_per_token,
       "heldout_copy_loss": copying["loss"],
       "heldout_copy_accuracy": copying["accuracy"],
+      "heldout_greedy_copy": copying["greedy_copy"],
   }
   (directory / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   write_fingerprint(exported, run.data.heldout[:FINGERPRINT_SEQUENCES, :FINGERPRINT_TOKENS + 1],
@@ -176,5 +177,7 @@ tokens seen, AdamW with warmup + cosine decay, trained on {s["trained_on"]}.
 
 Copying: the same sequences with their first half repeated, scored on the repeated half
 (`mdjax.train.lm.evaluate_copying`): loss {s["heldout_copy_loss"]:.4f}, top-1 accuracy
-{s["heldout_copy_accuracy"]:.4f} (a model that copies scores ~0 and ~1).
+{s["heldout_copy_accuracy"]:.4f} (a model that copies scores ~0 and ~1); given 4 tokens of
+the repeat, greedy decoding copies the next 32 exactly in {s["heldout_greedy_copy"]:.0%} of
+the sequences.
 """

@@ -10,7 +10,8 @@ One run lives in `run_dir`::
       checkpoints/<step>/  orbax: params + optimizer state, written atomically, last N kept
       metrics.jsonl        train loss (mean since the last record), grad norm, lr,
                            tokens per s; held-out loss, top-1 accuracy, nats per byte,
-                           and the same on held-out copy rows (`evaluate_copying`)
+                           the same on held-out copy rows, and how many of those a
+                           greedy decode would copy (`evaluate_copying`)
       loss.png             the loss curves
       export/              Hugging Face format (see `mdjax.train.export`)
 
@@ -127,36 +128,56 @@ def evaluate(params: Params, sequences: np.ndarray, config: ModelConfig, batch_s
              first_target: int = 0) -> dict[str, float]:
   """Mean loss (nats per token) and top-1 next-token accuracy over `sequences`' targets
   from index `first_target` on (target j is token j + 1)."""
-  total_loss, total_correct, count = 0.0, 0, 0
-  for start in range(0, len(sequences), batch_size):
-    losses, correct = _eval_batch(params, jnp.asarray(sequences[start:start + batch_size]),
-                                  config=config, first_target=first_target)
-    total_loss += float(losses)
-    total_correct += int(correct)
-    count += sequences[start:start + batch_size, 1 + first_target:].size
-  return {"loss": total_loss / count, "accuracy": total_correct / count}
+  losses, correct = _token_scores(params, sequences, config, batch_size)
+  return {"loss": float(losses[:, first_target:].mean()),
+          "accuracy": float(correct[:, first_target:].mean())}
+
+
+COPY_SHOWN, COPY_RUN = 4, 32  # the greedy-copy metric: 4 repeated tokens given, 32 to copy
 
 
 def evaluate_copying(params: Params, sequences: np.ndarray, config: ModelConfig,
                      batch_size: int) -> dict[str, float]:
-  """How well the model repeats text it was just shown: `evaluate` on the repeated half
-  of `sequences` turned into copy rows (`data.repeat_first_half`)::
+  """How well the model repeats text it was just shown, on `sequences` turned into copy
+  rows (`data.repeat_first_half`)::
 
-      tokens:  a0 a1 ... a(h-1) | a0 a1 a2 ... a(h-1)
-      scored:                         ^^ ^^ ... ^^^^^^   (each follows a token seen before)
+      tokens:  a0 a1 ... a(h-1) | a0 a1 a2 a3 a4 a5 ... a35 ... a(h-1)
+      loss, accuracy:                ^^ ^^ ^^ ^^ ^^ ... ^^^ ... ^^^^^^  (each follows a token seen before)
+      greedy_copy:                            ^^ ^^ ... ^^^             (all 32 right?)
 
-  A model that copies scores accuracy ~1 and loss ~0 there; one that does not scores
-  about its plain held-out numbers.
+  loss / accuracy: `evaluate` over the repeated half. A model that copies scores ~0 and
+  ~1; one that does not scores about its plain held-out numbers.
+  greedy_copy: the share of rows whose 32 tokens after the first 4 of the repeat are all
+  top-1 right, i.e. given the original and 4 tokens of its repeat, greedy decoding goes
+  on copying for 32 tokens. A per-token accuracy of 0.7 can hide a greedy_copy of 0:
+  a greedy copy needs every token right (fewer than 32 when the half is shorter).
   """
   half = (sequences.shape[1] + 1) // 2
-  return evaluate(params, data.repeat_first_half(sequences), config, batch_size,
-                  first_target=half)
+  losses, correct = _token_scores(params, data.repeat_first_half(sequences), config, batch_size)
+  return {"loss": float(losses[:, half:].mean()), "accuracy": float(correct[:, half:].mean()),
+          "greedy_copy": float(greedy_copied(correct, half).mean())}
 
 
-@functools.partial(jax.jit, static_argnames=("config", "first_target"))
-def _eval_batch(params, sequences, *, config, first_target):
-  losses, correct = token_losses(params, sequences, config)
-  return losses[:, first_target:].sum(), correct[:, first_target:].sum()
+def greedy_copied(correct: np.ndarray, half: int) -> np.ndarray:
+  """`[N]` bool from the correctness `[N, T]` of copy rows repeating their first `half`
+  tokens: are the targets of the 32 tokens after the repeat's first 4 all right?"""
+  return correct[:, half + COPY_SHOWN - 1:half + COPY_SHOWN - 1 + COPY_RUN].all(axis=1)
+
+
+def _token_scores(params: Params, sequences: np.ndarray, config: ModelConfig,
+                  batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+  """`token_losses` of `sequences` `[N, T + 1]`, `batch_size` rows at a time: float64
+  losses and bool correctness, both `[N, T]`."""
+  losses, correct = [], []
+  for start in range(0, len(sequences), batch_size):
+    loss, right = _token_losses_jit(params, jnp.asarray(sequences[start:start + batch_size]),
+                                    config)
+    losses.append(np.asarray(loss, np.float64))
+    correct.append(np.asarray(right))
+  return np.concatenate(losses), np.concatenate(correct)
+
+
+_token_losses_jit = jax.jit(token_losses, static_argnames="config")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,7 +331,8 @@ def train(config: ml_collections.ConfigDict, *, progress: bool = True,
       record = {"step": step, "heldout_loss": result["loss"],
                 "heldout_accuracy": result["accuracy"],
                 "heldout_nats_per_byte": result["loss"] / run_data.heldout_bytes_per_token,
-                "heldout_copy_loss": copying["loss"], "heldout_copy_accuracy": copying["accuracy"]}
+                "heldout_copy_loss": copying["loss"], "heldout_copy_accuracy": copying["accuracy"],
+                "heldout_greedy_copy": copying["greedy_copy"]}
       if teacher:
         record["heldout_teacher_agreement"] = distill.agreement(
             state["params"], cfg, teacher, run_data.heldout, config.batch_size)
