@@ -182,7 +182,7 @@ class Batches:
                        f"{copy_fraction} + {random_copy_fraction}")
     if random_copy_fraction and vocab_size <= FIRST_RANDOM_ID:
       raise MdjaxError(f"random copy rows need the vocabulary size, got {vocab_size}")
-    half = (sequences.shape[1] + 1) // 2
+    half = first_half(sequences.shape[1])
     if not 0 <= copy_min_period <= half:
       raise MdjaxError(f"copy_min_period must be in [0, {half}] (0: always the first half of "
                        f"the {sequences.shape[1]}-token rows), got {copy_min_period}")
@@ -220,22 +220,26 @@ class Batches:
 
   def _copy_period(self, sample: int) -> int:
     """The length of the prefix a copy row repeats: h, or drawn from m..h per sample."""
-    half = (self.sequences.shape[1] + 1) // 2
+    half = first_half(self.sequences.shape[1])
     if not self.copy_min_period:
       return half
     return int(np.random.default_rng([self.seed, sample, 1]).integers(self.copy_min_period,
                                                                       half + 1))
 
 
-def repeat_prefix(row: np.ndarray, period: int) -> np.ndarray:
-  """`[T]` -> `[T]`: the first `period` tokens of `row`, repeated to fill T."""
-  return np.resize(row[:period], row.shape[0])
+def first_half(width: int) -> int:
+  """How many tokens a copy row of `width` tokens shows before repeating them: ceil(width / 2)."""
+  return (width + 1) // 2
+
+
+def repeat_prefix(rows: np.ndarray, period: int) -> np.ndarray:
+  """`[..., T]` -> `[..., T]`: each row's first `period` tokens, repeated to fill T."""
+  return rows[..., np.arange(rows.shape[-1]) % period]
 
 
 def repeat_first_half(sequences: np.ndarray) -> np.ndarray:
   """`[N, T]` -> `[N, T]`: the first `ceil(T / 2)` tokens, then them again (cut to T)."""
-  half = (sequences.shape[1] + 1) // 2
-  return np.concatenate([sequences[:, :half], sequences[:, :half]], axis=1)[:, :sequences.shape[1]]
+  return repeat_prefix(sequences, first_half(sequences.shape[1]))
 
 
 FIRST_RANDOM_ID = 3  # random rows skip the special tokens (<bos>, <eos>, <pad>)

@@ -152,7 +152,7 @@ def evaluate_copying(params: Params, sequences: np.ndarray, config: ModelConfig,
   on copying for 32 tokens. A per-token accuracy of 0.7 can hide a greedy_copy of 0:
   a greedy copy needs every token right (fewer than 32 when the half is shorter).
   """
-  half = (sequences.shape[1] + 1) // 2
+  half = data.first_half(sequences.shape[1])
   losses, correct = _token_scores(params, data.repeat_first_half(sequences), config, batch_size)
   return {"loss": float(losses[:, half:].mean()), "accuracy": float(correct[:, half:].mean()),
           "greedy_copy": float(greedy_copied(correct, half).mean())}
