@@ -185,7 +185,18 @@ def test_copy_evaluation_scores_exactly_the_repeated_tokens_after_the_first(trai
                  (pathlib.Path(config.run_dir) / "metrics.jsonl").read_text().splitlines()
                  if "heldout_loss" in line]
   assert evaluations and all("heldout_copy_accuracy" in r and "heldout_greedy_copy" in r
-                             for r in evaluations)
+                             and "random_copy_accuracy" in r for r in evaluations)
+
+
+def test_induction_evaluation_scores_the_repeat_of_random_blocks(trained):
+  result, _ = trained
+  cfg = result.model_config
+  got = lm.evaluate_induction(result.params, cfg, batch_size=4, rows=5)
+  block = cfg.max_position_embeddings // 2  # 16 < 64 in the tiny config
+  ids = np.random.default_rng(0).integers(data.FIRST_RANDOM_ID, cfg.vocab_size, (5, block))
+  rows = np.concatenate([ids, ids], axis=1)
+  _, correct = lm.token_losses(result.params, jnp.asarray(rows), cfg)
+  assert got == pytest.approx(float(np.asarray(correct)[:, block:].mean()))
 
 
 def test_greedy_copy_needs_every_token_after_the_shown_ones_right():

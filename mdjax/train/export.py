@@ -31,7 +31,7 @@ import ml_collections
 from mdjax.models import hf
 from mdjax.models.model import Model
 from mdjax.train import distill
-from mdjax.train.lm import Run, evaluate, evaluate_copying
+from mdjax.train.lm import Run, evaluate, evaluate_copying, evaluate_induction
 
 
 def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.PathLike,
@@ -77,6 +77,8 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
       "heldout_copy_loss": copying["loss"],
       "heldout_copy_accuracy": copying["accuracy"],
       "heldout_greedy_copy": copying["greedy_copy"],
+      "random_copy_accuracy": evaluate_induction(exported.params, exported.config,
+                                                 config.batch_size),
   }
   (directory / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   write_fingerprint(exported, run.data.heldout[:FINGERPRINT_SEQUENCES, :FINGERPRINT_TOKENS + 1],
@@ -179,5 +181,7 @@ Copying: the same sequences with their first half repeated, scored on the repeat
 (`mdjax.train.lm.evaluate_copying`): loss {s["heldout_copy_loss"]:.4f}, top-1 accuracy
 {s["heldout_copy_accuracy"]:.4f} (a model that copies scores ~0 and ~1); given 4 tokens of
 the repeat, greedy decoding copies the next 32 exactly in {s["heldout_greedy_copy"]:.0%} of
-the sequences.
+the sequences. On blocks of 64 random ids shown twice, the top-1 accuracy on the repeat
+is {s["random_copy_accuracy"]:.4f} (`mdjax.train.lm.evaluate_induction`: only an induction
+mechanism scores above chance).
 """

@@ -10,8 +10,9 @@ One run lives in `run_dir`::
       checkpoints/<step>/  orbax: params + optimizer state, written atomically, last N kept
       metrics.jsonl        train loss (mean since the last record), grad norm, lr,
                            tokens per s; held-out loss, top-1 accuracy, nats per byte,
-                           the same on held-out copy rows, and how many of those a
-                           greedy decode would copy (`evaluate_copying`)
+                           the same on held-out copy rows, how many of those a greedy
+                           decode would copy (`evaluate_copying`), and the copying of
+                           random ids (`evaluate_induction`)
       loss.png             the loss curves
       export/              Hugging Face format (see `mdjax.train.export`)
 
@@ -162,6 +163,24 @@ def greedy_copied(correct: np.ndarray, half: int) -> np.ndarray:
   """`[N]` bool from the correctness `[N, T]` of copy rows repeating their first `half`
   tokens: are the targets of the 32 tokens after the repeat's first 4 all right?"""
   return correct[:, half + COPY_SHOWN - 1:half + COPY_SHOWN - 1 + COPY_RUN].all(axis=1)
+
+
+def evaluate_induction(params: Params, config: ModelConfig, batch_size: int,
+                       rows: int = 16) -> float:
+  """Top-1 accuracy on the repeat of blocks of random ids shown twice::
+
+      tokens:  r0 r1 ... r(L-1) | r0 r1 r2 ... r(L-1)      (L = 64, or half the context)
+      scored:                        ^^ ^^ ... ^^^^^^
+
+  Text gives a model other cues (the repeat of code is half-predictable anyway); random
+  ids give none, so only an induction mechanism (find the earlier occurrence of the
+  current id, copy the one after it) scores above chance (1 / vocab_size). The blocks
+  are fixed (seed 0), so every evaluation and every model sees the same ones.
+  """
+  block = min(64, config.max_position_embeddings // 2)
+  ids = np.random.default_rng(0).integers(data.FIRST_RANDOM_ID, config.vocab_size, (rows, block))
+  _, correct = _token_scores(params, np.concatenate([ids, ids], axis=1), config, batch_size)
+  return float(correct[:, block:].mean())
 
 
 def _token_scores(params: Params, sequences: np.ndarray, config: ModelConfig,
@@ -332,7 +351,8 @@ def train(config: ml_collections.ConfigDict, *, progress: bool = True,
                 "heldout_accuracy": result["accuracy"],
                 "heldout_nats_per_byte": result["loss"] / run_data.heldout_bytes_per_token,
                 "heldout_copy_loss": copying["loss"], "heldout_copy_accuracy": copying["accuracy"],
-                "heldout_greedy_copy": copying["greedy_copy"]}
+                "heldout_greedy_copy": copying["greedy_copy"],
+                "random_copy_accuracy": evaluate_induction(state["params"], cfg, config.batch_size)}
       if teacher:
         record["heldout_teacher_agreement"] = distill.agreement(
             state["params"], cfg, teacher, run_data.heldout, config.batch_size)
