@@ -4,6 +4,8 @@
 
 On the held-out files recorded with the target (`heldout_files.json`, never trained on):
 * held-out loss and top-1 next-token accuracy of target and draft;
+* the copying of blocks of random ids shown twice (`lm.evaluate_induction`: only an
+  induction mechanism scores above chance), for both;
 * the draft's argmax agreement with the target (how often greedy speculation would
   accept a drafted token);
 * a copy task: a held-out function is shown, then its first line is repeated; does
@@ -26,7 +28,7 @@ from tqdm import tqdm
 
 import mdjax
 from mdjax.models.transformer import causal_logits
-from mdjax.train import data
+from mdjax.train import data, lm
 
 _TARGET = flags.DEFINE_string("target", "code-tiny", "Target model (name or directory).")
 _DRAFT = flags.DEFINE_string("draft", "code-tiny-draft", "Draft model (same tokenizer).")
@@ -107,7 +109,8 @@ def main(argv):
     argmaxes[role] = argmax
     result[role] = {"name": model.name, "params": model.config.num_params,
                     "heldout_loss": float(-logp.mean()),
-                    "heldout_accuracy": float((argmax == targets).mean())}
+                    "heldout_accuracy": float((argmax == targets).mean()),
+                    "random_copy_accuracy": lm.evaluate_induction(model.params, model.config, 4)}
   result["draft_target_argmax_agreement"] = float((argmaxes["draft"] == argmaxes["target"]).mean())
   result["copy_task"] = copy_task(target, short_functions(texts, _COPIES.value))
   out = pathlib.Path(_OUT.value)

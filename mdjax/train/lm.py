@@ -13,7 +13,7 @@ One run lives in `run_dir`::
                            the same on held-out copy rows, how many of those a greedy
                            decode would copy (`evaluate_copying`), and the copying of
                            random ids (`evaluate_induction`)
-      loss.png             the loss curves
+      loss.png             the loss curves, and the evaluations' accuracies beside them
       export/              Hugging Face format (see `mdjax.train.export`)
 
 Determinism: the initial params come from `config.seed`, the batch of step i is a

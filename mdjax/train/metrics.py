@@ -32,9 +32,15 @@ class MetricsLog:
       f.write(json.dumps(record) + "\n")
 
 
+ACCURACIES = (("heldout_accuracy", "held-out top-1"),
+              ("heldout_copy_accuracy", "copy rows' repeated half, top-1"),
+              ("heldout_greedy_copy", "copy rows copied greedily (32 tokens)"),
+              ("random_copy_accuracy", "random ids' repeat, top-1 (induction)"))
+
+
 def plot_losses(records: list[dict], path: str | os.PathLike, title: str) -> None:
-  """Train loss (every logged step), held-out loss and held-out copy loss (every
-  evaluation) against step."""
+  """Left: train loss (every logged step), held-out loss and held-out copy loss (every
+  evaluation) against step. Right: the evaluations' accuracies (`ACCURACIES`)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -42,7 +48,7 @@ def plot_losses(records: list[dict], path: str | os.PathLike, title: str) -> Non
   train = [(r["step"], r["loss"]) for r in records if "loss" in r]
   heldout = [(r["step"], r["heldout_loss"]) for r in records if "heldout_loss" in r]
   copying = [(r["step"], r["heldout_copy_loss"]) for r in records if "heldout_copy_loss" in r]
-  fig, ax = plt.subplots(figsize=(7, 4.5))
+  fig, (ax, right) = plt.subplots(1, 2, figsize=(12, 4.5))
   if train:
     ax.plot(*zip(*train), label="train", linewidth=1)
   if heldout:
@@ -50,8 +56,15 @@ def plot_losses(records: list[dict], path: str | os.PathLike, title: str) -> Non
   if copying:
     ax.plot(*zip(*copying), "s--", label="held-out, repeated half of copy rows", linewidth=1.5)
   ax.set(xlabel="step", ylabel="loss (nats / token)", title=title)
-  ax.grid(alpha=0.3)
-  ax.legend()
+  for key, label in ACCURACIES:
+    points = [(r["step"], r[key]) for r in records if key in r]
+    if points:
+      right.plot(*zip(*points), "o-", label=label, linewidth=1.5, markersize=3)
+  right.set(xlabel="step", ylabel="accuracy", ylim=(0, 1), title="held-out evaluations")
+  for axis in (ax, right):
+    axis.grid(alpha=0.3)
+    if axis.has_data():
+      axis.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
