@@ -142,9 +142,9 @@ def evaluate_copying(params: Params, sequences: np.ndarray, config: ModelConfig,
   """How well the model repeats text it was just shown, on `sequences` turned into copy
   rows (`data.repeat_first_half`)::
 
-      tokens:  a0 a1 ... a(h-1) | a0 a1 a2 a3 a4 a5 ... a35 ... a(h-1)
-      loss, accuracy:                ^^ ^^ ^^ ^^ ^^ ... ^^^ ... ^^^^^^  (each follows a token seen before)
-      greedy_copy:                            ^^ ^^ ... ^^^             (all 32 right?)
+      tokens:         a0 a1 ... a(h-1) | a0 a1 a2 a3 a4 ... a35 a36 ... a(h-1)
+      loss, accuracy:                        ^^ ^^ ^^ ^^ ... ^^^ ^^^ ... ^^^^^^
+      greedy_copy:                                   ^^ ... ^^^    (all 32 right?)
 
   loss / accuracy: `evaluate` over the repeated half. A model that copies scores ~0 and
   ~1; one that does not scores about its plain held-out numbers.
