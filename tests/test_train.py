@@ -210,12 +210,14 @@ def test_greedy_copy_needs_every_token_after_the_shown_ones_right():
 
 
 def _greedy(result, prompt: np.ndarray, steps: int) -> list[int]:
-  """`steps` greedy tokens after `prompt` `[P]`, one full forward pass per token."""
-  tokens = [int(t) for t in prompt]
-  for _ in range(steps):
-    logits = causal_logits(result.params, jnp.asarray([tokens]), config=result.model_config)
-    tokens.append(int(jnp.argmax(logits[0, -1])))
-  return tokens[len(prompt):]
+  """`steps` greedy tokens after `prompt` `[P]`: one full forward pass per token over a
+  fixed-length buffer (causal, so the unwritten tail does not change earlier logits)."""
+  tokens = np.zeros((1, len(prompt) + steps), np.int32)
+  tokens[0, :len(prompt)] = prompt
+  forward = jax.jit(lambda t: causal_logits(result.params, t, config=result.model_config))
+  for position in range(len(prompt), tokens.shape[1]):
+    tokens[0, position] = int(jnp.argmax(forward(jnp.asarray(tokens))[0, position - 1]))
+  return tokens[0, len(prompt):].tolist()
 
 
 def _train_command(run_dir) -> list[str]:
