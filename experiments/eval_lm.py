@@ -21,13 +21,9 @@ import json
 import pathlib
 
 from absl import app, flags
-import jax
-import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 import mdjax
-from mdjax.models.transformer import causal_logits
 from mdjax.train import data, lm
 
 _TARGET = flags.DEFINE_string("target", "code-tiny", "Target model (name or directory).")
@@ -38,24 +34,6 @@ _COPIES = flags.DEFINE_integer("copies", 8, "Functions in the copy task.")
 _OUT = flags.DEFINE_string("out", "results/eval_lm/eval_lm.json", "JSON output.")
 
 COPY_TEMPLATE = "{function}\n\n# The same function, repeated exactly:\n{first_line}"
-
-
-def predictions(model: mdjax.Model, sequences: np.ndarray):
-  """Per-token (argmax, log-prob of the true next token) for `sequences` [N, T + 1]."""
-  fn = jax.jit(lambda p, s: _scores(p, s, model.config))
-  argmax, logp = [], []
-  for row in tqdm(sequences, desc=model.name, leave=False):
-    a, lp = fn(model.params, jnp.asarray(row[None]))
-    argmax.append(np.asarray(a[0]))
-    logp.append(np.asarray(lp[0]))
-  return np.stack(argmax), np.stack(logp)  # [N, T]
-
-
-def _scores(params, sequences, config):
-  logits = causal_logits(params, sequences[:, :-1], config=config)  # [1, T, V]
-  logp = jax.nn.log_softmax(logits, axis=-1)
-  true = jnp.take_along_axis(logp, sequences[:, 1:, None], axis=-1)[..., 0]  # [1, T]
-  return jnp.argmax(logits, axis=-1), true
 
 
 def short_functions(texts: list[str], count: int, max_lines: int = 12) -> list[str]:
@@ -105,10 +83,10 @@ def main(argv):
   result = {"heldout_files": len(texts), "tokens_scored": int(targets.size)}
   argmaxes = {}
   for role, model in (("target", target), ("draft", draft)):
-    argmax, logp = predictions(model, sequences)
+    losses, argmax = lm.token_scores(model.params, sequences, model.config, batch_size=4)
     argmaxes[role] = argmax
     result[role] = {"name": model.name, "params": model.config.num_params,
-                    "heldout_loss": float(-logp.mean()),
+                    "heldout_loss": float(losses.mean()),
                     "heldout_accuracy": float((argmax == targets).mean()),
                     "random_copy_accuracy": lm.evaluate_induction(model.params, model.config, 4)}
   result["draft_target_argmax_agreement"] = float((argmaxes["draft"] == argmaxes["target"]).mean())

@@ -173,7 +173,8 @@ def test_copy_evaluation_scores_exactly_the_repeated_tokens_after_the_first(trai
   half, width = (sequences.shape[1] + 1) // 2, sequences.shape[1]
   scored = np.arange(half + 1, width)  # positions of a1, a2, ... in the repeated half
   assert np.array_equal(rows[:, scored], sequences[:, scored - half])
-  losses, correct = lm.token_losses(result.params, jnp.asarray(rows), result.model_config)
+  losses, predicted = lm.token_losses(result.params, jnp.asarray(rows), result.model_config)
+  correct = np.asarray(predicted) == rows[:, 1:]
   assert got["loss"] == pytest.approx(float(np.asarray(losses)[:, scored - 1].mean()), rel=1e-5)
   assert got["accuracy"] == pytest.approx(float(np.asarray(correct)[:, scored - 1].mean()))
   # greedy_copy: decode greedily after the original and the repeat's first 4 tokens
@@ -195,8 +196,9 @@ def test_induction_evaluation_scores_the_repeat_of_random_blocks(trained):
   block = cfg.max_position_embeddings // 2  # 16 < 64 in the tiny config
   ids = np.random.default_rng(0).integers(data.FIRST_RANDOM_ID, cfg.vocab_size, (5, block))
   rows = np.concatenate([ids, ids], axis=1)
-  _, correct = lm.token_losses(result.params, jnp.asarray(rows), cfg)
-  assert got == pytest.approx(float(np.asarray(correct)[:, block:].mean()))
+  _, predicted = lm.token_losses(result.params, jnp.asarray(rows), cfg)
+  correct = np.asarray(predicted) == rows[:, 1:]
+  assert got == pytest.approx(float(correct[:, block:].mean()))
 
 
 def test_greedy_copy_needs_every_token_after_the_shown_ones_right():

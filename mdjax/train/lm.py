@@ -88,11 +88,11 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
 
 
 def token_losses(params: Params, sequences: jax.Array, config: ModelConfig):
-  """Per-token loss and correctness of `sequences` `[B, T + 1]`: both `[B, T]`."""
+  """Per-token loss and top-1 prediction for the targets of `sequences` `[B, T + 1]`
+  (target j is token j + 1): both `[B, T]`."""
   logits = causal_logits(params, sequences[:, :-1], config=config)  # [B, T, V]
-  targets = sequences[:, 1:]  # [B, T]
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-  return losses, jnp.argmax(logits, axis=-1) == targets
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, sequences[:, 1:])
+  return losses, jnp.argmax(logits, axis=-1)
 
 
 def make_train_step(config: ModelConfig, optimizer: optax.GradientTransformation,
@@ -129,7 +129,8 @@ def evaluate(params: Params, sequences: np.ndarray, config: ModelConfig, batch_s
              first_target: int = 0) -> dict[str, float]:
   """Mean loss (nats per token) and top-1 next-token accuracy over `sequences`' targets
   from index `first_target` on (target j is token j + 1)."""
-  losses, correct = _token_scores(params, sequences, config, batch_size)
+  losses, predicted = token_scores(params, sequences, config, batch_size)
+  correct = predicted == sequences[:, 1:]
   return {"loss": float(losses[:, first_target:].mean()),
           "accuracy": float(correct[:, first_target:].mean())}
 
@@ -154,7 +155,9 @@ def evaluate_copying(params: Params, sequences: np.ndarray, config: ModelConfig,
   a greedy copy needs every token right (fewer than 32 when the half is shorter).
   """
   half = data.first_half(sequences.shape[1])
-  losses, correct = _token_scores(params, data.repeat_first_half(sequences), config, batch_size)
+  rows = data.repeat_first_half(sequences)
+  losses, predicted = token_scores(params, rows, config, batch_size)
+  correct = predicted == rows[:, 1:]
   return {"loss": float(losses[:, half:].mean()), "accuracy": float(correct[:, half:].mean()),
           "greedy_copy": float(greedy_copied(correct, half).mean())}
 
@@ -179,21 +182,22 @@ def evaluate_induction(params: Params, config: ModelConfig, batch_size: int,
   """
   block = min(64, config.max_position_embeddings // 2)
   ids = np.random.default_rng(0).integers(data.FIRST_RANDOM_ID, config.vocab_size, (rows, block))
-  _, correct = _token_scores(params, np.concatenate([ids, ids], axis=1), config, batch_size)
-  return float(correct[:, block:].mean())
+  rows = np.concatenate([ids, ids], axis=1)
+  _, predicted = token_scores(params, rows, config, batch_size)
+  return float((predicted == rows[:, 1:])[:, block:].mean())
 
 
-def _token_scores(params: Params, sequences: np.ndarray, config: ModelConfig,
-                  batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-  """`token_losses` of `sequences` `[N, T + 1]`, `batch_size` rows at a time: float64
-  losses and bool correctness, both `[N, T]`."""
-  losses, correct = [], []
+def token_scores(params: Params, sequences: np.ndarray, config: ModelConfig,
+                 batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+  """`token_losses` of `sequences` `[N, T + 1]`, `batch_size` rows at a time (one
+  compilation per shape): float64 losses and int top-1 predictions, both `[N, T]`."""
+  losses, predicted = [], []
   for start in range(0, len(sequences), batch_size):
-    loss, right = _token_losses_jit(params, jnp.asarray(sequences[start:start + batch_size]),
-                                    config)
+    loss, top = _token_losses_jit(params, jnp.asarray(sequences[start:start + batch_size]),
+                                  config)
     losses.append(np.asarray(loss, np.float64))
-    correct.append(np.asarray(right))
-  return np.concatenate(losses), np.concatenate(correct)
+    predicted.append(np.asarray(top))
+  return np.concatenate(losses), np.concatenate(predicted)
 
 
 _token_losses_jit = jax.jit(token_losses, static_argnames="config")
