@@ -10,6 +10,10 @@ On the held-out files recorded with the target (`heldout_files.json`, never trai
   accept a drafted token);
 * a copy task: a held-out function is shown, then its first line is repeated; does
   the target continue it greedily into an exact copy?
+* the target's top-1 accuracy on the repeat of held-out sequences, by how often the
+  copied token occurs in the held-out files. A copy mechanism too weak to overrule the
+  model's expectations copies frequent tokens and misses rare ones (identifiers), and
+  one miss breaks a greedy copy.
 
 Writes `--out` (JSON) and prints a summary.
 """
@@ -71,6 +75,30 @@ def copy_task(model: mdjax.Model, functions: list[str]) -> dict:
           "mean_prefix_copied": float(np.mean(token_match)), "examples": examples[:2]}
 
 
+FREQUENCY_BANDS = (0, 16, 64, 256, 1024)  # lower edges of bands of held-out token counts
+
+
+def copy_accuracy_by_frequency(model: mdjax.Model, sequences: np.ndarray,
+                               counts: np.ndarray) -> dict[str, dict]:
+  """Top-1 accuracy on the repeated half of `sequences` `[N, T + 1]` turned into copy
+  rows (`data.repeat_first_half`), by the band of `counts` `[V]` of each copied token."""
+  rows = data.repeat_first_half(sequences)
+  half = data.first_half(sequences.shape[1])
+  _, predicted = lm.token_scores(model.params, rows, model.config, batch_size=4)
+  correct = (predicted == rows[:, 1:])[:, half:]  # targets a1 .. a(h-1) of the repeat
+  return accuracy_by_band(correct, counts[rows[:, half + 1:]], FREQUENCY_BANDS)
+
+
+def accuracy_by_band(correct: np.ndarray, counts: np.ndarray,
+                     edges: tuple[int, ...]) -> dict[str, dict]:
+  """Mean of `correct` over the tokens whose `counts` (same shape) fall in each band
+  [edges[i], edges[i + 1]), the last band open; bands without tokens are left out."""
+  band = np.searchsorted(edges, counts, side="right") - 1
+  labels = [f"{lo}-{hi - 1}" for lo, hi in zip(edges, edges[1:])] + [f">={edges[-1]}"]
+  return {label: {"tokens": int((band == i).sum()), "accuracy": float(correct[band == i].mean())}
+          for i, label in enumerate(labels) if (band == i).any()}
+
+
 def main(argv):
   del argv
   target, draft = mdjax.load(_TARGET.value), mdjax.load(_DRAFT.value)
@@ -90,6 +118,8 @@ def main(argv):
                     "heldout_accuracy": float((argmax == targets).mean()),
                     "random_copy_accuracy": lm.evaluate_induction(model.params, model.config, 4)}
   result["draft_target_argmax_agreement"] = float((argmaxes["draft"] == argmaxes["target"]).mean())
+  counts = np.bincount(stream, minlength=target.config.vocab_size)
+  result["copy_accuracy_by_token_count"] = copy_accuracy_by_frequency(target, sequences, counts)
   result["copy_task"] = copy_task(target, short_functions(texts, _COPIES.value))
   out = pathlib.Path(_OUT.value)
   out.parent.mkdir(parents=True, exist_ok=True)

@@ -58,3 +58,35 @@ def test_the_main_job_prompt_comes_from_a_heldout_file():
   assert config.model == "code-tiny" and "secrets.py" in record["heldout"]
   source = iter((data.stdlib_dir() / "secrets.py").read_text().splitlines())
   assert all(line in source for line in config.prompt.splitlines())  # in order
+
+
+def test_copy_accuracy_by_token_count_scores_each_copied_token_in_its_band(shipped):
+  """eval_lm's bands, recomputed position by position: with count = id, the band of a
+  scored token is the band of its id, so a band taken one position off would differ."""
+  from experiments import eval_lm
+  fingerprint = json.loads((pathlib.Path(shipped.path) / "fingerprint.json").read_text())
+  sequences = np.asarray(fingerprint["sequences"])[:4]  # [4, T + 1]
+  counts = np.arange(shipped.config.vocab_size)
+  got = eval_lm.copy_accuracy_by_frequency(shipped, sequences, counts)
+  rows = data.repeat_first_half(sequences)
+  half, width = data.first_half(sequences.shape[1]), sequences.shape[1]
+  scored = np.arange(half + 1, width)  # positions of the copied tokens a1 .. a(h-1)
+  _, predicted = lm.token_losses(shipped.params, rows, shipped.config)
+  right = np.asarray(predicted)[:, scored - 1] == rows[:, scored]
+  edges = eval_lm.FREQUENCY_BANDS + (shipped.config.vocab_size,)
+  expected = {}
+  for lo, hi in zip(edges, edges[1:]):
+    in_band = (rows[:, scored] >= lo) & (rows[:, scored] < hi)
+    if in_band.any():
+      expected[lo] = (int(in_band.sum()), pytest.approx(float(right[in_band].mean())))
+  assert [(band["tokens"], band["accuracy"]) for band in got.values()] == list(expected.values())
+  assert sum(band["tokens"] for band in got.values()) == right.size
+
+
+def test_accuracy_by_band_puts_each_count_in_the_band_that_starts_at_or_below_it():
+  from experiments import eval_lm
+  correct = np.array([[True, False, True], [True, True, False]])
+  counts = np.array([[0, 15, 16], [64, 5000, 63]])
+  got = eval_lm.accuracy_by_band(correct, counts, (0, 16, 64))
+  assert got == {"0-15": {"tokens": 2, "accuracy": 0.5}, "16-63": {"tokens": 2, "accuracy": 0.5},
+                 ">=64": {"tokens": 2, "accuracy": 1.0}}
