@@ -10,10 +10,10 @@ On the held-out files recorded with the target (`heldout_files.json`, never trai
   accept a drafted token);
 * a copy task: a held-out function is shown, then its first line is repeated; does
   the target continue it greedily into an exact copy?
-* the target's top-1 accuracy on the repeat of held-out sequences, by how often the
-  copied token occurs in the held-out files. A copy mechanism too weak to overrule the
-  model's expectations copies frequent tokens and misses rare ones (identifiers), and
-  one miss breaks a greedy copy.
+* the target's top-1 accuracy on the repeat of held-out sequences and of the random
+  blocks, by how often the copied token occurs in the held-out files. A copy mechanism
+  too weak to overrule the model's expectations copies frequent tokens and misses rare
+  ones (identifiers), and one miss breaks a greedy copy.
 
 Writes `--out` (JSON) and prints a summary.
 """
@@ -78,15 +78,13 @@ def copy_task(model: mdjax.Model, functions: list[str]) -> dict:
 FREQUENCY_BANDS = (0, 16, 64, 256, 1024)  # lower edges of bands of held-out token counts
 
 
-def copy_accuracy_by_frequency(model: mdjax.Model, sequences: np.ndarray,
+def copy_accuracy_by_frequency(model: mdjax.Model, rows: np.ndarray, first: int,
                                counts: np.ndarray) -> dict[str, dict]:
-  """Top-1 accuracy on the repeated half of `sequences` `[N, T + 1]` turned into copy
-  rows (`data.repeat_first_half`), by the band of `counts` `[V]` of each copied token."""
-  rows = data.repeat_first_half(sequences)
-  half = data.first_half(sequences.shape[1])
+  """Top-1 accuracy on the targets of copy rows `[N, T + 1]` from index `first` on
+  (target j is token j + 1), by the band of `counts` `[V]` of each copied token."""
   _, predicted = lm.token_scores(model.params, rows, model.config, batch_size=4)
-  correct = (predicted == rows[:, 1:])[:, half:]  # targets a1 .. a(h-1) of the repeat
-  return accuracy_by_band(correct, counts[rows[:, half + 1:]], FREQUENCY_BANDS)
+  correct = (predicted == rows[:, 1:])[:, first:]
+  return accuracy_by_band(correct, counts[rows[:, first + 1:]], FREQUENCY_BANDS)
 
 
 def accuracy_by_band(correct: np.ndarray, counts: np.ndarray,
@@ -119,7 +117,11 @@ def main(argv):
                     "random_copy_accuracy": lm.evaluate_induction(model.params, model.config, 4)}
   result["draft_target_argmax_agreement"] = float((argmaxes["draft"] == argmaxes["target"]).mean())
   counts = np.bincount(stream, minlength=target.config.vocab_size)
-  result["copy_accuracy_by_token_count"] = copy_accuracy_by_frequency(target, sequences, counts)
+  copies = data.repeat_first_half(sequences)  # targets from `half` on: a1 .. a(h-1)
+  result["copy_accuracy_by_token_count"] = copy_accuracy_by_frequency(
+      target, copies, data.first_half(sequences.shape[1]), counts)
+  result["random_copy_accuracy_by_token_count"] = copy_accuracy_by_frequency(
+      target, *lm.induction_rows(target.config, rows=128), counts)
   result["copy_task"] = copy_task(target, short_functions(texts, _COPIES.value))
   out = pathlib.Path(_OUT.value)
   out.parent.mkdir(parents=True, exist_ok=True)

@@ -67,9 +67,9 @@ def test_copy_accuracy_by_token_count_scores_each_copied_token_in_its_band(shipp
   fingerprint = json.loads((pathlib.Path(shipped.path) / "fingerprint.json").read_text())
   sequences = np.asarray(fingerprint["sequences"])[:4]  # [4, T + 1]
   counts = np.arange(shipped.config.vocab_size)
-  got = eval_lm.copy_accuracy_by_frequency(shipped, sequences, counts)
   rows = data.repeat_first_half(sequences)
   half, width = data.first_half(sequences.shape[1]), sequences.shape[1]
+  got = eval_lm.copy_accuracy_by_frequency(shipped, rows, half, counts)
   scored = np.arange(half + 1, width)  # positions of the copied tokens a1 .. a(h-1)
   _, predicted = lm.token_losses(shipped.params, rows, shipped.config)
   right = np.asarray(predicted)[:, scored - 1] == rows[:, scored]

@@ -180,11 +180,17 @@ def evaluate_induction(params: Params, config: ModelConfig, batch_size: int,
   current id, copy the one after it) scores above chance (1 / vocab_size). The blocks
   are fixed (seed 0), so every evaluation and every model sees the same ones.
   """
+  sequences, block = induction_rows(config, rows)
+  _, predicted = token_scores(params, sequences, config, batch_size)
+  return float((predicted == sequences[:, 1:])[:, block:].mean())
+
+
+def induction_rows(config: ModelConfig, rows: int = 16) -> tuple[np.ndarray, int]:
+  """`evaluate_induction`'s rows `[rows, 2 L]` (fixed blocks of L random ids, each shown
+  twice) and L."""
   block = min(64, config.max_position_embeddings // 2)
   ids = np.random.default_rng(0).integers(data.FIRST_RANDOM_ID, config.vocab_size, (rows, block))
-  rows = np.concatenate([ids, ids], axis=1)
-  _, predicted = token_scores(params, rows, config, batch_size)
-  return float((predicted == rows[:, 1:])[:, block:].mean())
+  return np.concatenate([ids, ids], axis=1), block
 
 
 def token_scores(params: Params, sequences: np.ndarray, config: ModelConfig,
