@@ -13,7 +13,8 @@ On the held-out files recorded with the target (`heldout_files.json`, never trai
 * the target's top-1 accuracy on the repeat of held-out sequences and of the random
   blocks, by how often the copied token occurs in the held-out files. A copy mechanism
   too weak to overrule the model's expectations copies frequent tokens and misses rare
-  ones (identifiers), and one miss breaks a greedy copy.
+  ones (identifiers), and one miss breaks a greedy copy; and how alike the embeddings
+  of each band are (mean cosine).
 
 Writes `--out` (JSON) and prints a summary.
 """
@@ -92,9 +93,34 @@ def accuracy_by_band(correct: np.ndarray, counts: np.ndarray,
   """Mean of `correct` over the tokens whose `counts` (same shape) fall in each band
   [edges[i], edges[i + 1]), the last band open; bands without tokens are left out."""
   band = np.searchsorted(edges, counts, side="right") - 1
-  labels = [f"{lo}-{hi - 1}" for lo, hi in zip(edges, edges[1:])] + [f">={edges[-1]}"]
   return {label: {"tokens": int((band == i).sum()), "accuracy": float(correct[band == i].mean())}
-          for i, label in enumerate(labels) if (band == i).any()}
+          for i, label in enumerate(band_labels(edges)) if (band == i).any()}
+
+
+def band_labels(edges: tuple[int, ...]) -> list[str]:
+  """"lo-hi" for each band [lo, hi + 1) between `edges`, ">=last" for the open one."""
+  return [f"{lo}-{hi - 1}" for lo, hi in zip(edges, edges[1:])] + [f">={edges[-1]}"]
+
+
+def embedding_similarity_by_frequency(model: mdjax.Model, counts: np.ndarray,
+                                      sample: int = 200) -> dict[str, float]:
+  """Mean cosine between the input embeddings of distinct ids in each band of `counts`
+  `[V]` (up to `sample` ids per band, seed 0). Near 1: the band's vectors share one
+  direction and little is left to tell them apart (nor, with tied embeddings, to
+  predict one of them rather than another)."""
+  embed = np.asarray(model.params["embed"], np.float64)  # [V, D]
+  band = np.searchsorted(FREQUENCY_BANDS, counts, side="right") - 1  # [V]
+  rng = np.random.default_rng(0)
+  similarity = {}
+  for i, label in enumerate(band_labels(FREQUENCY_BANDS)):
+    ids = np.flatnonzero(band == i)
+    if len(ids) < 2:
+      continue
+    vectors = embed[rng.choice(ids, min(sample, len(ids)), replace=False)]
+    unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    cosines = unit @ unit.T
+    similarity[label] = float(cosines[~np.eye(len(unit), dtype=bool)].mean())
+  return similarity
 
 
 def main(argv):
@@ -122,6 +148,7 @@ def main(argv):
       target, copies, data.first_half(sequences.shape[1]), counts)
   result["random_copy_accuracy_by_token_count"] = copy_accuracy_by_frequency(
       target, *lm.induction_rows(target.config, rows=128), counts)
+  result["embedding_similarity_by_token_count"] = embedding_similarity_by_frequency(target, counts)
   result["copy_task"] = copy_task(target, short_functions(texts, _COPIES.value))
   out = pathlib.Path(_OUT.value)
   out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 """The shipped models: they load offline, are the files their cards describe, and
 reproduce the held-out numbers recorded when they were exported."""
 
+import dataclasses
 import json
 import pathlib
 
@@ -90,3 +91,19 @@ def test_accuracy_by_band_puts_each_count_in_the_band_that_starts_at_or_below_it
   got = eval_lm.accuracy_by_band(correct, counts, (0, 16, 64))
   assert got == {"0-15": {"tokens": 2, "accuracy": 0.5}, "16-63": {"tokens": 2, "accuracy": 0.5},
                  ">=64": {"tokens": 2, "accuracy": 1.0}}
+
+
+def test_embedding_similarity_is_1_for_parallel_and_0_for_orthogonal_embeddings(shipped):
+  """Ids 0-2 (band >=1024) get parallel embeddings, ids 3-5 (band 0-15) orthogonal ones,
+  the rest (band 16-63) random ones."""
+  from experiments import eval_lm
+  counts = np.full(shipped.config.vocab_size, 20)
+  counts[:3], counts[3:6] = 5000, 0
+  embed = np.random.default_rng(0).normal(size=np.shape(shipped.params["embed"]))
+  embed[1], embed[2] = 2 * embed[0], 0.5 * embed[0]
+  embed[3:6] = np.eye(embed.shape[1])[:3]
+  model = dataclasses.replace(shipped, params={**shipped.params, "embed": embed})
+  got = eval_lm.embedding_similarity_by_frequency(model, counts)
+  assert set(got) == {"0-15", "16-63", ">=1024"}
+  assert got[">=1024"] == pytest.approx(1.0) and got["0-15"] == pytest.approx(0.0, abs=1e-12)
+  assert abs(got["16-63"]) < 0.05
