@@ -25,9 +25,9 @@ copying; rows that repeat a prefix of 32..257 tokens (`copy_min_period=32`) did 
   copy of a whole function (`eval_lm`: 0 of 16).
 A fixed distance seems to be the first rung (a head that looks back a fixed number of
 positions), from which content-based copying grows, though slowly: none of the runs
-continued from this one copies blocks of random ids (`random_copy_accuracy`: 0.000
-before random-id rows, 0.23 after 3,500 steps with them) or 32 code tokens in a row
-(`heldout_greedy_copy`: 0); see the README.
+continued from this one copies blocks of random ids well (`random_copy_accuracy`: 0.000
+before random-id rows, 0.23 after 3,500 steps with them, 0.37 after 7,500) or 32 code
+tokens in a row (`heldout_greedy_copy`: 0); see the README.
 
 6,000 steps are ~1.8 h of two CPU cores, so the run fits in one working session of the
 project's machines, whose run directories do not survive the session (a killed run
