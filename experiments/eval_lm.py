@@ -79,7 +79,7 @@ def copy_task(model: mdjax.Model, functions: list[str]) -> dict:
 FREQUENCY_BANDS = (0, 16, 64, 256, 1024)  # lower edges of bands of held-out token counts
 
 
-def copy_accuracy_by_frequency(model: mdjax.Model, rows: np.ndarray, first: int,
+def copy_accuracy_by_token_count(model: mdjax.Model, rows: np.ndarray, first: int,
                                counts: np.ndarray) -> dict[str, dict]:
   """Top-1 accuracy on the targets of copy rows `[N, T + 1]` from index `first` on
   (target j is token j + 1), by the band of `counts` `[V]` of each copied token."""
@@ -92,9 +92,14 @@ def accuracy_by_band(correct: np.ndarray, counts: np.ndarray,
                      edges: tuple[int, ...]) -> dict[str, dict]:
   """Mean of `correct` over the tokens whose `counts` (same shape) fall in each band
   [edges[i], edges[i + 1]), the last band open; bands without tokens are left out."""
-  band = np.searchsorted(edges, counts, side="right") - 1
+  band = count_band(counts, edges)
   return {label: {"tokens": int((band == i).sum()), "accuracy": float(correct[band == i].mean())}
           for i, label in enumerate(band_labels(edges)) if (band == i).any()}
+
+
+def count_band(counts: np.ndarray, edges: tuple[int, ...]) -> np.ndarray:
+  """The index of the band [edges[i], edges[i + 1]) of each count (same shape)."""
+  return np.searchsorted(edges, counts, side="right") - 1
 
 
 def band_labels(edges: tuple[int, ...]) -> list[str]:
@@ -102,14 +107,14 @@ def band_labels(edges: tuple[int, ...]) -> list[str]:
   return [f"{lo}-{hi - 1}" for lo, hi in zip(edges, edges[1:])] + [f">={edges[-1]}"]
 
 
-def embedding_similarity_by_frequency(model: mdjax.Model, counts: np.ndarray,
+def embedding_similarity_by_token_count(model: mdjax.Model, counts: np.ndarray,
                                       sample: int = 200) -> dict[str, float]:
   """Mean cosine between the input embeddings of distinct ids in each band of `counts`
   `[V]` (up to `sample` ids per band, seed 0). Near 1: the band's vectors share one
   direction and little is left to tell them apart (nor, with tied embeddings, to
   predict one of them rather than another)."""
   embed = np.asarray(model.params["embed"], np.float64)  # [V, D]
-  band = np.searchsorted(FREQUENCY_BANDS, counts, side="right") - 1  # [V]
+  band = count_band(counts, FREQUENCY_BANDS)  # [V]
   rng = np.random.default_rng(0)
   similarity = {}
   for i, label in enumerate(band_labels(FREQUENCY_BANDS)):
@@ -144,11 +149,11 @@ def main(argv):
   result["draft_target_argmax_agreement"] = float((argmaxes["draft"] == argmaxes["target"]).mean())
   counts = np.bincount(stream, minlength=target.config.vocab_size)
   copies = data.repeat_first_half(sequences)  # targets from `half` on: a1 .. a(h-1)
-  result["copy_accuracy_by_token_count"] = copy_accuracy_by_frequency(
+  result["copy_accuracy_by_token_count"] = copy_accuracy_by_token_count(
       target, copies, data.first_half(sequences.shape[1]), counts)
-  result["random_copy_accuracy_by_token_count"] = copy_accuracy_by_frequency(
+  result["random_copy_accuracy_by_token_count"] = copy_accuracy_by_token_count(
       target, *lm.induction_rows(target.config, rows=128), counts)
-  result["embedding_similarity_by_token_count"] = embedding_similarity_by_frequency(target, counts)
+  result["embedding_similarity_by_token_count"] = embedding_similarity_by_token_count(target, counts)
   result["copy_task"] = copy_task(target, short_functions(texts, _COPIES.value))
   out = pathlib.Path(_OUT.value)
   out.parent.mkdir(parents=True, exist_ok=True)

@@ -70,7 +70,7 @@ def test_copy_accuracy_by_token_count_scores_each_copied_token_in_its_band(shipp
   counts = np.arange(shipped.config.vocab_size)
   rows = data.repeat_first_half(sequences)
   half, width = data.first_half(sequences.shape[1]), sequences.shape[1]
-  got = eval_lm.copy_accuracy_by_frequency(shipped, rows, half, counts)
+  got = eval_lm.copy_accuracy_by_token_count(shipped, rows, half, counts)
   scored = np.arange(half + 1, width)  # positions of the copied tokens a1 .. a(h-1)
   _, predicted = lm.token_losses(shipped.params, rows, shipped.config)
   right = np.asarray(predicted)[:, scored - 1] == rows[:, scored]
@@ -103,7 +103,7 @@ def test_embedding_similarity_is_1_for_parallel_and_0_for_orthogonal_embeddings(
   embed[1], embed[2] = 2 * embed[0], 0.5 * embed[0]
   embed[3:6] = np.eye(embed.shape[1])[:3]
   model = dataclasses.replace(shipped, params={**shipped.params, "embed": embed})
-  got = eval_lm.embedding_similarity_by_frequency(model, counts)
+  got = eval_lm.embedding_similarity_by_token_count(model, counts)
   assert set(got) == {"0-15", "16-63", ">=1024"}
   assert got[">=1024"] == pytest.approx(1.0) and got["0-15"] == pytest.approx(0.0, abs=1e-12)
   assert abs(got["16-63"]) < 0.05
