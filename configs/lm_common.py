@@ -8,7 +8,7 @@ library, `tokenizer=""` trains a byte-level BPE of `vocab_size` into the run dir
 `export_dir=""` exports into `run_dir/export`, `card_notes=""` adds nothing to the
 model card, `init_from=""` starts from random weights (else: a Hugging Face directory of
 the same architecture whose weights the run continues from, e.g. an earlier float32
-export), `teacher=""` trains on the data alone (else: a model name or directory with the
+export; a tied one may continue untied), `teacher=""` trains on the data alone (else: a model name or directory with the
 same vocabulary to distill from, see `mdjax.train.distill`).
 """
 

@@ -6,6 +6,7 @@ file runs in well under a minute and a half on two CPU cores.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -300,6 +301,23 @@ def test_init_from_continues_an_export_and_counts_all_tokens(trained, tmp_path):
   wider.model.hidden_size = 64
   with pytest.raises(ValueError, match="hidden_size: 32 vs 64"):
     lm.initial_params(wider, lm.model_config(wider, result.model_config.vocab_size))
+
+
+def test_init_from_a_tied_export_can_continue_untied_with_the_same_logits(tmp_path):
+  untied = tiny_config(tmp_path / "untied", init_from=str(tmp_path / "tied"))
+  untied_model = lm.model_config(untied, 300)
+  tied_model = dataclasses.replace(untied_model, tie_word_embeddings=True)
+  tied_params = init_params(tied_model, seed=3)
+  hf.save_hf(Model(config=tied_model, params=tied_params), tmp_path / "tied")
+  params = lm.initial_params(untied, untied_model)
+  assert set(params) == set(tied_params) | {"lm_head"}
+  tokens = jnp.arange(1, 17)[None]  # [1, 16]
+  np.testing.assert_array_equal(np.asarray(causal_logits(params, tokens, config=untied_model)),
+                                np.asarray(causal_logits(tied_params, tokens, config=tied_model)))
+  hf.save_hf(Model(config=untied_model, params=params), tmp_path / "untied-export")
+  back = tiny_config(tmp_path / "back", init_from=str(tmp_path / "untied-export"))
+  with pytest.raises(ValueError, match="tie_word_embeddings: False vs True"):
+    lm.initial_params(back, tied_model)  # an untied head cannot be folded back losslessly
 
 
 def test_kl_to_teacher_is_zero_at_the_teacher_and_matches_a_hand_computation():

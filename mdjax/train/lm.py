@@ -246,17 +246,25 @@ def load_or_train_tokenizer(config: ml_collections.ConfigDict, corpus: data.Corp
 
 
 def initial_params(config: ml_collections.ConfigDict, cfg: ModelConfig) -> Params:
-  """Seeded random weights, or float32 copies of `config.init_from`'s (same architecture)."""
+  """Seeded random weights, or float32 copies of `config.init_from`'s (same architecture).
+
+  A tied start may continue untied (`tie_word_embeddings=False`): its `lm_head` `[D, V]`
+  starts as a copy of `embed.T`, so the logits are unchanged until training moves them
+  apart (the input embeddings then no longer carry the output's push on every id).
+  """
   if not config.init_from:
     return init_params(cfg, config.seed)
   start = hf.load_hf_dir(config.init_from, dtype="float32")
+  untie = start.config.tie_word_embeddings and not cfg.tie_word_embeddings
   fields = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-            "num_kv_heads", "head_dim", "tie_word_embeddings")
+            "num_kv_heads", "head_dim") + (() if untie else ("tie_word_embeddings",))
   differ = [f"{f}: {getattr(start.config, f)} vs {getattr(cfg, f)}" for f in fields
             if getattr(start.config, f) != getattr(cfg, f)]
   if differ:
     raise MdjaxError(f"init_from {config.init_from!r} does not match the config's model "
                      f"({'; '.join(differ)})")
+  if untie:
+    return {**start.params, "lm_head": jnp.array(start.params["embed"].T)}
   return start.params
 
 
