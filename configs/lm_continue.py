@@ -1,4 +1,4 @@
-"""The second stage of the shipped models: continue an exported first stage (float32)
+"""The second stage of the first shipped pair: continue an exported first stage (float32)
 with copy rows, at a lower peak learning rate.
 
     python -m experiments.train_lm --config=configs/lm_continue.py:target \\
@@ -6,7 +6,9 @@ with copy rows, at a lower peak learning rate.
         --config.init_from=runs/target-f32 --config.export_dir=mdjax/assets/code-tiny
     python -m experiments.train_lm --config=configs/lm_continue.py:draft ...   (the draft)
 
-The argument after the colon picks the architecture (the first stage's config).
+The argument after the colon picks the architecture (the first stage's config). The
+shipped draft descends from this stage's draft (`code-tiny-draft`'s card); the shipped
+target does not (`configs/lm_target_long.py`).
 """
 
 from configs import lm_draft, lm_target

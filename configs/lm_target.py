@@ -1,4 +1,7 @@
-"""The shipped target (`code-tiny`): a 15.7M-parameter llama on the standard library."""
+"""The first shipped target: a 15.7M-parameter untied llama on the standard library.
+
+The shipped `code-tiny` has this shape but was trained by `configs/lm_target_long.py`
+(tied, then untied, with rows that teach copying): see its model card."""
 
 from configs import lm_common
 

@@ -37,7 +37,7 @@ def test_pipeline_phases_equal_their_sequential_counterparts(code_model):
   context = data.recorded_heldout_texts(model.path)[0][:1500]
   question = "What does the code return?"
   out = mdjax.generate(model, context, strategy="margins", question=question, chunk_tokens=120,
-                       note_tokens=10, classify_tokens=2, keep_pattern=r".", max_new_tokens=12)
+                       note_tokens=10, classify_tokens=2, keep_pattern=r"(?s).", max_new_tokens=12)
   (steps,) = out.intermediate
   (ids,) = mdjax.encode_prompts(model, [context])
   chunks = margins.chunk_ids(ids, 120)
@@ -49,7 +49,7 @@ def test_pipeline_phases_equal_their_sequential_counterparts(code_model):
     assert note == alone.texts[0]
     suffix = model.tokenizer.encode(note + margins.CLASSIFY_SUFFIX, add_special_tokens=False)
     assert label == mdjax.generate(model, [prefix + suffix], max_new_tokens=2).texts[0]
-  assert all(steps["kept"])  # keep_pattern "." keeps every non-empty label
+  assert all(steps["kept"])  # keep_pattern "(?s)." keeps every non-empty label, "\n" too
   assert out.texts == mdjax.generate(model, steps["answer_prompt"], max_new_tokens=12).texts
   assert out.stats["target_passes"] >= 9 + 1 + 11
 
