@@ -5,14 +5,16 @@
         --config.init_from=runs/draft2-f32 --config.export_dir=mdjax/assets/code-tiny-draft
 
 `init_from` is the draft's previous stage exported in float32; the default teacher
-`code-tiny` is the shipped target in bfloat16 (the shipped draft was distilled from its
-float32 export). Once the target copies, so must the draft: the shipped draft's fifth
-stage adds `--config.copy_fraction=0.2 --config.random_copy_fraction=0.3
---config.copy_min_period=16 --config.optim.lr=2e-3 --config.steps=1500`, which took its
-argmax agreement with the target from 0.488 to 0.589, and its sixth the same rows at
-`--config.optim.lr=1e-3 --config.steps=1000`, to 0.619. Its seventh followed the target's
-eleventh stage with the same rows at `--config.optim.lr=3e-4 --config.steps=400`, from
-0.598 to 0.608 (`code-tiny-draft`'s card).
+`code-tiny` is the shipped target in bfloat16 (the shipped draft's fourth to sixth
+stages were distilled from stage 9u's float32 export, its seventh from stage 11's
+bfloat16 one, the weights shipped as `code-tiny`). Once the target copies, so must the
+draft: the shipped draft's fifth stage adds `--config.copy_fraction=0.2
+--config.random_copy_fraction=0.3 --config.copy_min_period=16 --config.optim.lr=2e-3
+--config.steps=1500`, which took its argmax agreement with the target from 0.488 to
+0.589, and its sixth the same rows at `--config.optim.lr=1e-3 --config.steps=1000`, to
+0.619. Its seventh followed the target's eleventh stage with the same rows at
+`--config.optim.lr=3e-4 --config.steps=400`, from 0.598 to 0.608 (`code-tiny-draft`'s
+card).
 """
 
 from configs import lm_draft
