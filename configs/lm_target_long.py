@@ -32,7 +32,7 @@ tokens in a row (`heldout_greedy_copy`: 0). Continued *untied*
 rows made the copy strong: random-id copy 0.855, 5 of 64 held-out repeats right 32
 tokens in a row, after 5,500 more steps (stage 9u). Continued at a peak lr of 1e-4
 (stage 11, shipped as `code-tiny`): 0.884 and 8 of 64; see the README and the model card.
-The same again from stage 11 (stage 12) gained 0.010 of loss but copied no better
+The same again from stage 11 (stage 12) gained 0.009 of loss but copied no better
 (6 of 64; `eval_lm`: 3 of 16 against stage 11's 4), so stage 11 stays shipped.
 
 6,000 steps are ~1.8 h of two CPU cores, so the run fits in one working session of the
