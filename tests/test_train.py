@@ -142,8 +142,50 @@ def test_random_copy_rows_repeat_a_random_block_beside_the_text_copies():
   again = data.Batches(sequences, 50, seed=3, copy_fraction=0.2, random_copy_fraction=0.3,
                        vocab_size=5000)
   assert np.array_equal(again.batch(7), mixed.batch(7))
-  with pytest.raises(ValueError, match=r"copy_fraction \+ random_copy_fraction must be <= 1"):
+  with pytest.raises(ValueError, match=r"random_copy_fraction \+ framed_copy_fraction must sum to"):
     data.Batches(sequences, 4, seed=0, copy_fraction=0.6, random_copy_fraction=0.6, vocab_size=9)
+
+
+def test_framed_copy_rows_show_a_prefix_a_frame_the_prefix_again_then_the_text_on():
+  sequences = np.arange(2000 * 129).reshape(2000, 129) % 1000
+  frames = (np.array([5001, 5002]), np.array([5003]), np.array([5004, 5005, 5006]))
+  plain = data.Batches(sequences, 50, seed=4)
+  mixed = data.Batches(sequences, 50, seed=4, copy_fraction=0.2, random_copy_fraction=0.1,
+                       vocab_size=1000, copy_min_period=8, framed_copy_fraction=0.3, frames=frames)
+  kinds, periods, used = [], set(), set()
+  for step in range(40):
+    for text, row in zip(plain.batch(step), mixed.batch(step)):
+      framed = np.flatnonzero(row > 5000)  # the frame's ids: text ids are < 1000
+      if not framed.size:
+        kinds.append("plain" if np.array_equal(text, row) else "other")
+        continue
+      start, frame = framed[0], row[framed]
+      assert any(np.array_equal(frame, f) for f in frames)
+      assert np.array_equal(framed, start + np.arange(len(frame)))  # one frame, in one piece
+      assert 8 <= start <= 65 and np.array_equal(row[:start], text[:start])
+      after = row[start + len(frame):]  # the prefix again, then the text on from its end
+      assert np.array_equal(after, text[:len(after)])
+      kinds.append("framed")
+      periods.add(int(start))
+      used.add(tuple(frame))
+  shares = {k: kinds.count(k) / len(kinds) for k in ("plain", "framed")}
+  assert 0.25 < shares["framed"] < 0.35 and 0.35 < shares["plain"] < 0.45, shares
+  assert len(periods) > 20 and len(used) == len(frames)
+  again = data.Batches(sequences, 50, 4, 0.2, 0.1, 1000, 8, 0.3, frames)
+  assert np.array_equal(again.batch(9), mixed.batch(9))
+  with pytest.raises(ValueError, match="framed copy rows need the frames"):
+    data.Batches(sequences, 4, seed=0, framed_copy_fraction=0.5)
+  with pytest.raises(ValueError, match=r"must sum to <= 1, got 0.5 \+ 0.0 \+ 0.6"):
+    data.Batches(sequences, 4, seed=0, copy_fraction=0.5, framed_copy_fraction=0.6, frames=frames)
+
+
+def test_the_card_names_every_kind_of_copy_row_the_run_trained_on():
+  summary = {"copy_fraction": 0.2, "copy_min_period": 16, "random_copy_fraction": 0.1,
+             "framed_copy_fraction": 0.35, "init_from": ""}
+  lines = export.continuation_line(summary).splitlines()
+  assert [line.split(" of the sequences")[0] for line in lines] == ["20%", "10%", "35%"]
+  assert "16 tokens to half the row long" in lines[0] and "framed copy rows" in lines[2]
+  assert export.continuation_line({**summary, "framed_copy_fraction": 0.0}).count("\n") == 2
 
 
 def test_pack_overlaps_windows_by_one_token():

@@ -40,6 +40,18 @@ Random copy rows (`random_copy_fraction` > 0) are a stronger lesson: a block of
 Nothing but an induction mechanism (find the earlier occurrence of the current
 token, copy what followed it) lowers their loss, so they pull one into existence
 faster than text copies, whose second half a language model half-predicts anyway.
+
+Framed copy rows (`framed_copy_fraction` > 0): a prefix of the row, then a short
+comment that announces a repeat (one of `COPY_FRAMES`, tokenized), then the prefix
+again, then the row's own text on from the end of the prefix::
+
+    tokens: a0 ... a(p-1) | \n\n# Again:\n | a0 ... a(p-1) | a(p) a(p+1) ...
+    loss:   plain LM      | the frame      | exact copies  | plain LM again
+
+as when a prompt quotes code and asks for it back: the repeat starts after other text,
+not where the original ended, and plain text follows it. p is drawn like a copy row's
+period. None of the frames is `experiments.eval_lm`'s copy prompt, so that task
+still measures copying after a comment the model was never trained on.
 """
 
 from __future__ import annotations
@@ -57,6 +69,10 @@ import numpy as np
 from mdjax.errors import MdjaxError
 
 EXCLUDED_DIRS = ("site-packages", "__pycache__")
+
+COPY_FRAMES = (  # the comments between a framed copy row's prefix and its repeat
+    "\n\n# Again:\n", "\n\n# Once more:\n", "\n\n# Copy of the code above:\n",
+    "\n\n# The code above, unchanged:\n", "\n\n# Repeated verbatim:\n", "\n\n\n")
 
 
 def stdlib_dir() -> pathlib.Path:
@@ -170,16 +186,20 @@ class Batches:
 
   def __init__(self, sequences: np.ndarray, batch_size: int, seed: int,
                copy_fraction: float = 0.0, random_copy_fraction: float = 0.0,
-               vocab_size: int = 0, copy_min_period: int = 0):
+               vocab_size: int = 0, copy_min_period: int = 0,
+               framed_copy_fraction: float = 0.0, frames: tuple[np.ndarray, ...] = ()):
     if batch_size < 1:
       raise MdjaxError(f"batch_size must be >= 1, got {batch_size}")
-    for name, value in (("copy_fraction", copy_fraction),
-                        ("random_copy_fraction", random_copy_fraction)):
+    fractions = {"copy_fraction": copy_fraction, "random_copy_fraction": random_copy_fraction,
+                 "framed_copy_fraction": framed_copy_fraction}
+    for name, value in fractions.items():
       if not 0 <= value <= 1:
         raise MdjaxError(f"{name} must be in [0, 1], got {value}")
-    if copy_fraction + random_copy_fraction > 1:
-      raise MdjaxError(f"copy_fraction + random_copy_fraction must be <= 1, got "
-                       f"{copy_fraction} + {random_copy_fraction}")
+    if sum(fractions.values()) > 1:
+      raise MdjaxError(f"{' + '.join(fractions)} must sum to <= 1, got "
+                       f"{' + '.join(str(v) for v in fractions.values())}")
+    if framed_copy_fraction and not frames:
+      raise MdjaxError("framed copy rows need the frames' token ids, got none")
     if random_copy_fraction and vocab_size <= FIRST_RANDOM_ID:
       raise MdjaxError(f"random copy rows need the vocabulary size, got {vocab_size}")
     half = first_half(sequences.shape[1])
@@ -191,6 +211,8 @@ class Batches:
     self.batch_size = batch_size
     self.copy_fraction = copy_fraction
     self.random_copy_fraction = random_copy_fraction
+    self.framed_copy_fraction = framed_copy_fraction
+    self.frames = frames
     self.vocab_size = vocab_size
     self.seed = seed
     self.key = jax.random.key(seed)
@@ -208,14 +230,20 @@ class Batches:
     rows = [self._permutation(int(i) // n)[int(i) % n] for i in samples]
     batch = self.sequences[rows]  # [B, T + 1]
     share = _unit_hash(samples)  # [B] in [0, 1): which kind of row each sample is
-    copies = share < self.copy_fraction
-    randoms = (share >= self.copy_fraction) & (share < self.copy_fraction + self.random_copy_fraction)
-    if copies.any() or randoms.any():
+    # share in [0, copy) [copy, copy + random) [.., .. + framed) [.., 1)
+    kind = np.searchsorted(np.cumsum([self.copy_fraction, self.random_copy_fraction,
+                                      self.framed_copy_fraction]), share, side="right")  # [B]
+    if (kind < 3).any():
       batch = batch.copy()
-      for row in np.flatnonzero(copies):
-        batch[row] = repeat_prefix(batch[row], self._copy_period(int(samples[row])))
-      for row in np.flatnonzero(randoms):
-        batch[row] = random_repeats(self.seed, int(samples[row]), batch.shape[1], self.vocab_size)
+    for row in np.flatnonzero(kind < 3):
+      sample = int(samples[row])
+      if kind[row] == 0:
+        batch[row] = repeat_prefix(batch[row], self._copy_period(sample))
+      elif kind[row] == 1:
+        batch[row] = random_repeats(self.seed, sample, batch.shape[1], self.vocab_size)
+      else:
+        pick = np.random.default_rng([self.seed, sample, 2]).integers(len(self.frames))
+        batch[row] = framed_repeat(batch[row], self._copy_period(sample), self.frames[pick])
     return batch
 
   def _copy_period(self, sample: int) -> int:
@@ -235,6 +263,11 @@ def first_half(width: int) -> int:
 def repeat_prefix(rows: np.ndarray, period: int) -> np.ndarray:
   """`[..., T]` -> `[..., T]`: each row's first `period` tokens, repeated to fill T."""
   return rows[..., np.arange(rows.shape[-1]) % period]
+
+
+def framed_repeat(row: np.ndarray, period: int, frame: np.ndarray) -> np.ndarray:
+  """`[T]` -> `[T]`: the first `period` tokens, `frame`, them again, then the row on from there."""
+  return np.concatenate([row[:period], frame, row])[:len(row)].astype(row.dtype)
 
 
 def repeat_first_half(sequences: np.ndarray) -> np.ndarray:

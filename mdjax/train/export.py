@@ -64,6 +64,7 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
       "copy_fraction": config.copy_fraction,
       "copy_min_period": config.copy_min_period,
       "random_copy_fraction": config.random_copy_fraction,
+      "framed_copy_fraction": config.framed_copy_fraction,
       **continued_from(config.init_from, run.step * config.batch_size * config.seq_len),
       **distilled_from(run, exported, config.batch_size),
       "num_params": run.model_config.num_params,
@@ -132,6 +133,10 @@ def continuation_line(summary: dict) -> str:
   if summary.get("random_copy_fraction"):
     lines.append(f"{summary['random_copy_fraction']:.0%} of the sequences repeat a block of "
                  "random ids (random copy rows, see `mdjax.train.data`).")
+  if summary.get("framed_copy_fraction"):
+    lines.append(f"{summary['framed_copy_fraction']:.0%} of the sequences show a prefix, a "
+                 "comment announcing a repeat, then the prefix again (framed copy rows, see "
+                 "`mdjax.train.data`).")
   if summary["init_from"]:
     lines.append(f"Continued from the weights of `{summary['init_from']}`: "
                  f"{summary['tokens_seen_total']:,} tokens seen in all.")

@@ -227,9 +227,12 @@ def prepare_data(config: ml_collections.ConfigDict, corpus: data.Corpus, fast_to
                       config.seq_len)
   picked = heldout[np.unique(np.linspace(0, len(heldout) - 1, config.eval_sequences).astype(int))]
   target_bytes = tokenizer_lib.token_byte_lengths(fast_tokenizer)[picked[:, 1:]]  # [E, T]
+  frames = tuple(np.asarray(encoding.ids, np.int32) for encoding in
+                 fast_tokenizer.encode_batch(list(data.COPY_FRAMES), add_special_tokens=False))
   return Data(batches=data.Batches(data.pack(train, config.seq_len), config.batch_size,
                                    config.seed, config.copy_fraction, config.random_copy_fraction,
-                                   fast_tokenizer.get_vocab_size(), config.copy_min_period),
+                                   fast_tokenizer.get_vocab_size(), config.copy_min_period,
+                                   config.framed_copy_fraction, frames),
               heldout=picked, heldout_bytes_per_token=float(target_bytes.mean()),
               train_tokens=len(train))
 
