@@ -34,6 +34,12 @@ tokens in a row, after 5,500 more steps (stage 9u). Continued at a peak lr of 1e
 (stage 11, shipped as `code-tiny`): 0.884 and 8 of 64; see the README and the model card.
 The same again from stage 11 (stage 12) gained 0.009 of loss but copied no better
 (6 of 64; `eval_lm`: 3 of 16 against stage 11's 4), so stage 11 stays shipped.
+Stage 13 traded random-id rows for framed copy rows (a comment between the original
+and its repeat, as in `eval_lm`'s prompt): the best held-out loss of this shape
+(3.508) but fewer greedy copies (`eval_lm`: 2 of 16). Stage 14 kept stage 11's rows
+and made its plain rows framed ones: the best copier (copy accuracy 0.941, `eval_lm`: 5
+of 16) at a worse loss (3.715), not shipped because the shipped draft agrees with it on
+only 0.594 of tokens.
 
 6,000 steps are ~1.8 h of two CPU cores, so the run fits in one working session of the
 project's machines, whose run directories do not survive the session (a killed run
