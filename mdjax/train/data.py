@@ -45,8 +45,8 @@ Framed copy rows (`framed_copy_fraction` > 0): a prefix of the row, then a short
 comment that announces a repeat (one of `COPY_FRAMES`, tokenized), then the prefix
 again, then the row's own text on from the end of the prefix::
 
-    tokens: a0 ... a(p-1) | \n\n# Again:\n | a0 ... a(p-1) | a(p) a(p+1) ...
-    loss:   plain LM      | the frame      | exact copies  | plain LM again
+    tokens: a0 ... a(p-1) | (blank line) # Again: | a0 ... a(p-1) | a(p) a(p+1) ...
+    loss:   plain LM      | the frame             | exact copies  | plain LM again
 
 as when a prompt quotes code and asks for it back: the repeat starts after other text,
 not where the original ended, and plain text follows it. p is drawn like a copy row's
