@@ -209,9 +209,8 @@ class Batches:
     self.copy_min_period = copy_min_period
     self.sequences = sequences
     self.batch_size = batch_size
-    self.copy_fraction = copy_fraction
-    self.random_copy_fraction = random_copy_fraction
-    self.framed_copy_fraction = framed_copy_fraction
+    # a sample's share in [0, e0) copies, [e0, e1) random ids, [e1, e2) framed, [e2, 1) plain
+    self.kind_edges = np.cumsum(list(fractions.values()))  # [3]
     self.frames = frames
     self.vocab_size = vocab_size
     self.seed = seed
@@ -230,12 +229,11 @@ class Batches:
     rows = [self._permutation(int(i) // n)[int(i) % n] for i in samples]
     batch = self.sequences[rows]  # [B, T + 1]
     share = _unit_hash(samples)  # [B] in [0, 1): which kind of row each sample is
-    # share in [0, copy) [copy, copy + random) [.., .. + framed) [.., 1)
-    kind = np.searchsorted(np.cumsum([self.copy_fraction, self.random_copy_fraction,
-                                      self.framed_copy_fraction]), share, side="right")  # [B]
-    if (kind < 3).any():
+    kind = np.searchsorted(self.kind_edges, share, side="right")  # [B]: 0 copy .. 3 plain
+    changed = np.flatnonzero(kind < len(self.kind_edges))
+    if changed.size:
       batch = batch.copy()
-    for row in np.flatnonzero(kind < 3):
+    for row in changed:
       sample = int(samples[row])
       if kind[row] == 0:
         batch[row] = repeat_prefix(batch[row], self._copy_period(sample))
