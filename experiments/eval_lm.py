@@ -5,7 +5,10 @@
 On the held-out files recorded with the target (`heldout_files.json`, never trained on):
 * held-out loss and top-1 next-token accuracy of target and draft;
 * the copying of blocks of random ids shown twice (`lm.evaluate_induction`: only an
-  induction mechanism scores above chance), for both;
+  induction mechanism scores above chance), for both; and the target's, by the size of
+  the alphabet the block is drawn from (4, 16, 64 ids or the whole vocabulary): over a
+  small alphabet ids recur with different successors and only a match of several
+  tokens says what to copy, as at `IncrementalEncoder` beside `IncrementalDecoder`;
 * the draft's argmax agreement with the target (how often greedy speculation would
   accept a drafted token);
 * a copy task: a held-out function is shown, then its first line is repeated; does
@@ -77,6 +80,7 @@ def copy_task(model: mdjax.Model, functions: list[str]) -> dict:
 
 
 FREQUENCY_BANDS = (0, 16, 64, 256, 1024)  # lower edges of bands of held-out token counts
+ALPHABETS = (4, 16, 64, 0)  # ids each random block is drawn from; 0: the whole vocabulary
 
 
 def copy_accuracy_by_token_count(model: mdjax.Model, rows: np.ndarray, first: int,
@@ -128,6 +132,17 @@ def embedding_similarity_by_token_count(model: mdjax.Model, counts: np.ndarray,
   return similarity
 
 
+def random_copy_accuracy_by_alphabet(model: mdjax.Model, rows: int = 32) -> dict[str, float]:
+  """Top-1 on the repeat of random blocks (`lm.induction_rows`) drawn from 4, 16 or 64 ids
+  each, or from the whole vocabulary ("all")."""
+  accuracy = {}
+  for alphabet in ALPHABETS:
+    sequences, block = lm.induction_rows(model.config, rows, alphabet)
+    _, predicted = lm.token_scores(model.params, sequences, model.config, batch_size=4)
+    accuracy[str(alphabet or "all")] = float((predicted == sequences[:, 1:])[:, block:].mean())
+  return accuracy
+
+
 def main(argv):
   del argv
   target, draft = mdjax.load(_TARGET.value), mdjax.load(_DRAFT.value)
@@ -153,6 +168,7 @@ def main(argv):
       target, copies, data.first_half(sequences.shape[1]), counts)
   result["random_copy_accuracy_by_token_count"] = copy_accuracy_by_token_count(
       target, *lm.induction_rows(target.config, rows=128), counts)
+  result["random_copy_accuracy_by_alphabet"] = random_copy_accuracy_by_alphabet(target)
   result["embedding_similarity_by_token_count"] = embedding_similarity_by_token_count(target, counts)
   result["copy_task"] = copy_task(target, short_functions(texts, _COPIES.value))
   out = pathlib.Path(_OUT.value)

@@ -146,6 +146,44 @@ def test_random_copy_rows_repeat_a_random_block_beside_the_text_copies():
     data.Batches(sequences, 4, seed=0, copy_fraction=0.6, random_copy_fraction=0.6, vocab_size=9)
 
 
+def test_random_rows_over_a_small_alphabet_repeat_ids_with_different_successors():
+  sequences = np.zeros((2000, 129), np.int64)
+
+  def blocks(min_alphabet: int) -> list[np.ndarray]:
+    """Each row's repeated block (the row is it over and over, 8..64 long)."""
+    batches = data.Batches(sequences, 50, seed=6, random_copy_fraction=1.0, vocab_size=5000,
+                           random_min_alphabet=min_alphabet)
+    found = []
+    for step in range(20):
+      for row in batches.batch(step):
+        assert row.min() >= data.FIRST_RANDOM_ID and row.max() < 5000
+        period = next(p for p in range(8, 65) if np.array_equal(row[p:], row[:-p]))
+        found.append(row[:period])
+    return found
+
+  def ambiguous(block: np.ndarray) -> bool:
+    """Some id is followed by two different ids: the current id alone cannot say which."""
+    successors = {}
+    for current, after in zip(block, np.roll(block, -1)):
+      successors.setdefault(int(current), set()).add(int(after))
+    return any(len(s) > 1 for s in successors.values())
+
+  small, whole = blocks(4), blocks(0)
+  small_distinct = np.array([len(set(b.tolist())) for b in small])
+  lengths = np.array([len(b) for b in small])
+  # k log-uniform in 4..4997: ~20% of rows draw <= 16 ids, and some draw hundreds
+  assert 0.05 < np.mean((small_distinct <= 16) & (lengths >= 32)) < 0.25
+  assert small_distinct.max() > 40
+  assert np.mean([ambiguous(b) for b in small]) > 0.5
+  assert np.mean([ambiguous(b) for b in whole]) < 0.25  # 64 of 4997 ids rarely collide
+  assert min(len(set(b.tolist())) / len(b) for b in whole) > 0.8
+  assert np.array_equal(blocks(4)[123], small[123])  # a pure function of (seed, step)
+  for bad in (1, 4998):
+    with pytest.raises(ValueError, match=r"random_copy_min_alphabet must be 0 .* \[2, 4997\]"):
+      data.Batches(sequences, 4, seed=0, random_copy_fraction=0.5, vocab_size=5000,
+                   random_min_alphabet=bad)
+
+
 def test_framed_copy_rows_show_a_prefix_a_frame_the_prefix_again_then_the_text_on():
   sequences = np.arange(2000 * 129).reshape(2000, 129) % 1000
   frames = (np.array([5001, 5002]), np.array([5003]), np.array([5004, 5005, 5006]))
@@ -186,6 +224,8 @@ def test_the_card_names_every_kind_of_copy_row_the_run_trained_on():
   assert [line.split(" of the sequences")[0] for line in lines] == ["20%", "10%", "35%"]
   assert "16 tokens to half the row long" in lines[0] and "framed copy rows" in lines[2]
   assert export.continuation_line({**summary, "framed_copy_fraction": 0.0}).count("\n") == 2
+  assert "from 4 or more ids" in export.continuation_line(
+      {**summary, "random_copy_min_alphabet": 4}).splitlines()[1]
 
 
 def test_pack_overlaps_windows_by_one_token():
@@ -242,6 +282,19 @@ def test_induction_evaluation_scores_the_repeat_of_random_blocks(trained):
   _, predicted = lm.token_losses(result.params, jnp.asarray(rows), cfg)
   correct = np.asarray(predicted) == rows[:, 1:]
   assert got == pytest.approx(float(correct[:, block:].mean()))
+
+
+def test_induction_rows_over_an_alphabet_draw_each_block_from_that_many_ids(trained):
+  cfg = trained[0].model_config
+  whole, block = lm.induction_rows(cfg, rows=6)
+  small, same_block = lm.induction_rows(cfg, rows=6, alphabet=3)
+  assert block == same_block and small.shape == whole.shape == (6, 2 * block)
+  for rows in (small, whole):
+    assert np.array_equal(rows[:, :block], rows[:, block:])  # each block shown twice
+    assert rows.min() >= data.FIRST_RANDOM_ID and rows.max() < cfg.vocab_size
+  assert max(len(set(row[:block].tolist())) for row in small) <= 3
+  assert len({tuple(sorted(set(row.tolist()))) for row in small}) > 1  # an alphabet per block
+  assert np.array_equal(lm.induction_rows(cfg, rows=6, alphabet=3)[0], small)
 
 
 def test_greedy_copy_needs_every_token_after_the_shown_ones_right():

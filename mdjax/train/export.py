@@ -64,6 +64,7 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
       "copy_fraction": config.copy_fraction,
       "copy_min_period": config.copy_min_period,
       "random_copy_fraction": config.random_copy_fraction,
+      "random_copy_min_alphabet": config.random_copy_min_alphabet,
       "framed_copy_fraction": config.framed_copy_fraction,
       **continued_from(config.init_from, run.step * config.batch_size * config.seq_len),
       **distilled_from(run, exported, config.batch_size),
@@ -131,8 +132,11 @@ def continuation_line(summary: dict) -> str:
     lines.append(f"{summary['copy_fraction']:.0%} of the sequences repeat {repeated} "
                  "(copy rows, see `mdjax.train.data`).")
   if summary.get("random_copy_fraction"):
+    alphabet = (f", each drawn from {summary['random_copy_min_alphabet']} or more ids "
+                "(log-uniform) rather than the whole vocabulary"
+                if summary.get("random_copy_min_alphabet") else "")
     lines.append(f"{summary['random_copy_fraction']:.0%} of the sequences repeat a block of "
-                 "random ids (random copy rows, see `mdjax.train.data`).")
+                 f"random ids{alphabet} (random copy rows, see `mdjax.train.data`).")
   if summary.get("framed_copy_fraction"):
     lines.append(f"{summary['framed_copy_fraction']:.0%} of the sequences show a prefix, a "
                  "comment announcing a repeat, then the prefix again (framed copy rows, see "

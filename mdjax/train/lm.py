@@ -185,11 +185,19 @@ def evaluate_induction(params: Params, config: ModelConfig, batch_size: int,
   return float((predicted == sequences[:, 1:])[:, block:].mean())
 
 
-def induction_rows(config: ModelConfig, rows: int = 16) -> tuple[np.ndarray, int]:
+def induction_rows(config: ModelConfig, rows: int = 16,
+                   alphabet: int = 0) -> tuple[np.ndarray, int]:
   """`evaluate_induction`'s rows `[rows, 2 L]` (fixed blocks of L random ids, each shown
-  twice) and L."""
+  twice) and L. `alphabet` = k > 0 draws each block from k ids of its own (also fixed), so
+  ids recur in the block and copying needs the ids before the current one too."""
   block = min(64, config.max_position_embeddings // 2)
-  ids = np.random.default_rng(0).integers(data.FIRST_RANDOM_ID, config.vocab_size, (rows, block))
+  rng = np.random.default_rng(0)
+  if not alphabet:
+    ids = rng.integers(data.FIRST_RANDOM_ID, config.vocab_size, (rows, block))
+  else:
+    vocab = np.arange(data.FIRST_RANDOM_ID, config.vocab_size)
+    ids = np.stack([rng.choice(rng.choice(vocab, alphabet, replace=False), block)
+                    for _ in range(rows)])
   return np.concatenate([ids, ids], axis=1), block
 
 
@@ -232,7 +240,8 @@ def prepare_data(config: ml_collections.ConfigDict, corpus: data.Corpus, fast_to
   return Data(batches=data.Batches(data.pack(train, config.seq_len), config.batch_size,
                                    config.seed, config.copy_fraction, config.random_copy_fraction,
                                    fast_tokenizer.get_vocab_size(), config.copy_min_period,
-                                   config.framed_copy_fraction, frames),
+                                   config.framed_copy_fraction, frames,
+                                   config.random_copy_min_alphabet),
               heldout=picked, heldout_bytes_per_token=float(target_bytes.mean()),
               train_tokens=len(train))
 
