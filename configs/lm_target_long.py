@@ -39,7 +39,9 @@ and its repeat, as in `eval_lm`'s prompt): the best held-out loss of this shape
 (3.508) but fewer greedy copies (`eval_lm`: 2 of 16). Stage 14 kept stage 11's rows
 and made its plain rows framed ones: the best copier (copy accuracy 0.941, `eval_lm`: 5
 of 16) at a worse loss (3.715), not shipped because the shipped draft agrees with it on
-only 0.594 of tokens.
+only 0.594 of tokens. Stage 15 drew its random rows from small alphabets
+(`random_copy_min_alphabet=4`): it learnt the longer match such rows need but copied
+whole-vocabulary blocks worse (0.798) and held-out functions worse (`eval_lm`: 1 of 16).
 
 6,000 steps are ~1.8 h of two CPU cores, so the run fits in one working session of the
 project's machines, whose run directories do not survive the session (a killed run
