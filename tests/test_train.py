@@ -152,7 +152,7 @@ def test_random_rows_over_a_small_alphabet_repeat_ids_with_different_successors(
   def blocks(min_alphabet: int) -> list[np.ndarray]:
     """Each row's repeated block (the row is it over and over, 8..64 long)."""
     batches = data.Batches(sequences, 50, seed=6, random_copy_fraction=1.0, vocab_size=5000,
-                           random_min_alphabet=min_alphabet)
+                           random_copy_min_alphabet=min_alphabet)
     found = []
     for step in range(20):
       for row in batches.batch(step):
@@ -181,7 +181,7 @@ def test_random_rows_over_a_small_alphabet_repeat_ids_with_different_successors(
   for bad in (1, 4998):
     with pytest.raises(ValueError, match=r"random_copy_min_alphabet must be 0 .* \[2, 4997\]"):
       data.Batches(sequences, 4, seed=0, random_copy_fraction=0.5, vocab_size=5000,
-                   random_min_alphabet=bad)
+                   random_copy_min_alphabet=bad)
 
 
 def test_framed_copy_rows_show_a_prefix_a_frame_the_prefix_again_then_the_text_on():

@@ -46,12 +46,14 @@ With `random_copy_min_alphabet` = a > 0 each random block is drawn from only k i
 successors::
 
     tokens: x y x z y x | x y x z y x | ...      (k = 3)
-    after "x" comes y, z or y: only the ids before the current one say which
+    after "x" come y, z and x: only the ids before the current one say which
 
 and copying needs the longer match a real repeat of code needs too (`IncrementalEncoder`
 beside `IncrementalDecoder`: "Incremental" alone does not say what comes next). The
-shipped target copied whole-vocabulary blocks at 0.90 top-1 but blocks over 4 ids at
-0.40 (2026-11-24).
+shipped target copies whole-vocabulary blocks at 0.90 top-1 but blocks over 4 ids at
+0.31 (`experiments.eval_lm`). A run with such rows (stage 15 in the README) learnt the
+longer match (0.54 at 4 ids) but copied whole-vocabulary blocks and held-out functions
+worse, so the shipped models do not use them.
 
 Framed copy rows (`framed_copy_fraction` > 0): a prefix of the row, then a short
 comment that announces a repeat (one of `COPY_FRAMES`, tokenized), then the prefix
@@ -200,7 +202,7 @@ class Batches:
                copy_fraction: float = 0.0, random_copy_fraction: float = 0.0,
                vocab_size: int = 0, copy_min_period: int = 0,
                framed_copy_fraction: float = 0.0, frames: tuple[np.ndarray, ...] = (),
-               random_min_alphabet: int = 0):
+               random_copy_min_alphabet: int = 0):
     if batch_size < 1:
       raise MdjaxError(f"batch_size must be >= 1, got {batch_size}")
     fractions = {"copy_fraction": copy_fraction, "random_copy_fraction": random_copy_fraction,
@@ -215,9 +217,10 @@ class Batches:
       raise MdjaxError("framed copy rows need the frames' token ids, got none")
     if random_copy_fraction and vocab_size <= FIRST_RANDOM_ID:
       raise MdjaxError(f"random copy rows need the vocabulary size, got {vocab_size}")
-    if random_min_alphabet and not 2 <= random_min_alphabet <= vocab_size - FIRST_RANDOM_ID:
+    alphabet_max = vocab_size - FIRST_RANDOM_ID
+    if random_copy_min_alphabet and not 2 <= random_copy_min_alphabet <= alphabet_max:
       raise MdjaxError(f"random_copy_min_alphabet must be 0 (the whole vocabulary) or in "
-                       f"[2, {vocab_size - FIRST_RANDOM_ID}], got {random_min_alphabet}")
+                       f"[2, {alphabet_max}], got {random_copy_min_alphabet}")
     half = first_half(sequences.shape[1])
     if not 0 <= copy_min_period <= half:
       raise MdjaxError(f"copy_min_period must be in [0, {half}] (0: always the first half of "
@@ -229,7 +232,7 @@ class Batches:
     self.kind_edges = np.cumsum(list(fractions.values()))  # [3]
     self.frames = frames
     self.vocab_size = vocab_size
-    self.random_min_alphabet = random_min_alphabet
+    self.random_copy_min_alphabet = random_copy_min_alphabet
     self.seed = seed
     self.key = jax.random.key(seed)
     self._permutations: dict[int, np.ndarray] = {}
@@ -256,7 +259,7 @@ class Batches:
         batch[row] = repeat_prefix(batch[row], self._copy_period(sample))
       elif kind[row] == 1:
         batch[row] = random_repeats(self.seed, sample, batch.shape[1], self.vocab_size,
-                                    self.random_min_alphabet)
+                                    self.random_copy_min_alphabet)
       else:
         pick = np.random.default_rng([self.seed, sample, 2]).integers(len(self.frames))
         batch[row] = framed_repeat(batch[row], self._copy_period(sample), self.frames[pick])
