@@ -135,12 +135,9 @@ def embedding_similarity_by_token_count(model: mdjax.Model, counts: np.ndarray,
 def random_copy_accuracy_by_alphabet(model: mdjax.Model, rows: int = 32) -> dict[str, float]:
   """Top-1 on the repeat of random blocks (`lm.induction_rows`) drawn from 4, 16 or 64 ids
   each, or from the whole vocabulary ("all")."""
-  accuracy = {}
-  for alphabet in ALPHABETS:
-    sequences, block = lm.induction_rows(model.config, rows, alphabet)
-    _, predicted = lm.token_scores(model.params, sequences, model.config, batch_size=4)
-    accuracy[str(alphabet or "all")] = float((predicted == sequences[:, 1:])[:, block:].mean())
-  return accuracy
+  return {str(alphabet or "all"): lm.evaluate_induction(model.params, model.config, 4, rows,
+                                                        alphabet)
+          for alphabet in ALPHABETS}
 
 
 def main(argv):

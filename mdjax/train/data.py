@@ -312,9 +312,14 @@ def random_repeats(seed: int, sample: int, length: int, vocab_size: int,
   if min_alphabet:
     alphabet_rng = np.random.default_rng([seed, sample, 3])
     k = int(np.exp(alphabet_rng.uniform(np.log(min_alphabet), np.log(len(ids)))))
-    ids = alphabet_rng.choice(ids, k, replace=False)
+    ids = random_alphabet(alphabet_rng, vocab_size, k)
   block = ids[rng.integers(0, len(ids), size)]
   return np.resize(block, length).astype(np.int32)
+
+
+def random_alphabet(rng: np.random.Generator, vocab_size: int, size: int) -> np.ndarray:
+  """`[size]`: distinct ids drawn from `rng`, none of them a special token."""
+  return rng.choice(np.arange(FIRST_RANDOM_ID, vocab_size), size, replace=False)
 
 
 def _unit_hash(samples: np.ndarray) -> np.ndarray:

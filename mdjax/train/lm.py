@@ -169,7 +169,7 @@ def greedy_copied(correct: np.ndarray, half: int) -> np.ndarray:
 
 
 def evaluate_induction(params: Params, config: ModelConfig, batch_size: int,
-                       rows: int = 16) -> float:
+                       rows: int = 16, alphabet: int = 0) -> float:
   """Top-1 accuracy on the repeat of blocks of random ids shown twice::
 
       tokens:  r0 r1 ... r(L-1) | r0 r1 r2 ... r(L-1)      (L = 64, or half the context)
@@ -179,8 +179,9 @@ def evaluate_induction(params: Params, config: ModelConfig, batch_size: int,
   ids give none, so only an induction mechanism (find the earlier occurrence of the
   current id, copy the one after it) scores above chance (1 / vocab_size). The blocks
   are fixed (seed 0), so every evaluation and every model sees the same ones.
+  `alphabet` > 0: blocks over that many ids each (`induction_rows`).
   """
-  sequences, block = induction_rows(config, rows)
+  sequences, block = induction_rows(config, rows, alphabet)
   _, predicted = token_scores(params, sequences, config, batch_size)
   return float((predicted == sequences[:, 1:])[:, block:].mean())
 
@@ -195,8 +196,7 @@ def induction_rows(config: ModelConfig, rows: int = 16,
   if not alphabet:
     ids = rng.integers(data.FIRST_RANDOM_ID, config.vocab_size, (rows, block))
   else:
-    vocab = np.arange(data.FIRST_RANDOM_ID, config.vocab_size)
-    ids = np.stack([rng.choice(rng.choice(vocab, alphabet, replace=False), block)
+    ids = np.stack([rng.choice(data.random_alphabet(rng, config.vocab_size, alphabet), block)
                     for _ in range(rows)])
   return np.concatenate([ids, ids], axis=1), block
 
