@@ -8,11 +8,14 @@ On the held-out files recorded with the target (`heldout_files.json`, never trai
   induction mechanism scores above chance), for both; and the target's, by the size of
   the alphabet the block is drawn from (4, 16, 64 ids or the whole vocabulary): over a
   small alphabet ids recur with different successors and only a match of several
-  tokens says what to copy, as at `IncrementalEncoder` beside `IncrementalDecoder`;
+  tokens says what to copy, as at `IncrementalEncoder` beside `IncrementalDecoder`; and
+  on blocks where a few common ids recur among rare ones (as newlines and commas do in
+  code), after a recurring id and after a unique one;
 * the draft's argmax agreement with the target (how often greedy speculation would
   accept a drafted token);
 * a copy task: a held-out function is shown, then its first line is repeated; does
-  the target continue it greedily into an exact copy?
+  the target continue it greedily into an exact copy? Each miss is classed (after a
+  token the function holds more than once? writing a token of the function?);
 * the target's top-1 accuracy on the repeat of held-out sequences and of the random
   blocks, by how often the copied token occurs in the held-out files. A copy mechanism
   too weak to overrule the model's expectations copies frequent tokens and misses rare
@@ -62,9 +65,14 @@ def short_functions(texts: list[str], count: int, max_lines: int = 12) -> list[s
 
 
 def copy_task(model: mdjax.Model, functions: list[str]) -> dict:
-  """Greedy continuation after the repeated first line == the rest of the function?"""
+  """Greedy continuation after the repeated first line == the rest of the function?
+
+  Each first miss is also classed: did it follow a token the function holds more than
+  once (then that token alone does not say where to copy from), and is the token written
+  instead one of the function's (copied from the wrong place) or not (the model's own
+  expectation won)?"""
   exact, token_match = 0, []
-  examples = []
+  examples, after_repeated, from_function = [], 0, 0
   for function in functions:
     first_line, rest = function.split("\n", 1)
     prompt = COPY_TEMPLATE.format(function=function, first_line=first_line)
@@ -74,9 +82,16 @@ def copy_task(model: mdjax.Model, functions: list[str]) -> dict:
     matched = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), len(expected))
     token_match.append(matched / len(expected))
     exact += matched == len(expected)
+    if matched < len(expected):
+      shown = model.tokenizer.encode(function)
+      previous = (model.tokenizer.encode(prompt) + expected[:matched])[-1]
+      after_repeated += shown.count(previous) > 1
+      from_function += got[matched] in shown
     examples.append({"function": function, "continuation": out.texts[0]})
   return {"functions": len(functions), "exact_copies": exact,
-          "mean_prefix_copied": float(np.mean(token_match)), "examples": examples[:2]}
+          "mean_prefix_copied": float(np.mean(token_match)),
+          "misses_after_a_repeated_token": after_repeated,
+          "misses_writing_a_token_of_the_function": from_function, "examples": examples[:2]}
 
 
 FREQUENCY_BANDS = (0, 16, 64, 256, 1024)  # lower edges of bands of held-out token counts
@@ -140,6 +155,21 @@ def random_copy_accuracy_by_alphabet(model: mdjax.Model, rows: int = 32) -> dict
           for alphabet in ALPHABETS}
 
 
+def random_copy_after_repeated_ids(model: mdjax.Model, rows: int = 32,
+                                   common_share: float = 0.3) -> dict[str, float]:
+  """Top-1 on the repeat of random blocks with common ids (`lm.induction_rows` with
+  `common_share`), split by the id before the predicted one: held more than once by the
+  block (only a longer match says where to copy from, as after a newline in code) or once."""
+  sequences, block = lm.induction_rows(model.config, rows, common_share=common_share)
+  _, predicted = lm.token_scores(model.params, sequences, model.config, batch_size=4)
+  correct = (predicted == sequences[:, 1:])[:, block:]  # [R, L]: predictions of the repeat
+  previous = sequences[:, block:-1]  # [R, L]: the id each of them follows
+  held = np.array([[np.count_nonzero(row[:block] == i) for i in after]
+                   for row, after in zip(sequences, previous)])
+  return {"after_a_repeated_id": float(correct[held > 1].mean()),
+          "after_a_unique_id": float(correct[held == 1].mean())}
+
+
 def main(argv):
   del argv
   target, draft = mdjax.load(_TARGET.value), mdjax.load(_DRAFT.value)
@@ -166,6 +196,7 @@ def main(argv):
   result["random_copy_accuracy_by_token_count"] = copy_accuracy_by_token_count(
       target, *lm.induction_rows(target.config, rows=128), counts)
   result["random_copy_accuracy_by_alphabet"] = random_copy_accuracy_by_alphabet(target)
+  result["random_copy_after_repeated_ids"] = random_copy_after_repeated_ids(target)
   result["embedding_similarity_by_token_count"] = embedding_similarity_by_token_count(target, counts)
   result["copy_task"] = copy_task(target, short_functions(texts, _COPIES.value))
   out = pathlib.Path(_OUT.value)

@@ -107,3 +107,40 @@ def test_embedding_similarity_is_1_for_parallel_and_0_for_orthogonal_embeddings(
   assert set(got) == {"0-15", "16-63", ">=1024"}
   assert got[">=1024"] == pytest.approx(1.0) and got["0-15"] == pytest.approx(0.0, abs=1e-12)
   assert abs(got["16-63"]) < 0.05
+
+
+def test_random_copy_after_repeated_ids_splits_by_how_often_the_block_holds_the_id_before(
+    shipped, monkeypatch):
+  """A stand-in model right exactly after ids its block holds more than once scores 1
+  there and 0 elsewhere, so a split taken one position off would mix them."""
+  from experiments import eval_lm
+
+  def right_after_repeated(params, sequences, config, batch_size):
+    del params, config, batch_size
+    block = sequences.shape[1] // 2
+    held = np.array([[np.count_nonzero(row[:block] == i) for i in row[:-1]] for row in sequences])
+    return None, np.where(held > 1, sequences[:, 1:], -1)
+
+  monkeypatch.setattr(lm, "token_scores", right_after_repeated)
+  got = eval_lm.random_copy_after_repeated_ids(shipped, rows=4)
+  assert got == {"after_a_repeated_id": 1.0, "after_a_unique_id": 0.0}
+
+
+def test_copy_task_counts_exact_copies_and_classes_each_first_miss(shipped, monkeypatch):
+  from experiments import eval_lm
+  function = "def f(a, b):\n    x = a\n    y = b\n    return x + y"
+  expected = shipped.tokenizer.encode("\n" + function.split("\n", 1)[1])
+  newline = 1 + expected[1:].index(expected[0])  # the newline and indent before `y = b`
+  copied = expected[:newline + 1]  # then, after a token the function holds three times:
+  wrong = {"exact": list(expected),
+           "copied_from_elsewhere": copied + [expected[-1]] * 40,  # ` y`, from the function
+           "expected_otherwise": copied + shipped.tokenizer.encode(" zebra") * 40}
+  for name, tokens in wrong.items():
+    monkeypatch.setattr(mdjax, "generate", lambda model, prompt, tokens=tokens, **kwargs:
+                        mdjax.GenerationOutput(sequences=[tokens[:len(expected)]], stats={},
+                                               texts=[""]))
+    got = eval_lm.copy_task(shipped, [function])
+    assert (got["exact_copies"], got["misses_after_a_repeated_token"],
+            got["misses_writing_a_token_of_the_function"]) == {
+                "exact": (1, 0, 0), "copied_from_elsewhere": (0, 1, 1),
+                "expected_otherwise": (0, 1, 0)}[name], name

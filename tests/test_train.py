@@ -184,6 +184,38 @@ def test_random_rows_over_a_small_alphabet_repeat_ids_with_different_successors(
                    random_copy_min_alphabet=bad)
 
 
+def test_random_rows_with_common_ids_put_a_few_ids_among_rare_ones_at_the_share_asked():
+  sequences = np.zeros((2000, 129), np.int64)
+
+  def blocks(common_share: float) -> list[np.ndarray]:
+    batches = data.Batches(sequences, 50, seed=8, random_copy_fraction=1.0, vocab_size=5000,
+                           random_copy_common_share=common_share)
+    found = []
+    for step in range(10):
+      for row in batches.batch(step):
+        period = next(p for p in range(8, 65) if np.array_equal(row[p:], row[:-p]))
+        found.append(row[:period])
+    return found
+
+  plain, mixed = blocks(0.0), blocks(0.3)
+  assert all(np.array_equal(a, b) for a, b in zip(plain, blocks(0.0)))
+  changed, recurring = [], []
+  for before, after in zip(plain, mixed):
+    assert len(before) == len(after)  # the same block, some positions overwritten
+    common = after[after != before]
+    assert len(set(common.tolist())) <= 8  # by one of the row's 2..8 common ids
+    changed.append(common.size / after.size)
+    ids, counts = np.unique(after, return_counts=True)
+    recurring.append(np.count_nonzero(counts > 1))  # 64 of 4997 ids alone rarely recur
+  assert 0.25 < np.mean(changed) < 0.35, np.mean(changed)
+  assert np.mean(recurring) > 2 and np.mean([r > 0 for r in recurring]) > 0.9
+  assert np.array_equal(blocks(0.3)[77], mixed[77])  # a pure function of (seed, step)
+  for bad in (-0.1, 1.0):
+    with pytest.raises(ValueError, match=r"random_copy_common_share must be in \[0, 1\)"):
+      data.Batches(sequences, 4, seed=0, random_copy_fraction=0.5, vocab_size=5000,
+                   random_copy_common_share=bad)
+
+
 def test_framed_copy_rows_show_a_prefix_a_frame_the_prefix_again_then_the_text_on():
   sequences = np.arange(2000 * 129).reshape(2000, 129) % 1000
   frames = (np.array([5001, 5002]), np.array([5003]), np.array([5004, 5005, 5006]))
@@ -226,6 +258,8 @@ def test_the_card_names_every_kind_of_copy_row_the_run_trained_on():
   assert export.continuation_line({**summary, "framed_copy_fraction": 0.0}).count("\n") == 2
   assert "from 4 or more ids" in export.continuation_line(
       {**summary, "random_copy_min_alphabet": 4}).splitlines()[1]
+  assert "30% of their positions one of the row's 2..8 common ids" in export.continuation_line(
+      {**summary, "random_copy_common_share": 0.3}).splitlines()[1]
 
 
 def test_pack_overlaps_windows_by_one_token():
@@ -295,6 +329,12 @@ def test_induction_rows_over_an_alphabet_draw_each_block_from_that_many_ids(trai
   assert max(len(set(row[:block].tolist())) for row in small) <= 3
   assert len({tuple(sorted(set(row.tolist()))) for row in small}) > 1  # an alphabet per block
   assert np.array_equal(lm.induction_rows(cfg, rows=6, alphabet=3)[0], small)
+  mixed, _ = lm.induction_rows(cfg, rows=6, common_share=0.5)
+  assert np.array_equal(mixed[:, :block], mixed[:, block:])
+  changed = mixed != whole  # the same whole-vocabulary blocks, some positions overwritten
+  assert 0.3 < changed.mean() < 0.7
+  assert all(len(set(row[at].tolist())) <= 8 for row, at in zip(mixed, changed))
+  assert np.mean([len(set(row[:block].tolist())) < block for row in mixed]) > 0.8  # recurring
 
 
 def test_greedy_copy_needs_every_token_after_the_shown_ones_right():

@@ -55,6 +55,17 @@ shipped target copies whole-vocabulary blocks at 0.90 top-1 but blocks over 4 id
 longer match (0.54 at 4 ids) but copied whole-vocabulary blocks and held-out functions
 worse, so the shipped models do not use them.
 
+With `random_copy_common_share` = p > 0 a share p of each block's positions hold one of
+the row's 2..8 *common* ids instead, the rest whole-vocabulary ids, as in code, where a
+few structural tokens (newline and indent, `,`, `=`) separate rare identifiers::
+
+    tokens: A , n B = n C , n | A , n B = n C , n | ...   (common ids: ",", "=", "n")
+    after "n" come B, C and A: only "A ,", "B =" or "C ," before it says which
+
+The rare ids keep the whole-vocabulary lesson, and the token after each common one
+needs the longer match (the shipped target writes `streamreader=` for
+`incrementaldecoder=` after the line `incrementalencoder=IncrementalEncoder,`).
+
 Framed copy rows (`framed_copy_fraction` > 0): a prefix of the row, then a short
 comment that announces a repeat (one of `COPY_FRAMES`, tokenized), then the prefix
 again, then the row's own text on from the end of the prefix::
@@ -202,7 +213,7 @@ class Batches:
                copy_fraction: float = 0.0, random_copy_fraction: float = 0.0,
                vocab_size: int = 0, copy_min_period: int = 0,
                framed_copy_fraction: float = 0.0, frames: tuple[np.ndarray, ...] = (),
-               random_copy_min_alphabet: int = 0):
+               random_copy_min_alphabet: int = 0, random_copy_common_share: float = 0.0):
     if batch_size < 1:
       raise MdjaxError(f"batch_size must be >= 1, got {batch_size}")
     fractions = {"copy_fraction": copy_fraction, "random_copy_fraction": random_copy_fraction,
@@ -221,6 +232,9 @@ class Batches:
     if random_copy_min_alphabet and not 2 <= random_copy_min_alphabet <= alphabet_max:
       raise MdjaxError(f"random_copy_min_alphabet must be 0 (the whole vocabulary) or in "
                        f"[2, {alphabet_max}], got {random_copy_min_alphabet}")
+    if not 0 <= random_copy_common_share < 1:
+      raise MdjaxError(f"random_copy_common_share must be in [0, 1), got "
+                       f"{random_copy_common_share}")
     half = first_half(sequences.shape[1])
     if not 0 <= copy_min_period <= half:
       raise MdjaxError(f"copy_min_period must be in [0, {half}] (0: always the first half of "
@@ -233,6 +247,7 @@ class Batches:
     self.frames = frames
     self.vocab_size = vocab_size
     self.random_copy_min_alphabet = random_copy_min_alphabet
+    self.random_copy_common_share = random_copy_common_share
     self.seed = seed
     self.key = jax.random.key(seed)
     self._permutations: dict[int, np.ndarray] = {}
@@ -259,7 +274,8 @@ class Batches:
         batch[row] = repeat_prefix(batch[row], self._copy_period(sample))
       elif kind[row] == 1:
         batch[row] = random_repeats(self.seed, sample, batch.shape[1], self.vocab_size,
-                                    self.random_copy_min_alphabet)
+                                    self.random_copy_min_alphabet,
+                                    self.random_copy_common_share)
       else:
         pick = np.random.default_rng([self.seed, sample, 2]).integers(len(self.frames))
         batch[row] = framed_repeat(batch[row], self._copy_period(sample), self.frames[pick])
@@ -298,13 +314,15 @@ FIRST_RANDOM_ID = 3  # random rows skip the special tokens (<bos>, <eos>, <pad>)
 
 
 def random_repeats(seed: int, sample: int, length: int, vocab_size: int,
-                   min_alphabet: int = 0) -> np.ndarray:
+                   min_alphabet: int = 0, common_share: float = 0.0) -> np.ndarray:
   """`[length]`: a block of 8..64 random ids drawn from (seed, sample), repeated.
 
   `min_alphabet` = a > 0 draws the block from an alphabet of k ids instead of the whole
   vocabulary, k log-uniform in a..(vocab_size - 3) per sample: a small alphabet repeats
   ids inside the block, so only the tokens *before* the current one say which
   occurrence to copy from (see `random_copy_min_alphabet` in the module docstring).
+  `common_share` = p > 0 puts one of 2..8 common ids at each position with probability
+  p (see `random_copy_common_share`).
   """
   rng = np.random.default_rng([seed, sample])
   size = rng.integers(8, 65)
@@ -314,7 +332,21 @@ def random_repeats(seed: int, sample: int, length: int, vocab_size: int,
     k = int(np.exp(alphabet_rng.uniform(np.log(min_alphabet), np.log(len(ids)))))
     ids = random_alphabet(alphabet_rng, vocab_size, k)
   block = ids[rng.integers(0, len(ids), size)]
+  if common_share:
+    block = with_common_ids(np.random.default_rng([seed, sample, 4]), block, vocab_size,
+                            common_share)
   return np.resize(block, length).astype(np.int32)
+
+
+def with_common_ids(rng: np.random.Generator, block: np.ndarray, vocab_size: int,
+                    share: float) -> np.ndarray:
+  """`[L]` -> `[L]`: each position, with probability `share`, replaced by one of 2..8
+  common ids drawn from `rng` (a copy; see `random_copy_common_share`)."""
+  common = random_alphabet(rng, vocab_size, rng.integers(2, 9))
+  at = np.flatnonzero(rng.random(len(block)) < share)
+  block = block.copy()
+  block[at] = common[rng.integers(0, len(common), len(at))]
+  return block
 
 
 def random_alphabet(rng: np.random.Generator, vocab_size: int, size: int) -> np.ndarray:

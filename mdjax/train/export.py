@@ -65,6 +65,7 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
       "copy_min_period": config.copy_min_period,
       "random_copy_fraction": config.random_copy_fraction,
       "random_copy_min_alphabet": config.random_copy_min_alphabet,
+      "random_copy_common_share": config.random_copy_common_share,
       "framed_copy_fraction": config.framed_copy_fraction,
       **continued_from(config.init_from, run.step * config.batch_size * config.seq_len),
       **distilled_from(run, exported, config.batch_size),
@@ -135,6 +136,9 @@ def continuation_line(summary: dict) -> str:
     alphabet = (f", each drawn from {summary['random_copy_min_alphabet']} or more ids "
                 "(log-uniform) rather than the whole vocabulary"
                 if summary.get("random_copy_min_alphabet") else "")
+    if summary.get("random_copy_common_share"):
+      alphabet += (f", {summary['random_copy_common_share']:.0%} of their positions one of "
+                   "the row's 2..8 common ids")
     lines.append(f"{summary['random_copy_fraction']:.0%} of the sequences repeat a block of "
                  f"random ids{alphabet} (random copy rows, see `mdjax.train.data`).")
   if summary.get("framed_copy_fraction"):

@@ -186,11 +186,13 @@ def evaluate_induction(params: Params, config: ModelConfig, batch_size: int,
   return float((predicted == sequences[:, 1:])[:, block:].mean())
 
 
-def induction_rows(config: ModelConfig, rows: int = 16,
-                   alphabet: int = 0) -> tuple[np.ndarray, int]:
+def induction_rows(config: ModelConfig, rows: int = 16, alphabet: int = 0,
+                   common_share: float = 0.0) -> tuple[np.ndarray, int]:
   """`evaluate_induction`'s rows `[rows, 2 L]` (fixed blocks of L random ids, each shown
   twice) and L. `alphabet` = k > 0 draws each block from k ids of its own (also fixed), so
-  ids recur in the block and copying needs the ids before the current one too."""
+  ids recur in the block and copying needs the ids before the current one too.
+  `common_share` = p > 0 then puts one of the block's 2..8 common ids at each position
+  with probability p (`data.with_common_ids`): the same need after each common id."""
   block = min(64, config.max_position_embeddings // 2)
   rng = np.random.default_rng(0)
   if not alphabet:
@@ -198,6 +200,9 @@ def induction_rows(config: ModelConfig, rows: int = 16,
   else:
     ids = np.stack([rng.choice(data.random_alphabet(rng, config.vocab_size, alphabet), block)
                     for _ in range(rows)])
+  if common_share:
+    ids = np.stack([data.with_common_ids(rng, row, config.vocab_size, common_share)
+                    for row in ids])
   return np.concatenate([ids, ids], axis=1), block
 
 
@@ -241,7 +246,8 @@ def prepare_data(config: ml_collections.ConfigDict, corpus: data.Corpus, fast_to
                                    config.seed, config.copy_fraction, config.random_copy_fraction,
                                    fast_tokenizer.get_vocab_size(), config.copy_min_period,
                                    config.framed_copy_fraction, frames,
-                                   config.random_copy_min_alphabet),
+                                   config.random_copy_min_alphabet,
+                                   config.random_copy_common_share),
               heldout=picked, heldout_bytes_per_token=float(target_bytes.mean()),
               train_tokens=len(train))
 
