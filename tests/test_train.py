@@ -216,6 +216,34 @@ def test_random_rows_with_common_ids_put_a_few_ids_among_rare_ones_at_the_share_
                    random_copy_common_share=bad)
 
 
+def test_random_rows_shown_twice_are_fresh_blocks_each_followed_by_itself():
+  sequences = np.zeros((500, 513), np.int64)
+  batches = data.Batches(sequences, 50, seed=9, random_copy_fraction=1.0, vocab_size=5000,
+                         random_copy_shown_twice=True)
+  over_and_over = data.Batches(sequences, 50, seed=9, random_copy_fraction=1.0,
+                               vocab_size=5000)
+  blocks_per_row = []
+  for step in range(6):
+    for row, first in zip(batches.batch(step), over_and_over.batch(step)):
+      start, blocks = 0, 0
+      while True:
+        size = next((n for n in range(8, 65) if start + 2 * n <= len(row) and
+                     np.array_equal(row[start + n:start + 2 * n], row[start:start + n])), 0)
+        if not size:  # the row's end cut the last pair
+          assert len(row) - start < 2 * 64
+          break
+        if blocks:  # a fresh block: its ids are not the previous block's
+          assert not np.array_equal(row[start:start + size], row[start - size:start])
+        start, blocks = start + 2 * size, blocks + 1
+      blocks_per_row.append(blocks)
+      period = next(p for p in range(8, 65) if np.array_equal(first[p:], first[:-p]))
+      assert np.array_equal(row[:2 * period], first[:2 * period])  # the same first block
+  assert min(blocks_per_row) >= 4 and np.mean(blocks_per_row) > 6  # pairs of 2 x 8..64 ids
+  assert np.array_equal(batches.batch(3), data.Batches(
+      sequences, 50, seed=9, random_copy_fraction=1.0, vocab_size=5000,
+      random_copy_shown_twice=True).batch(3))
+
+
 def test_framed_copy_rows_show_a_prefix_a_frame_the_prefix_again_then_the_text_on():
   sequences = np.arange(2000 * 129).reshape(2000, 129) % 1000
   frames = (np.array([5001, 5002]), np.array([5003]), np.array([5004, 5005, 5006]))
@@ -260,6 +288,8 @@ def test_the_card_names_every_kind_of_copy_row_the_run_trained_on():
       {**summary, "random_copy_min_alphabet": 4}).splitlines()[1]
   assert "30% of their positions one of the row's 2..8 common ids" in export.continuation_line(
       {**summary, "random_copy_common_share": 0.3}).splitlines()[1]
+  assert "10% of the sequences show blocks of random ids twice each" in export.continuation_line(
+      {**summary, "random_copy_shown_twice": True})
 
 
 def test_pack_overlaps_windows_by_one_token():

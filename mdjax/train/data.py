@@ -66,6 +66,13 @@ The rare ids keep the whole-vocabulary lesson, and the token after each common o
 needs the longer match (the shipped target writes `streamreader=` for
 `incrementaldecoder=` after the line `incrementalencoder=IncrementalEncoder,`).
 
+With `random_copy_shown_twice` each block is shown twice and then a fresh one follows
+(`B B C C D D ...`) instead of one block over and over (`B B B B ...`). A copy of code
+(or of a function in a prompt) is a *first* repeat: nothing has shown the model the
+pairing twice before. Over and over, a block of L ids gives a first repeat only L of the
+~512 - L predictable positions (a few percent; the later repeats can look back to any
+earlier copy); shown twice, every predictable position is one.
+
 Framed copy rows (`framed_copy_fraction` > 0): a prefix of the row, then a short
 comment that announces a repeat (one of `COPY_FRAMES`, tokenized), then the prefix
 again, then the row's own text on from the end of the prefix::
@@ -213,7 +220,8 @@ class Batches:
                copy_fraction: float = 0.0, random_copy_fraction: float = 0.0,
                vocab_size: int = 0, copy_min_period: int = 0,
                framed_copy_fraction: float = 0.0, frames: tuple[np.ndarray, ...] = (),
-               random_copy_min_alphabet: int = 0, random_copy_common_share: float = 0.0):
+               random_copy_min_alphabet: int = 0, random_copy_common_share: float = 0.0,
+               random_copy_shown_twice: bool = False):
     if batch_size < 1:
       raise MdjaxError(f"batch_size must be >= 1, got {batch_size}")
     fractions = {"copy_fraction": copy_fraction, "random_copy_fraction": random_copy_fraction,
@@ -248,6 +256,7 @@ class Batches:
     self.vocab_size = vocab_size
     self.random_copy_min_alphabet = random_copy_min_alphabet
     self.random_copy_common_share = random_copy_common_share
+    self.random_copy_shown_twice = random_copy_shown_twice
     self.seed = seed
     self.key = jax.random.key(seed)
     self._permutations: dict[int, np.ndarray] = {}
@@ -275,7 +284,8 @@ class Batches:
       elif kind[row] == 1:
         batch[row] = random_repeats(self.seed, sample, batch.shape[1], self.vocab_size,
                                     self.random_copy_min_alphabet,
-                                    self.random_copy_common_share)
+                                    self.random_copy_common_share,
+                                    self.random_copy_shown_twice)
       else:
         pick = np.random.default_rng([self.seed, sample, 2]).integers(len(self.frames))
         batch[row] = framed_repeat(batch[row], self._copy_period(sample), self.frames[pick])
@@ -314,7 +324,8 @@ FIRST_RANDOM_ID = 3  # random rows skip the special tokens (<bos>, <eos>, <pad>)
 
 
 def random_repeats(seed: int, sample: int, length: int, vocab_size: int,
-                   min_alphabet: int = 0, common_share: float = 0.0) -> np.ndarray:
+                   min_alphabet: int = 0, common_share: float = 0.0,
+                   shown_twice: bool = False) -> np.ndarray:
   """`[length]`: a block of 8..64 random ids drawn from (seed, sample), repeated.
 
   `min_alphabet` = a > 0 draws the block from an alphabet of k ids instead of the whole
@@ -322,20 +333,30 @@ def random_repeats(seed: int, sample: int, length: int, vocab_size: int,
   ids inside the block, so only the tokens *before* the current one say which
   occurrence to copy from (see `random_copy_min_alphabet` in the module docstring).
   `common_share` = p > 0 puts one of 2..8 common ids at each position with probability
-  p (see `random_copy_common_share`).
+  p (see `random_copy_common_share`). `shown_twice`: each block is shown twice, then a
+  fresh block follows (see `random_copy_shown_twice`)::
+
+      shown_twice=False:  B B B B B B ...
+      shown_twice=True:   B B C C D D ...   (B, C, D of 8..64 ids each)
   """
   rng = np.random.default_rng([seed, sample])
-  size = rng.integers(8, 65)
+  common_rng = np.random.default_rng([seed, sample, 4])
   ids = np.arange(FIRST_RANDOM_ID, vocab_size)
   if min_alphabet:
     alphabet_rng = np.random.default_rng([seed, sample, 3])
     k = int(np.exp(alphabet_rng.uniform(np.log(min_alphabet), np.log(len(ids)))))
     ids = random_alphabet(alphabet_rng, vocab_size, k)
-  block = ids[rng.integers(0, len(ids), size)]
-  if common_share:
-    block = with_common_ids(np.random.default_rng([seed, sample, 4]), block, vocab_size,
-                            common_share)
-  return np.resize(block, length).astype(np.int32)
+
+  def block() -> np.ndarray:  # [8..64]
+    drawn = ids[rng.integers(0, len(ids), rng.integers(8, 65))]
+    return with_common_ids(common_rng, drawn, vocab_size, common_share) if common_share else drawn
+
+  if not shown_twice:
+    return np.resize(block(), length).astype(np.int32)
+  pieces = []
+  while sum(map(len, pieces)) < length:
+    pieces += [block()] * 2
+  return np.concatenate(pieces)[:length].astype(np.int32)
 
 
 def with_common_ids(rng: np.random.Generator, block: np.ndarray, vocab_size: int,

@@ -66,6 +66,7 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
       "random_copy_fraction": config.random_copy_fraction,
       "random_copy_min_alphabet": config.random_copy_min_alphabet,
       "random_copy_common_share": config.random_copy_common_share,
+      "random_copy_shown_twice": config.random_copy_shown_twice,
       "framed_copy_fraction": config.framed_copy_fraction,
       **continued_from(config.init_from, run.step * config.batch_size * config.seq_len),
       **distilled_from(run, exported, config.batch_size),
@@ -139,8 +140,10 @@ def continuation_line(summary: dict) -> str:
     if summary.get("random_copy_common_share"):
       alphabet += (f", {summary['random_copy_common_share']:.0%} of their positions one of "
                    "the row's 2..8 common ids")
-    lines.append(f"{summary['random_copy_fraction']:.0%} of the sequences repeat a block of "
-                 f"random ids{alphabet} (random copy rows, see `mdjax.train.data`).")
+    repeated = ("show blocks of random ids twice each" if summary.get("random_copy_shown_twice")
+                else "repeat a block of random ids")
+    lines.append(f"{summary['random_copy_fraction']:.0%} of the sequences {repeated}"
+                 f"{alphabet} (random copy rows, see `mdjax.train.data`).")
   if summary.get("framed_copy_fraction"):
     lines.append(f"{summary['framed_copy_fraction']:.0%} of the sequences show a prefix, a "
                  "comment announcing a repeat, then the prefix again (framed copy rows, see "

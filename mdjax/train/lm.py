@@ -247,7 +247,8 @@ def prepare_data(config: ml_collections.ConfigDict, corpus: data.Corpus, fast_to
                                    fast_tokenizer.get_vocab_size(), config.copy_min_period,
                                    config.framed_copy_fraction, frames,
                                    config.random_copy_min_alphabet,
-                                   config.random_copy_common_share),
+                                   config.random_copy_common_share,
+                                   config.random_copy_shown_twice),
               heldout=picked, heldout_bytes_per_token=float(target_bytes.mean()),
               train_tokens=len(train))
 
