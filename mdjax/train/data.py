@@ -49,8 +49,8 @@ successors::
     after "x" come y, z and x: only the ids before the current one say which
 
 and copying needs the longer match a real repeat of code needs too (`IncrementalEncoder`
-beside `IncrementalDecoder`: "Incremental" alone does not say what comes next). The
-shipped target copies whole-vocabulary blocks at 0.90 top-1 but blocks over 4 ids at
+beside `IncrementalDecoder`: "Incremental" alone does not say what comes next). Stage
+11 of the target copied whole-vocabulary blocks at 0.90 top-1 but blocks over 4 ids at
 0.31 (`experiments.eval_lm`). A run with such rows (stage 15 in the README) learnt the
 longer match (0.54 at 4 ids) but copied whole-vocabulary blocks and held-out functions
 worse, so the shipped models do not use them.
@@ -63,15 +63,17 @@ few structural tokens (newline and indent, `,`, `=`) separate rare identifiers::
     after "n" come B, C and A: only "A ,", "B =" or "C ," before it says which
 
 The rare ids keep the whole-vocabulary lesson, and the token after each common one
-needs the longer match (the shipped target writes `streamreader=` for
-`incrementaldecoder=` after the line `incrementalencoder=IncrementalEncoder,`).
+needs the longer match (stage 11 of the target wrote `streamreader=` for
+`incrementaldecoder=` after the line `incrementalencoder=IncrementalEncoder,`). Stage 16
+tried them: the same trade as stage 15, no better copy.
 
 With `random_copy_shown_twice` each block is shown twice and then a fresh one follows
 (`B B C C D D ...`) instead of one block over and over (`B B B B ...`). A copy of code
 (or of a function in a prompt) is a *first* repeat: nothing has shown the model the
 pairing twice before. Over and over, a block of L ids gives a first repeat only L of the
 ~512 - L predictable positions (a few percent; the later repeats can look back to any
-earlier copy); shown twice, every predictable position is one.
+earlier copy); shown twice, every predictable position is one. With them the shipped
+target (stage 17) copies whole-vocabulary blocks at 0.999 (stage 11: 0.90).
 
 Framed copy rows (`framed_copy_fraction` > 0): a prefix of the row, then a short
 comment that announces a repeat (one of `COPY_FRAMES`, tokenized), then the prefix
