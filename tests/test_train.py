@@ -146,20 +146,25 @@ def test_random_copy_rows_repeat_a_random_block_beside_the_text_copies():
     data.Batches(sequences, 4, seed=0, copy_fraction=0.6, random_copy_fraction=0.6, vocab_size=9)
 
 
+def repeated_blocks(seed: int, steps: int, **options) -> list[np.ndarray]:
+  """Each random row's repeated block (the row is it over and over, 8..64 long), for
+  `steps` batches of 50 rows of 129 tokens over 5000 ids."""
+  batches = data.Batches(np.zeros((2000, 129), np.int64), 50, seed=seed,
+                         random_copy_fraction=1.0, vocab_size=5000, **options)
+  found = []
+  for step in range(steps):
+    for row in batches.batch(step):
+      assert row.min() >= data.FIRST_RANDOM_ID and row.max() < 5000
+      period = next(p for p in range(8, 65) if np.array_equal(row[p:], row[:-p]))
+      found.append(row[:period])
+  return found
+
+
 def test_random_rows_over_a_small_alphabet_repeat_ids_with_different_successors():
   sequences = np.zeros((2000, 129), np.int64)
 
   def blocks(min_alphabet: int) -> list[np.ndarray]:
-    """Each row's repeated block (the row is it over and over, 8..64 long)."""
-    batches = data.Batches(sequences, 50, seed=6, random_copy_fraction=1.0, vocab_size=5000,
-                           random_copy_min_alphabet=min_alphabet)
-    found = []
-    for step in range(20):
-      for row in batches.batch(step):
-        assert row.min() >= data.FIRST_RANDOM_ID and row.max() < 5000
-        period = next(p for p in range(8, 65) if np.array_equal(row[p:], row[:-p]))
-        found.append(row[:period])
-    return found
+    return repeated_blocks(6, 20, random_copy_min_alphabet=min_alphabet)
 
   def ambiguous(block: np.ndarray) -> bool:
     """Some id is followed by two different ids: the current id alone cannot say which."""
@@ -188,14 +193,7 @@ def test_random_rows_with_common_ids_put_a_few_ids_among_rare_ones_at_the_share_
   sequences = np.zeros((2000, 129), np.int64)
 
   def blocks(common_share: float) -> list[np.ndarray]:
-    batches = data.Batches(sequences, 50, seed=8, random_copy_fraction=1.0, vocab_size=5000,
-                           random_copy_common_share=common_share)
-    found = []
-    for step in range(10):
-      for row in batches.batch(step):
-        period = next(p for p in range(8, 65) if np.array_equal(row[p:], row[:-p]))
-        found.append(row[:period])
-    return found
+    return repeated_blocks(8, 10, random_copy_common_share=common_share)
 
   plain, mixed = blocks(0.0), blocks(0.3)
   assert all(np.array_equal(a, b) for a, b in zip(plain, blocks(0.0)))
