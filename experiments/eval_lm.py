@@ -164,8 +164,7 @@ def random_copy_after_repeated_ids(model: mdjax.Model, rows: int = 32,
   _, predicted = lm.token_scores(model.params, sequences, model.config, batch_size=4)
   correct = (predicted == sequences[:, 1:])[:, block:]  # [R, L]: predictions of the repeat
   previous = sequences[:, block:-1]  # [R, L]: the id each of them follows
-  held = np.array([[np.count_nonzero(row[:block] == i) for i in after]
-                   for row, after in zip(sequences, previous)])
+  held = (previous[:, :, None] == sequences[:, None, :block]).sum(-1)  # [R, L]: times in the block
   return {"after_a_repeated_id": float(correct[held > 1].mean()),
           "after_a_unique_id": float(correct[held == 1].mean())}
 
