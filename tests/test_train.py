@@ -201,7 +201,7 @@ def test_random_rows_with_common_ids_put_a_few_ids_among_rare_ones_at_the_share_
   for before, after in zip(plain, mixed):
     assert len(before) == len(after)  # the same block, some positions overwritten
     common = after[after != before]
-    assert len(set(common.tolist())) <= 8  # by one of the row's 2..8 common ids
+    assert len(set(common.tolist())) <= 8  # by one of the block's 2..8 common ids
     changed.append(common.size / after.size)
     ids, counts = np.unique(after, return_counts=True)
     recurring.append(np.count_nonzero(counts > 1))  # 64 of 4997 ids alone rarely recur
@@ -284,7 +284,7 @@ def test_the_card_names_every_kind_of_copy_row_the_run_trained_on():
   assert export.continuation_line({**summary, "framed_copy_fraction": 0.0}).count("\n") == 2
   assert "from 4 or more ids" in export.continuation_line(
       {**summary, "random_copy_min_alphabet": 4}).splitlines()[1]
-  assert "30% of their positions one of the row's 2..8 common ids" in export.continuation_line(
+  assert "30% of their positions one of the block's 2..8 common ids" in export.continuation_line(
       {**summary, "random_copy_common_share": 0.3}).splitlines()[1]
   assert "10% of the sequences show blocks of random ids twice each" in export.continuation_line(
       {**summary, "random_copy_shown_twice": True})

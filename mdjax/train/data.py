@@ -56,7 +56,7 @@ longer match (0.54 at 4 ids) but copied whole-vocabulary blocks and held-out fun
 worse, so the shipped models do not use them.
 
 With `random_copy_common_share` = p > 0 a share p of each block's positions hold one of
-the row's 2..8 *common* ids instead, the rest whole-vocabulary ids, as in code, where a
+the block's 2..8 *common* ids instead, the rest whole-vocabulary ids, as in code, where a
 few structural tokens (newline and indent, `,`, `=`) separate rare identifiers::
 
     tokens: A , n B = n C , n | A , n B = n C , n | ...   (common ids: ",", "=", "n")

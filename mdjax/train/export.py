@@ -139,7 +139,7 @@ def continuation_line(summary: dict) -> str:
                 if summary.get("random_copy_min_alphabet") else "")
     if summary.get("random_copy_common_share"):
       alphabet += (f", {summary['random_copy_common_share']:.0%} of their positions one of "
-                   "the row's 2..8 common ids")
+                   "the block's 2..8 common ids")
     repeated = ("show blocks of random ids twice each" if summary.get("random_copy_shown_twice")
                 else "repeat a block of random ids")
     lines.append(f"{summary['random_copy_fraction']:.0%} of the sequences {repeated}"
