@@ -134,7 +134,7 @@ def test_random_copy_rows_repeat_a_random_block_beside_the_text_copies():
       elif np.array_equal(row[65:], text[:64]):
         kinds.append("copy")
       else:  # a block of 8..64 random ids (>= 3, < 5000) repeated: row[i] == row[i + period]
-        period = next(p for p in range(8, 65) if np.array_equal(row[p:], row[:-p]))
+        period = block_period(row)
         assert row.min() >= data.FIRST_RANDOM_ID and row.max() < 5000 and period <= 64
         kinds.append("random")
   shares = {k: kinds.count(k) / len(kinds) for k in ("plain", "copy", "random")}
@@ -146,6 +146,11 @@ def test_random_copy_rows_repeat_a_random_block_beside_the_text_copies():
     data.Batches(sequences, 4, seed=0, copy_fraction=0.6, random_copy_fraction=0.6, vocab_size=9)
 
 
+def block_period(row: np.ndarray) -> int:
+  """The length (8..64) of the block `row` repeats over and over from its start."""
+  return next(p for p in range(8, 65) if np.array_equal(row[p:], row[:-p]))
+
+
 def repeated_blocks(seed: int, steps: int, **options) -> list[np.ndarray]:
   """Each random row's repeated block (the row is it over and over, 8..64 long), for
   `steps` batches of 50 rows of 129 tokens over 5000 ids."""
@@ -155,8 +160,7 @@ def repeated_blocks(seed: int, steps: int, **options) -> list[np.ndarray]:
   for step in range(steps):
     for row in batches.batch(step):
       assert row.min() >= data.FIRST_RANDOM_ID and row.max() < 5000
-      period = next(p for p in range(8, 65) if np.array_equal(row[p:], row[:-p]))
-      found.append(row[:period])
+      found.append(row[:block_period(row)])
   return found
 
 
@@ -234,7 +238,7 @@ def test_random_rows_shown_twice_are_fresh_blocks_each_followed_by_itself():
           assert not np.array_equal(row[start:start + size], row[start - size:start])
         start, blocks = start + 2 * size, blocks + 1
       blocks_per_row.append(blocks)
-      period = next(p for p in range(8, 65) if np.array_equal(first[p:], first[:-p]))
+      period = block_period(first)
       assert np.array_equal(row[:2 * period], first[:2 * period])  # the same first block
   assert min(blocks_per_row) >= 4 and np.mean(blocks_per_row) > 6  # pairs of 2 x 8..64 ids
   assert np.array_equal(batches.batch(3), data.Batches(
