@@ -10,12 +10,14 @@ On the held-out files recorded with the target (`heldout_files.json`, never trai
   small alphabet ids recur with different successors and only a match of several
   tokens says what to copy, as at `IncrementalEncoder` beside `IncrementalDecoder`; and
   on blocks where a few common ids recur among rare ones (as newlines and commas do in
-  code), after a recurring id and after a unique one;
+  code), after a recurring id and after a unique one; and on blocks that add phrases of
+  2..4 ids, by how many ids before the predicted one a copy must match (1, 2, 3, 4+);
 * the draft's argmax agreement with the target (how often greedy speculation would
   accept a drafted token);
 * a copy task: a held-out function is shown, then its first line is repeated; does
   the target continue it greedily into an exact copy? Each miss is classed (after a
-  token the function holds more than once? writing a token of the function?);
+  token the function holds more than once? writing a token of the function? how many
+  tokens before it a copy had to match?);
 * the target's top-1 accuracy on the repeat of held-out sequences and of the random
   blocks, by how often the copied token occurs in the held-out files. A copy mechanism
   too weak to overrule the model's expectations copies frequent tokens and misses rare
@@ -72,7 +74,7 @@ def copy_task(model: mdjax.Model, functions: list[str]) -> dict:
   instead one of the function's (copied from the wrong place) or not (the model's own
   expectation won)?"""
   exact, token_match = 0, []
-  examples, after_repeated, from_function = [], 0, 0
+  examples, after_repeated, from_function, match_needed = [], 0, 0, []
   for function in functions:
     first_line, rest = function.split("\n", 1)
     prompt = COPY_TEMPLATE.format(function=function, first_line=first_line)
@@ -84,14 +86,16 @@ def copy_task(model: mdjax.Model, functions: list[str]) -> dict:
     exact += matched == len(expected)
     if matched < len(expected):
       shown = model.tokenizer.encode(function)
-      previous = (model.tokenizer.encode(prompt) + expected[:matched])[-1]
-      after_repeated += shown.count(previous) > 1
+      seen = model.tokenizer.encode(prompt) + expected[:matched]
+      after_repeated += shown.count(seen[-1]) > 1
+      match_needed.append(data.match_needed(np.asarray(seen)))
       from_function += got[matched] in shown
     examples.append({"function": function, "continuation": out.texts[0]})
   return {"functions": len(functions), "exact_copies": exact,
           "mean_prefix_copied": float(np.mean(token_match)),
           "misses_after_a_repeated_token": after_repeated,
-          "misses_writing_a_token_of_the_function": from_function, "examples": examples[:2]}
+          "misses_writing_a_token_of_the_function": from_function,
+          "misses_match_needed": match_needed, "examples": examples[:2]}
 
 
 FREQUENCY_BANDS = (0, 16, 64, 256, 1024)  # lower edges of bands of held-out token counts
@@ -169,6 +173,25 @@ def random_copy_after_repeated_ids(model: mdjax.Model, rows: int = 32,
           "after_a_unique_id": float(correct[held == 1].mean())}
 
 
+MATCH_BANDS = ("1", "2", "3", "4+")  # ids a copy must match, `data.match_needed`
+
+
+def random_copy_by_match_needed(model: mdjax.Model, rows: int = 32, common_share: float = 0.3,
+                                phrase_rate: float = 0.2) -> dict[str, dict[str, float]]:
+  """Top-1 on the repeat of random blocks with common ids and phrases (`lm.induction_rows`),
+  by how many ids before the predicted one a copy must match to know where to copy it
+  from (`data.match_needed`: 1, 2, 3, 4 or more), with each band's share of positions."""
+  sequences, block = lm.induction_rows(model.config, rows, common_share=common_share,
+                                       phrase_rate=phrase_rate)
+  _, predicted = lm.token_scores(model.params, sequences, model.config, batch_size=4)
+  correct = (predicted == sequences[:, 1:])[:, block:]  # [R, L - 1]: predictions of the repeat
+  needed = np.array([[data.match_needed(row[:t + 1]) for t in range(block, row.size - 1)]
+                     for row in sequences])  # [R, L - 1]
+  bands = np.minimum(needed, len(MATCH_BANDS)) - 1
+  return {"top1": {label: float(correct[bands == i].mean()) for i, label in enumerate(MATCH_BANDS)},
+          "share": {label: float((bands == i).mean()) for i, label in enumerate(MATCH_BANDS)}}
+
+
 def main(argv):
   del argv
   target, draft = mdjax.load(_TARGET.value), mdjax.load(_DRAFT.value)
@@ -196,6 +219,7 @@ def main(argv):
       target, *lm.induction_rows(target.config, rows=128), counts)
   result["random_copy_accuracy_by_alphabet"] = random_copy_accuracy_by_alphabet(target)
   result["random_copy_after_repeated_ids"] = random_copy_after_repeated_ids(target)
+  result["random_copy_by_match_needed"] = random_copy_by_match_needed(target)
   result["embedding_similarity_by_token_count"] = embedding_similarity_by_token_count(target, counts)
   result["copy_task"] = copy_task(target, short_functions(texts, _COPIES.value))
   out = pathlib.Path(_OUT.value)

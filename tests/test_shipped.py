@@ -126,6 +126,24 @@ def test_random_copy_after_repeated_ids_splits_by_how_often_the_block_holds_the_
   assert got == {"after_a_repeated_id": 1.0, "after_a_unique_id": 0.0}
 
 
+def test_random_copy_by_match_needed_splits_by_the_match_each_position_needs(shipped,
+                                                                              monkeypatch):
+  """A stand-in model right exactly where a copy must match 3 or more ids scores 1 in
+  those bands and 0 in the others, so a split taken one position off would mix them."""
+  from experiments import eval_lm
+
+  def right_after_long_matches(params, sequences, config, batch_size):
+    del params, config, batch_size
+    long = np.array([[data.match_needed(row[:t + 1]) >= 3 for t in range(row.size - 1)]
+                     for row in sequences])
+    return None, np.where(long, sequences[:, 1:], -1)
+
+  monkeypatch.setattr(lm, "token_scores", right_after_long_matches)
+  got = eval_lm.random_copy_by_match_needed(shipped, rows=4)
+  assert got["top1"] == {"1": 0.0, "2": 0.0, "3": 1.0, "4+": 1.0}
+  assert sum(got["share"].values()) == pytest.approx(1.0) and min(got["share"].values()) > 0
+
+
 def test_copy_task_counts_exact_copies_and_classes_each_first_miss(shipped, monkeypatch):
   from experiments import eval_lm
   function = "def f(a, b):\n    x = a\n    y = b\n    return x + y"
@@ -144,3 +162,6 @@ def test_copy_task_counts_exact_copies_and_classes_each_first_miss(shipped, monk
             got["misses_writing_a_token_of_the_function"]) == {
                 "exact": (1, 0, 0), "copied_from_elsewhere": (0, 1, 1),
                 "expected_otherwise": (0, 1, 0)}[name], name
+    # the newline and indent occur 3 times: one token of context cannot say which
+    assert len(got["misses_match_needed"]) == (name != "exact")
+    assert all(n >= 2 for n in got["misses_match_needed"])

@@ -218,6 +218,49 @@ def test_random_rows_with_common_ids_put_a_few_ids_among_rare_ones_at_the_share_
                    random_copy_common_share=bad)
 
 
+def test_match_needed_counts_the_ids_a_copy_must_match_to_know_where_to_copy_from():
+  ids = {c: i for i, c in enumerate("abcdxy")}
+
+  def needed(text: str, longest: int = 32) -> int:
+    return data.match_needed(np.array([ids[c] for c in text.replace(" ", "")]), longest)
+
+  assert needed("abcabd abcab") == 3  # "b" and "a b" occur 3 times before, "c a b" once
+  assert needed("abcabd abcabd a") == 2  # "a" 4 times before, "d a" once
+  assert needed("xabcd xabc") == 1  # every id of the block is unique
+  assert needed("ababab ababa") == 8  # only "b a b a b a b a" occurs once before
+  assert needed("ababab ababa", longest=4) == 5  # none up to 4 does
+  assert needed("abcd y") == 1  # "y" never occurred: nothing to copy from, nothing to match
+
+
+def test_random_rows_with_phrases_need_matches_longer_than_two_ids():
+  sequences = np.zeros((2000, 129), np.int64)
+
+  def blocks(phrase_rate: float) -> list[np.ndarray]:
+    return repeated_blocks(5, 6, random_copy_phrase_rate=phrase_rate)
+
+  def needs(block: np.ndarray) -> np.ndarray:
+    """`data.match_needed` at each position of the block's repeat after its first."""
+    shown_twice = np.concatenate([block, block])
+    return np.array([data.match_needed(shown_twice[:t + 1])
+                     for t in range(len(block), 2 * len(block) - 1)])
+
+  plain, phrased = blocks(0.0), blocks(0.2)
+  changed = []
+  for before, after in zip(plain, phrased):
+    assert len(before) == len(after)  # the same block, some positions overwritten
+    changed.append(np.mean(before != after))
+  assert 0.3 < np.mean(changed) < 0.6, np.mean(changed)
+  plain_needs, phrased_needs = (np.concatenate([needs(b) for b in found])
+                                for found in (plain, phrased))
+  assert np.mean(plain_needs >= 3) < 0.01  # 64 of 4997 ids rarely collide
+  assert np.mean(phrased_needs >= 3) > 0.15 and np.mean(phrased_needs >= 4) > 0.05
+  assert np.array_equal(blocks(0.2)[42], phrased[42])  # a pure function of (seed, step)
+  for bad in (-0.1, 1.0):
+    with pytest.raises(ValueError, match=r"random_copy_phrase_rate must be in \[0, 1\)"):
+      data.Batches(sequences, 4, seed=0, random_copy_fraction=0.5, vocab_size=5000,
+                   random_copy_phrase_rate=bad)
+
+
 def test_random_rows_shown_twice_are_fresh_blocks_each_followed_by_itself():
   sequences = np.zeros((500, 513), np.int64)
   batches = data.Batches(sequences, 50, seed=9, random_copy_fraction=1.0, vocab_size=5000,
@@ -292,6 +335,8 @@ def test_the_card_names_every_kind_of_copy_row_the_run_trained_on():
       {**summary, "random_copy_common_share": 0.3}).splitlines()[1]
   assert "10% of the sequences show blocks of random ids twice each" in export.continuation_line(
       {**summary, "random_copy_shown_twice": True})
+  assert "1..3 phrases of 2..4 ids starting at 20% of their positions" in export.continuation_line(
+      {**summary, "random_copy_phrase_rate": 0.2}).splitlines()[1]
 
 
 def test_pack_overlaps_windows_by_one_token():
@@ -367,6 +412,16 @@ def test_induction_rows_over_an_alphabet_draw_each_block_from_that_many_ids(trai
   assert 0.3 < changed.mean() < 0.7
   assert all(len(set(row[at].tolist())) <= 8 for row, at in zip(mixed, changed))
   assert np.mean([len(set(row[:block].tolist())) < block for row in mixed]) > 0.8  # recurring
+  phrased, _ = lm.induction_rows(cfg, rows=6, phrase_rate=0.3)
+  assert np.array_equal(phrased[:, :block], phrased[:, block:])
+  assert np.mean(phrased != whole) > 0.15  # phrases written over the same rows
+
+  def needs_three(rows: np.ndarray) -> float:
+    """The share of the repeat's positions where a copy must match 3 or more ids."""
+    return np.mean([data.match_needed(row[:t + 1]) >= 3 for row in rows
+                    for t in range(block, 2 * block - 1)])
+
+  assert needs_three(phrased) > 2 * needs_three(whole) + 0.05  # after a phrase, a longer match
 
 
 def test_greedy_copy_needs_every_token_after_the_shown_ones_right():

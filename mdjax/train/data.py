@@ -77,6 +77,18 @@ earlier copy); shown twice, every predictable position is one. With them target 
 18) adds common ids to blocks shown twice, and learnt the longer match: 0.99 after an id
 that recurs in its block (stage 17: 0.77), 0.62 over 4 ids (0.28).
 
+With `random_copy_phrase_rate` = q > 0 a *phrase* of the block (each block has 1..3
+phrases of 2..4 ids) starts at each position with chance q, written over the ids there
+and followed by at least one id of the block::
+
+    tokens: A s e l f B s e l f C | A s e l f B s e l f C | ...   (phrase: "s e l f")
+    after "s e l f" come B and C: only the id before the phrase says which
+
+A common id alone needs a match of two ids; a phrase needs one longer than itself, as
+code does (`self._` before `self._reader` and `self._writer`; stage 18 wrote `msg.get_
+payload` for `msg.get_param`). Stage 18's first misses on held-out functions needed
+3..16 tokens of context (median 4) to be unique in the function.
+
 Framed copy rows (`framed_copy_fraction` > 0): a prefix of the row, then a short
 comment that announces a repeat (one of `COPY_FRAMES`, tokenized), then the prefix
 again, then the row's own text on from the end of the prefix::
@@ -225,7 +237,7 @@ class Batches:
                vocab_size: int = 0, copy_min_period: int = 0,
                framed_copy_fraction: float = 0.0, frames: tuple[np.ndarray, ...] = (),
                random_copy_min_alphabet: int = 0, random_copy_common_share: float = 0.0,
-               random_copy_shown_twice: bool = False):
+               random_copy_shown_twice: bool = False, random_copy_phrase_rate: float = 0.0):
     if batch_size < 1:
       raise MdjaxError(f"batch_size must be >= 1, got {batch_size}")
     fractions = {"copy_fraction": copy_fraction, "random_copy_fraction": random_copy_fraction,
@@ -244,9 +256,10 @@ class Batches:
     if random_copy_min_alphabet and not 2 <= random_copy_min_alphabet <= alphabet_max:
       raise MdjaxError(f"random_copy_min_alphabet must be 0 (the whole vocabulary) or in "
                        f"[2, {alphabet_max}], got {random_copy_min_alphabet}")
-    if not 0 <= random_copy_common_share < 1:
-      raise MdjaxError(f"random_copy_common_share must be in [0, 1), got "
-                       f"{random_copy_common_share}")
+    for name, value in (("random_copy_common_share", random_copy_common_share),
+                        ("random_copy_phrase_rate", random_copy_phrase_rate)):
+      if not 0 <= value < 1:
+        raise MdjaxError(f"{name} must be in [0, 1), got {value}")
     half = first_half(sequences.shape[1])
     if not 0 <= copy_min_period <= half:
       raise MdjaxError(f"copy_min_period must be in [0, {half}] (0: always the first half of "
@@ -261,6 +274,7 @@ class Batches:
     self.random_copy_min_alphabet = random_copy_min_alphabet
     self.random_copy_common_share = random_copy_common_share
     self.random_copy_shown_twice = random_copy_shown_twice
+    self.random_copy_phrase_rate = random_copy_phrase_rate
     self.seed = seed
     self.key = jax.random.key(seed)
     self._permutations: dict[int, np.ndarray] = {}
@@ -289,7 +303,8 @@ class Batches:
         batch[row] = random_repeats(self.seed, sample, batch.shape[1], self.vocab_size,
                                     self.random_copy_min_alphabet,
                                     self.random_copy_common_share,
-                                    self.random_copy_shown_twice)
+                                    self.random_copy_shown_twice,
+                                    self.random_copy_phrase_rate)
       else:
         pick = np.random.default_rng([self.seed, sample, 2]).integers(len(self.frames))
         batch[row] = framed_repeat(batch[row], self._copy_period(sample), self.frames[pick])
@@ -329,7 +344,7 @@ FIRST_RANDOM_ID = 3  # random rows skip the special tokens (<bos>, <eos>, <pad>)
 
 def random_repeats(seed: int, sample: int, length: int, vocab_size: int,
                    min_alphabet: int = 0, common_share: float = 0.0,
-                   shown_twice: bool = False) -> np.ndarray:
+                   shown_twice: bool = False, phrase_rate: float = 0.0) -> np.ndarray:
   """`[length]`: a block of 8..64 random ids drawn from (seed, sample), repeated.
 
   `min_alphabet` = a > 0 draws the block from an alphabet of k ids instead of the whole
@@ -337,7 +352,9 @@ def random_repeats(seed: int, sample: int, length: int, vocab_size: int,
   ids inside the block, so only the tokens *before* the current one say which
   occurrence to copy from (see `random_copy_min_alphabet` in the module docstring).
   `common_share` = p > 0 puts one of 2..8 common ids at each position with probability
-  p (see `random_copy_common_share`). `shown_twice`: each block is shown twice, then a
+  p (see `random_copy_common_share`). `phrase_rate` = q > 0 then starts one of the block's
+  1..3 phrases at each position with chance q (see `random_copy_phrase_rate`).
+  `shown_twice`: each block is shown twice, then a
   fresh block follows (see `random_copy_shown_twice`)::
 
       shown_twice=False:  B B B B B B ...
@@ -345,6 +362,7 @@ def random_repeats(seed: int, sample: int, length: int, vocab_size: int,
   """
   rng = np.random.default_rng([seed, sample])
   common_rng = np.random.default_rng([seed, sample, 4])
+  phrase_rng = np.random.default_rng([seed, sample, 5])
   ids = np.arange(FIRST_RANDOM_ID, vocab_size)
   if min_alphabet:
     alphabet_rng = np.random.default_rng([seed, sample, 3])
@@ -353,7 +371,9 @@ def random_repeats(seed: int, sample: int, length: int, vocab_size: int,
 
   def block() -> np.ndarray:  # [8..64]
     drawn = ids[rng.integers(0, len(ids), rng.integers(8, 65))]
-    return with_common_ids(common_rng, drawn, vocab_size, common_share) if common_share else drawn
+    if common_share:
+      drawn = with_common_ids(common_rng, drawn, vocab_size, common_share)
+    return with_phrases(phrase_rng, drawn, vocab_size, phrase_rate) if phrase_rate else drawn
 
   if not shown_twice:
     return np.resize(block(), length).astype(np.int32)
@@ -372,6 +392,44 @@ def with_common_ids(rng: np.random.Generator, block: np.ndarray, vocab_size: int
   block = block.copy()
   block[at] = common[rng.integers(0, len(common), len(at))]
   return block
+
+
+def with_phrases(rng: np.random.Generator, block: np.ndarray, vocab_size: int,
+                 rate: float) -> np.ndarray:
+  """`[L]` -> `[L]`: 1..3 phrases of 2..4 ids drawn from `rng`; at each position, with
+  chance `rate`, one of them written over the ids from there (cut at the block's end),
+  and the next phrase at the earliest one id after it (a copy; see
+  `random_copy_phrase_rate`)::
+
+      block:   a b c d e f g h        phrases: P Q, X Y Z
+      result:  P Q c X Y Z g h        (phrases start at 0 and 3, none at 7; c and g stay)
+  """
+  phrases = [random_alphabet(rng, vocab_size, rng.integers(2, 5))
+             for _ in range(rng.integers(1, 4))]
+  block, at = block.copy(), 0
+  while at < len(block):
+    if rng.random() < rate:
+      phrase = phrases[rng.integers(len(phrases))][:len(block) - at]
+      block[at:at + len(phrase)] = phrase
+      at += len(phrase)
+    at += 1
+  return block
+
+
+def match_needed(seen: np.ndarray, longest: int = 32) -> int:
+  """How many of the last ids of `seen` `[T]` a copy must match to know where to copy the
+  next one from: the least n whose last n ids occur at most once before (ending earlier);
+  `longest` + 1 if no n up to `longest` does::
+
+      seen:  a b c a b d | a b c a b        (a block, then its repeat so far)
+      "b" and "a b" occur 3 times before, "c a b" once: 3 (the next id, d, follows it)
+  """
+  earlier = seen[:-1]
+  for n in range(1, min(longest, len(earlier)) + 1):
+    windows = np.lib.stride_tricks.sliding_window_view(earlier, n)  # [T - n, n]
+    if np.count_nonzero((windows == seen[-n:]).all(axis=1)) <= 1:
+      return n
+  return longest + 1
 
 
 def random_alphabet(rng: np.random.Generator, vocab_size: int, size: int) -> np.ndarray:

@@ -67,6 +67,7 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
       "random_copy_min_alphabet": config.random_copy_min_alphabet,
       "random_copy_common_share": config.random_copy_common_share,
       "random_copy_shown_twice": config.random_copy_shown_twice,
+      "random_copy_phrase_rate": config.random_copy_phrase_rate,
       "framed_copy_fraction": config.framed_copy_fraction,
       **continued_from(config.init_from, run.step * config.batch_size * config.seq_len),
       **distilled_from(run, exported, config.batch_size),
@@ -134,16 +135,19 @@ def continuation_line(summary: dict) -> str:
     lines.append(f"{summary['copy_fraction']:.0%} of the sequences repeat {repeated} "
                  "(copy rows, see `mdjax.train.data`).")
   if summary.get("random_copy_fraction"):
-    alphabet = (f", each drawn from {summary['random_copy_min_alphabet']} or more ids "
-                "(log-uniform) rather than the whole vocabulary"
-                if summary.get("random_copy_min_alphabet") else "")
+    details = (f", each drawn from {summary['random_copy_min_alphabet']} or more ids "
+               "(log-uniform) rather than the whole vocabulary"
+               if summary.get("random_copy_min_alphabet") else "")
     if summary.get("random_copy_common_share"):
-      alphabet += (f", {summary['random_copy_common_share']:.0%} of their positions one of "
-                   "the block's 2..8 common ids")
+      details += (f", {summary['random_copy_common_share']:.0%} of their positions one of "
+                  "the block's 2..8 common ids")
+    if summary.get("random_copy_phrase_rate"):
+      details += (", one of the block's 1..3 phrases of 2..4 ids starting at "
+                  f"{summary['random_copy_phrase_rate']:.0%} of their positions")
     repeated = ("show blocks of random ids twice each" if summary.get("random_copy_shown_twice")
                 else "repeat a block of random ids")
     lines.append(f"{summary['random_copy_fraction']:.0%} of the sequences {repeated}"
-                 f"{alphabet} (random copy rows, see `mdjax.train.data`).")
+                 f"{details} (random copy rows, see `mdjax.train.data`).")
   if summary.get("framed_copy_fraction"):
     lines.append(f"{summary['framed_copy_fraction']:.0%} of the sequences show a prefix, a "
                  "comment announcing a repeat, then the prefix again (framed copy rows, see "

@@ -187,12 +187,14 @@ def evaluate_induction(params: Params, config: ModelConfig, batch_size: int,
 
 
 def induction_rows(config: ModelConfig, rows: int = 16, alphabet: int = 0,
-                   common_share: float = 0.0) -> tuple[np.ndarray, int]:
+                   common_share: float = 0.0, phrase_rate: float = 0.0) -> tuple[np.ndarray, int]:
   """`evaluate_induction`'s rows `[rows, 2 L]` (fixed blocks of L random ids, each shown
   twice) and L. `alphabet` = k > 0 draws each block from k ids of its own (also fixed), so
   ids recur in the block and copying needs the ids before the current one too.
   `common_share` = p > 0 then puts one of the block's 2..8 common ids at each position
-  with probability p (`data.with_common_ids`): the same need after each common id."""
+  with probability p (`data.with_common_ids`): the same need after each common id.
+  `phrase_rate` = q > 0 then writes the block's phrases of 2..4 ids over it
+  (`data.with_phrases`): after a phrase only a match longer than it says where to copy."""
   block = min(64, config.max_position_embeddings // 2)
   rng = np.random.default_rng(0)
   if not alphabet:
@@ -203,6 +205,8 @@ def induction_rows(config: ModelConfig, rows: int = 16, alphabet: int = 0,
   if common_share:
     ids = np.stack([data.with_common_ids(rng, row, config.vocab_size, common_share)
                     for row in ids])
+  if phrase_rate:
+    ids = np.stack([data.with_phrases(rng, row, config.vocab_size, phrase_rate) for row in ids])
   return np.concatenate([ids, ids], axis=1), block
 
 
@@ -248,7 +252,8 @@ def prepare_data(config: ml_collections.ConfigDict, corpus: data.Corpus, fast_to
                                    config.framed_copy_fraction, frames,
                                    config.random_copy_min_alphabet,
                                    config.random_copy_common_share,
-                                   config.random_copy_shown_twice),
+                                   config.random_copy_shown_twice,
+                                   config.random_copy_phrase_rate),
               heldout=picked, heldout_bytes_per_token=float(target_bytes.mean()),
               train_tokens=len(train))
 
