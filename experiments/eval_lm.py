@@ -10,8 +10,7 @@ On the held-out files recorded with the target (`heldout_files.json`, never trai
   small alphabet ids recur with different successors and only a match of several
   tokens says what to copy, as at `IncrementalEncoder` beside `IncrementalDecoder`; and
   on blocks where a few common ids recur among rare ones (as newlines and commas do in
-  code), after a recurring id and after a unique one; and on blocks that add phrases of
-  2..4 ids, by how many ids before the predicted one a copy must match (1, 2, 3, 4+);
+  code), after a recurring id and after a unique one;
 * the draft's argmax agreement with the target (how often greedy speculation would
   accept a drafted token);
 * a copy task: a held-out function is shown, then its first line is repeated; does
@@ -22,7 +21,9 @@ On the held-out files recorded with the target (`heldout_files.json`, never trai
   blocks, by how often the copied token occurs in the held-out files. A copy mechanism
   too weak to overrule the model's expectations copies frequent tokens and misses rare
   ones (identifiers), and one miss breaks a greedy copy; and how alike the embeddings
-  of each band are (mean cosine).
+  of each band are (mean cosine); and the same accuracies, of held-out sequences and of
+  random blocks with common ids and phrases of 2..4 ids, by how many ids before the
+  copied one a copy must match to know where to copy it from (1, 2, 3, 4 or more).
 
 Writes `--out` (JSON) and prints a summary.
 """
@@ -173,23 +174,19 @@ def random_copy_after_repeated_ids(model: mdjax.Model, rows: int = 32,
           "after_a_unique_id": float(correct[held == 1].mean())}
 
 
-MATCH_BANDS = ("1", "2", "3", "4+")  # ids a copy must match, `data.match_needed`
+MATCH_BANDS = (1, 2, 3, 4)  # lower edges of bands of `data.match_needed`
 
 
-def random_copy_by_match_needed(model: mdjax.Model, rows: int = 32, common_share: float = 0.3,
-                                phrase_rate: float = 0.2) -> dict[str, dict[str, float]]:
-  """Top-1 on the repeat of random blocks with common ids and phrases (`lm.induction_rows`),
-  by how many ids before the predicted one a copy must match to know where to copy it
-  from (`data.match_needed`: 1, 2, 3, 4 or more), with each band's share of positions."""
-  sequences, block = lm.induction_rows(model.config, rows, common_share=common_share,
-                                       phrase_rate=phrase_rate)
-  _, predicted = lm.token_scores(model.params, sequences, model.config, batch_size=4)
-  correct = (predicted == sequences[:, 1:])[:, block:]  # [R, L - 1]: predictions of the repeat
-  needed = np.array([[data.match_needed(row[:t + 1]) for t in range(block, row.size - 1)]
-                     for row in sequences])  # [R, L - 1]
-  bands = np.minimum(needed, len(MATCH_BANDS)) - 1
-  return {"top1": {label: float(correct[bands == i].mean()) for i, label in enumerate(MATCH_BANDS)},
-          "share": {label: float((bands == i).mean()) for i, label in enumerate(MATCH_BANDS)}}
+def copy_accuracy_by_match_needed(model: mdjax.Model, rows: np.ndarray,
+                                  first: int) -> dict[str, dict]:
+  """Top-1 accuracy on the targets of copy rows `[N, T + 1]` from index `first` on, by
+  how many ids before each a copy must match to know where to copy it from
+  (`data.match_needed`, bands 1, 2, 3 and >= 4)."""
+  _, predicted = lm.token_scores(model.params, rows, model.config, batch_size=4)
+  correct = (predicted == rows[:, 1:])[:, first:]
+  needed = np.array([[data.match_needed(row[:t + 1]) for t in range(first, row.size - 1)]
+                     for row in rows])  # [N, T - first]
+  return accuracy_by_band(correct, needed, MATCH_BANDS)
 
 
 def main(argv):
@@ -217,9 +214,12 @@ def main(argv):
       target, copies, data.first_half(sequences.shape[1]), counts)
   result["random_copy_accuracy_by_token_count"] = copy_accuracy_by_token_count(
       target, *lm.induction_rows(target.config, rows=128), counts)
+  result["copy_accuracy_by_match_needed"] = copy_accuracy_by_match_needed(
+      target, copies, data.first_half(sequences.shape[1]))
+  result["random_copy_accuracy_by_match_needed"] = copy_accuracy_by_match_needed(
+      target, *lm.induction_rows(target.config, rows=32, common_share=0.3, phrase_rate=0.2))
   result["random_copy_accuracy_by_alphabet"] = random_copy_accuracy_by_alphabet(target)
   result["random_copy_after_repeated_ids"] = random_copy_after_repeated_ids(target)
-  result["random_copy_by_match_needed"] = random_copy_by_match_needed(target)
   result["embedding_similarity_by_token_count"] = embedding_similarity_by_token_count(target, counts)
   result["copy_task"] = copy_task(target, short_functions(texts, _COPIES.value))
   out = pathlib.Path(_OUT.value)

@@ -126,8 +126,8 @@ def test_random_copy_after_repeated_ids_splits_by_how_often_the_block_holds_the_
   assert got == {"after_a_repeated_id": 1.0, "after_a_unique_id": 0.0}
 
 
-def test_random_copy_by_match_needed_splits_by_the_match_each_position_needs(shipped,
-                                                                              monkeypatch):
+def test_copy_accuracy_by_match_needed_splits_by_the_match_each_position_needs(shipped,
+                                                                               monkeypatch):
   """A stand-in model right exactly where a copy must match 3 or more ids scores 1 in
   those bands and 0 in the others, so a split taken one position off would mix them."""
   from experiments import eval_lm
@@ -139,9 +139,11 @@ def test_random_copy_by_match_needed_splits_by_the_match_each_position_needs(shi
     return None, np.where(long, sequences[:, 1:], -1)
 
   monkeypatch.setattr(lm, "token_scores", right_after_long_matches)
-  got = eval_lm.random_copy_by_match_needed(shipped, rows=4)
-  assert got["top1"] == {"1": 0.0, "2": 0.0, "3": 1.0, "4+": 1.0}
-  assert sum(got["share"].values()) == pytest.approx(1.0) and min(got["share"].values()) > 0
+  rows, block = lm.induction_rows(shipped.config, rows=4, common_share=0.3, phrase_rate=0.2)
+  got = eval_lm.copy_accuracy_by_match_needed(shipped, rows, block)
+  assert {band: got[band]["accuracy"] for band in got} == {"1-1": 0.0, "2-2": 0.0, "3-3": 1.0,
+                                                         ">=4": 1.0}
+  assert sum(band["tokens"] for band in got.values()) == 4 * (block - 1)
 
 
 def test_copy_task_counts_exact_copies_and_classes_each_first_miss(shipped, monkeypatch):
