@@ -255,10 +255,17 @@ def test_random_rows_with_phrases_need_matches_longer_than_two_ids():
   assert np.mean(plain_needs >= 3) < 0.01  # 64 of 4997 ids rarely collide
   assert np.mean(phrased_needs >= 3) > 0.15 and np.mean(phrased_needs >= 4) > 0.05
   assert np.array_equal(blocks(0.2)[42], phrased[42])  # a pure function of (seed, step)
+  longer = np.concatenate([needs(b) for b in repeated_blocks(
+      5, 6, random_copy_phrase_rate=0.2, random_copy_phrase_longest=8)])
+  assert np.mean(phrased_needs >= 6) < 0.02 and np.mean(longer >= 6) > 0.05  # phrases of 2..8
   for bad in (-0.1, 1.0):
     with pytest.raises(ValueError, match=r"random_copy_phrase_rate must be in \[0, 1\)"):
       data.Batches(sequences, 4, seed=0, random_copy_fraction=0.5, vocab_size=5000,
                    random_copy_phrase_rate=bad)
+  for bad in (1, 9):
+    with pytest.raises(ValueError, match=r"random_copy_phrase_longest must be in \[2, 8\]"):
+      data.Batches(sequences, 4, seed=0, random_copy_fraction=0.5, vocab_size=5000,
+                   random_copy_phrase_longest=bad)
 
 
 def test_random_rows_shown_twice_are_fresh_blocks_each_followed_by_itself():
@@ -337,6 +344,8 @@ def test_the_card_names_every_kind_of_copy_row_the_run_trained_on():
       {**summary, "random_copy_shown_twice": True})
   assert "1..3 phrases of 2..4 ids starting at 20% of their positions" in export.continuation_line(
       {**summary, "random_copy_phrase_rate": 0.2}).splitlines()[1]
+  assert "phrases of 2..8 ids" in export.continuation_line(
+      {**summary, "random_copy_phrase_rate": 0.2, "random_copy_phrase_longest": 8})
 
 
 def test_pack_overlaps_windows_by_one_token():

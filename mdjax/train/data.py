@@ -78,7 +78,7 @@ earlier copy); shown twice, every predictable position is one. With them target 
 that recurs in its block (stage 17: 0.77), 0.62 over 4 ids (0.28).
 
 With `random_copy_phrase_rate` = q > 0 a *phrase* of the block (each block has 1..3
-phrases of 2..4 ids) starts at each position with chance q, written over the ids there
+phrases of 2..n ids, n = `random_copy_phrase_longest`, 4 by default) starts at each position with chance q, written over the ids there
 and followed by at least one id of the block::
 
     tokens: A s e l f B s e l f C | A s e l f B s e l f C | ...   (phrase: "s e l f")
@@ -237,7 +237,8 @@ class Batches:
                vocab_size: int = 0, copy_min_period: int = 0,
                framed_copy_fraction: float = 0.0, frames: tuple[np.ndarray, ...] = (),
                random_copy_min_alphabet: int = 0, random_copy_common_share: float = 0.0,
-               random_copy_shown_twice: bool = False, random_copy_phrase_rate: float = 0.0):
+               random_copy_shown_twice: bool = False, random_copy_phrase_rate: float = 0.0,
+               random_copy_phrase_longest: int = 4):
     if batch_size < 1:
       raise MdjaxError(f"batch_size must be >= 1, got {batch_size}")
     fractions = {"copy_fraction": copy_fraction, "random_copy_fraction": random_copy_fraction,
@@ -260,6 +261,9 @@ class Batches:
                         ("random_copy_phrase_rate", random_copy_phrase_rate)):
       if not 0 <= value < 1:
         raise MdjaxError(f"{name} must be in [0, 1), got {value}")
+    if not 2 <= random_copy_phrase_longest <= 8:
+      raise MdjaxError(f"random_copy_phrase_longest must be in [2, 8] (a phrase shorter "
+                       f"than a block of 8), got {random_copy_phrase_longest}")
     half = first_half(sequences.shape[1])
     if not 0 <= copy_min_period <= half:
       raise MdjaxError(f"copy_min_period must be in [0, {half}] (0: always the first half of "
@@ -275,6 +279,7 @@ class Batches:
     self.random_copy_common_share = random_copy_common_share
     self.random_copy_shown_twice = random_copy_shown_twice
     self.random_copy_phrase_rate = random_copy_phrase_rate
+    self.random_copy_phrase_longest = random_copy_phrase_longest
     self.seed = seed
     self.key = jax.random.key(seed)
     self._permutations: dict[int, np.ndarray] = {}
@@ -304,7 +309,8 @@ class Batches:
                                     self.random_copy_min_alphabet,
                                     self.random_copy_common_share,
                                     self.random_copy_shown_twice,
-                                    self.random_copy_phrase_rate)
+                                    self.random_copy_phrase_rate,
+                                    self.random_copy_phrase_longest)
       else:
         pick = np.random.default_rng([self.seed, sample, 2]).integers(len(self.frames))
         batch[row] = framed_repeat(batch[row], self._copy_period(sample), self.frames[pick])
@@ -344,7 +350,8 @@ FIRST_RANDOM_ID = 3  # random rows skip the special tokens (<bos>, <eos>, <pad>)
 
 def random_repeats(seed: int, sample: int, length: int, vocab_size: int,
                    min_alphabet: int = 0, common_share: float = 0.0,
-                   shown_twice: bool = False, phrase_rate: float = 0.0) -> np.ndarray:
+                   shown_twice: bool = False, phrase_rate: float = 0.0,
+                   phrase_longest: int = 4) -> np.ndarray:
   """`[length]`: a block of 8..64 random ids drawn from (seed, sample), repeated.
 
   `min_alphabet` = a > 0 draws the block from an alphabet of k ids instead of the whole
@@ -353,7 +360,8 @@ def random_repeats(seed: int, sample: int, length: int, vocab_size: int,
   occurrence to copy from (see `random_copy_min_alphabet` in the module docstring).
   `common_share` = p > 0 puts one of 2..8 common ids at each position with probability
   p (see `random_copy_common_share`). `phrase_rate` = q > 0 then starts one of the block's
-  1..3 phrases at each position with chance q (see `random_copy_phrase_rate`).
+  1..3 phrases of 2..`phrase_longest` ids at each position with chance q (see
+  `random_copy_phrase_rate`).
   `shown_twice`: each block is shown twice, then a
   fresh block follows (see `random_copy_shown_twice`)::
 
@@ -373,7 +381,9 @@ def random_repeats(seed: int, sample: int, length: int, vocab_size: int,
     drawn = ids[rng.integers(0, len(ids), rng.integers(8, 65))]
     if common_share:
       drawn = with_common_ids(common_rng, drawn, vocab_size, common_share)
-    return with_phrases(phrase_rng, drawn, vocab_size, phrase_rate) if phrase_rate else drawn
+    if not phrase_rate:
+      return drawn
+    return with_phrases(phrase_rng, drawn, vocab_size, phrase_rate, phrase_longest)
 
   if not shown_twice:
     return np.resize(block(), length).astype(np.int32)
@@ -395,8 +405,8 @@ def with_common_ids(rng: np.random.Generator, block: np.ndarray, vocab_size: int
 
 
 def with_phrases(rng: np.random.Generator, block: np.ndarray, vocab_size: int,
-                 rate: float) -> np.ndarray:
-  """`[L]` -> `[L]`: 1..3 phrases of 2..4 ids drawn from `rng`; at each position, with
+                 rate: float, longest: int = 4) -> np.ndarray:
+  """`[L]` -> `[L]`: 1..3 phrases of 2..`longest` ids drawn from `rng`; at each position, with
   chance `rate`, one of them written over the ids from there (cut at the block's end),
   and the next phrase at the earliest one id after it (a copy; see
   `random_copy_phrase_rate`)::
@@ -404,7 +414,7 @@ def with_phrases(rng: np.random.Generator, block: np.ndarray, vocab_size: int,
       block:   a b c d e f g h        phrases: P Q, X Y Z
       result:  P Q c X Y Z g h        (phrases start at 0 and 3, none at 7; c and g stay)
   """
-  phrases = [random_alphabet(rng, vocab_size, rng.integers(2, 5))
+  phrases = [random_alphabet(rng, vocab_size, rng.integers(2, longest + 1))
              for _ in range(rng.integers(1, 4))]
   block, at = block.copy(), 0
   while at < len(block):

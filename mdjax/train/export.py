@@ -68,6 +68,7 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
       "random_copy_common_share": config.random_copy_common_share,
       "random_copy_shown_twice": config.random_copy_shown_twice,
       "random_copy_phrase_rate": config.random_copy_phrase_rate,
+      "random_copy_phrase_longest": config.random_copy_phrase_longest,
       "framed_copy_fraction": config.framed_copy_fraction,
       **continued_from(config.init_from, run.step * config.batch_size * config.seq_len),
       **distilled_from(run, exported, config.batch_size),
@@ -142,7 +143,8 @@ def continuation_line(summary: dict) -> str:
       details += (f", {summary['random_copy_common_share']:.0%} of their positions one of "
                   "the block's 2..8 common ids")
     if summary.get("random_copy_phrase_rate"):
-      details += (", one of the block's 1..3 phrases of 2..4 ids starting at "
+      details += (", one of the block's 1..3 phrases of 2.."
+                  f"{summary.get('random_copy_phrase_longest', 4)} ids starting at "
                   f"{summary['random_copy_phrase_rate']:.0%} of their positions")
     repeated = ("show blocks of random ids twice each" if summary.get("random_copy_shown_twice")
                 else "repeat a block of random ids")
