@@ -23,7 +23,7 @@ On the held-out files recorded with the target (`heldout_files.json`, never trai
   ones (identifiers), and one miss breaks a greedy copy; and how alike the embeddings
   of each band are (mean cosine); and the same accuracies, of held-out sequences and of
   random blocks with common ids and phrases of 2..4 ids, by how many ids before the
-  copied one a copy must match to know where to copy it from (1, 2, 3, 4 or more).
+  copied one a copy must match to know where to copy it from (1, 2, 3, 4-5, 6-8, 9+).
 
 Writes `--out` (JSON) and prints a summary.
 """
@@ -174,14 +174,14 @@ def random_copy_after_repeated_ids(model: mdjax.Model, rows: int = 32,
           "after_a_unique_id": float(correct[held == 1].mean())}
 
 
-MATCH_BANDS = (1, 2, 3, 4)  # lower edges of bands of `data.match_needed`
+MATCH_BANDS = (1, 2, 3, 4, 6, 9)  # lower edges of bands of `data.match_needed`
 
 
 def copy_accuracy_by_match_needed(model: mdjax.Model, rows: np.ndarray,
                                   first: int) -> dict[str, dict]:
   """Top-1 accuracy on the targets of copy rows `[N, T + 1]` from index `first` on, by
   how many ids before each a copy must match to know where to copy it from
-  (`data.match_needed`, bands 1, 2, 3 and >= 4)."""
+  (`data.match_needed`, bands 1, 2, 3, 4-5, 6-8 and >= 9)."""
   _, predicted = lm.token_scores(model.params, rows, model.config, batch_size=4)
   correct = (predicted == rows[:, 1:])[:, first:]
   needed = np.array([[data.match_needed(row[:t + 1]) for t in range(first, row.size - 1)]
