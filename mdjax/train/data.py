@@ -365,9 +365,8 @@ def random_repeats(seed: int, sample: int, length: int, vocab_size: int,
   `common_share` = p > 0 puts one of 2..8 common ids at each position with probability
   p (see `random_copy_common_share`). `phrase_rate` = q > 0 then starts one of the block's
   1..3 phrases of 2..`phrase_longest` ids at each position with chance q (see
-  `random_copy_phrase_rate`).
-  `shown_twice`: each block is shown twice, then a
-  fresh block follows (see `random_copy_shown_twice`)::
+  `random_copy_phrase_rate`). `shown_twice`: each block is shown twice, then a fresh
+  block follows (see `random_copy_shown_twice`)::
 
       shown_twice=False:  B B B B B B ...
       shown_twice=True:   B B C C D D ...   (B, C, D of 8..64 ids each)
