@@ -27,6 +27,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.init_from = ""  # a model directory to continue from; "" = random init
   config.copy_fraction = 0.0  # share of sequences whose second half repeats the first
   config.copy_min_period = 0  # > 0: copy rows repeat a prefix of this many..seq_len/2 tokens
+  config.copy_shown_twice = False  # True: copy rows show chunks of that length twice each
   config.random_copy_fraction = 0.0  # share of sequences that repeat a random block of ids
   config.random_copy_min_alphabet = 0  # > 0: random rows draw from k ids, k log-uniform a..V
   config.random_copy_common_share = 0.0  # > 0: this share of random ids from 2..8 common ones

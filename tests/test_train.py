@@ -120,6 +120,29 @@ def test_copy_rows_with_a_minimum_period_repeat_prefixes_of_many_lengths():
     data.Batches(sequences, 4, seed=0, copy_fraction=0.5, copy_min_period=34)
 
 
+def test_copy_rows_shown_twice_show_consecutive_chunks_of_the_row_twice_each():
+  sequences = np.arange(400 * 65).reshape(400, 65)  # every id distinct: chunks are exact
+  twice = data.Batches(sequences, 40, seed=5, copy_fraction=1.0, copy_min_period=8,
+                       copy_shown_twice=True)
+  plain = data.Batches(sequences, 40, seed=5)
+  lengths = []
+  for step in range(5):
+    for text, row in zip(plain.batch(step), twice.batch(step)):
+      at, read = 0, 0  # where the next chunk starts in the row and in the text
+      while at < 65:
+        length = next(n for n in range(8, 34) if at + n >= 65 or row[at + n] == row[at])
+        shown = min(length, 65 - at)
+        assert np.array_equal(row[at:at + shown], text[read:read + shown])
+        repeat = row[at + length:at + 2 * length]  # cut at the row's end
+        assert np.array_equal(repeat, row[at:at + len(repeat)])
+        lengths.append(length)
+        at, read = at + 2 * length, read + length
+  assert len(set(lengths)) > 15  # drawn from 8..33 per chunk
+  assert data.chunks_shown_twice(np.arange(12), [2, 3]).tolist() == [0, 1, 0, 1, 2, 3, 4, 2, 3, 4, 5, 6]
+  first_half = data.Batches(sequences, 8, seed=1, copy_fraction=1.0, copy_shown_twice=True)
+  assert np.array_equal(first_half.batch(2), data.Batches(sequences, 8, 1, 1.0).batch(2))
+
+
 def test_random_copy_rows_repeat_a_random_block_beside_the_text_copies():
   sequences = np.arange(2000 * 129).reshape(2000, 129) % 1000
   plain = data.Batches(sequences, 50, seed=3)
@@ -344,6 +367,8 @@ def test_the_card_names_every_kind_of_copy_row_the_run_trained_on():
       {**summary, "random_copy_shown_twice": True})
   assert "1..3 phrases of 2..4 ids starting at 20% of their positions" in export.continuation_line(
       {**summary, "random_copy_phrase_rate": 0.2}).splitlines()[1]
+  assert "20% of the sequences show consecutive chunks of their own twice each, 16 tokens" in (
+      export.continuation_line({**summary, "copy_shown_twice": True}))
   assert "phrases of 2..8 ids" in export.continuation_line(
       {**summary, "random_copy_phrase_rate": 0.2, "random_copy_phrase_longest": 8})
 

@@ -27,6 +27,16 @@ model sees copies at many distances, as in real prompts, not only at h. From ran
 weights such rows did not start copying in 2,500 steps where first-half rows did within
 500 (`configs/lm_target_long.py`): one distance seems to be the easier first lesson.
 
+With `copy_shown_twice` the row is instead its own consecutive chunks (m..h tokens
+each, drawn per chunk), each shown twice::
+
+    tokens: a0 .. a(p-1) a0 .. a(p-1) | b0 .. b(q-1) b0 .. b(q-1) | ...   (b0 follows a(p-1))
+
+so every predictable position is a *first* repeat, as in a prompt that repeats a
+function (see `random_copy_shown_twice` below for why that matters), and half the row
+is fresh text. Over and over, a prefix of p tokens gives a first repeat at only p of
+the ~512 - p predictable positions; the later ones can look back to any earlier copy.
+
 Code repeats itself (call sites, `self.x = x`, edited versions of a function), and a
 small model trained on a few million tokens does not learn to copy from plain text
 alone; the rows cost no extra data and stay a pure function of (seed, step).
@@ -242,7 +252,7 @@ class Batches:
                framed_copy_fraction: float = 0.0, frames: tuple[np.ndarray, ...] = (),
                random_copy_min_alphabet: int = 0, random_copy_common_share: float = 0.0,
                random_copy_shown_twice: bool = False, random_copy_phrase_rate: float = 0.0,
-               random_copy_phrase_longest: int = 4):
+               random_copy_phrase_longest: int = 4, copy_shown_twice: bool = False):
     if batch_size < 1:
       raise MdjaxError(f"batch_size must be >= 1, got {batch_size}")
     fractions = {"copy_fraction": copy_fraction, "random_copy_fraction": random_copy_fraction,
@@ -273,6 +283,7 @@ class Batches:
       raise MdjaxError(f"copy_min_period must be in [0, {half}] (0: always the first half of "
                        f"the {sequences.shape[1]}-token rows), got {copy_min_period}")
     self.copy_min_period = copy_min_period
+    self.copy_shown_twice = copy_shown_twice
     self.sequences = sequences
     self.batch_size = batch_size
     # a sample's share in [0, e0) copies, [e0, e1) random ids, [e1, e2) framed, [e2, 1) plain
@@ -306,7 +317,9 @@ class Batches:
       batch = batch.copy()
     for row in changed:
       sample = int(samples[row])
-      if kind[row] == 0:
+      if kind[row] == 0 and self.copy_shown_twice:
+        batch[row] = chunks_shown_twice(batch[row], self._chunk_lengths(sample))
+      elif kind[row] == 0:
         batch[row] = repeat_prefix(batch[row], self._copy_period(sample))
       elif kind[row] == 1:
         batch[row] = random_repeats(self.seed, sample, batch.shape[1], self.vocab_size,
@@ -322,11 +335,18 @@ class Batches:
 
   def _copy_period(self, sample: int) -> int:
     """The length of the prefix a copy row repeats: h, or drawn from m..h per sample."""
+    return self._draw_period(np.random.default_rng([self.seed, sample, 1]))
+
+  def _chunk_lengths(self, sample: int) -> list[int]:
+    """The lengths of the chunks a copy row shows twice each, enough to fill the row."""
+    rng, lengths = np.random.default_rng([self.seed, sample, 6]), []
+    while 2 * sum(lengths) < self.sequences.shape[1]:
+      lengths.append(self._draw_period(rng))
+    return lengths
+
+  def _draw_period(self, rng: np.random.Generator) -> int:
     half = first_half(self.sequences.shape[1])
-    if not self.copy_min_period:
-      return half
-    return int(np.random.default_rng([self.seed, sample, 1]).integers(self.copy_min_period,
-                                                                      half + 1))
+    return int(rng.integers(self.copy_min_period, half + 1)) if self.copy_min_period else half
 
 
 def first_half(width: int) -> int:
@@ -337,6 +357,18 @@ def first_half(width: int) -> int:
 def repeat_prefix(rows: np.ndarray, period: int) -> np.ndarray:
   """`[..., T]` -> `[..., T]`: each row's first `period` tokens, repeated to fill T."""
   return rows[..., np.arange(rows.shape[-1]) % period]
+
+
+def chunks_shown_twice(row: np.ndarray, lengths: list[int]) -> np.ndarray:
+  """`[T]` -> `[T]`: the row's consecutive chunks of `lengths` tokens, each shown twice, cut
+  to T (`copy_shown_twice`)::
+
+      row:    a b c d e f g ...      lengths: 2, 3
+      result: a b a b c d e c d e    (then f g ... if the lengths fall short of T)
+  """
+  ends = np.cumsum(lengths)
+  pieces = [row[end - length:end] for end, length in zip(ends, lengths) for _ in range(2)]
+  return np.concatenate([*pieces, row[ends[-1]:]])[:len(row)].astype(row.dtype)
 
 
 def framed_repeat(row: np.ndarray, period: int, frame: np.ndarray) -> np.ndarray:

@@ -63,6 +63,7 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
       "tokens_seen": run.step * config.batch_size * config.seq_len,
       "copy_fraction": config.copy_fraction,
       "copy_min_period": config.copy_min_period,
+      "copy_shown_twice": config.copy_shown_twice,
       "random_copy_fraction": config.random_copy_fraction,
       "random_copy_min_alphabet": config.random_copy_min_alphabet,
       "random_copy_common_share": config.random_copy_common_share,
@@ -131,9 +132,15 @@ def continuation_line(summary: dict) -> str:
   """The card's sentences on copy rows, the run this one continued and its teacher."""
   lines = []
   if summary["copy_fraction"]:
-    repeated = (f"a prefix of their own over and over, {summary['copy_min_period']} tokens to "
-                "half the row long" if summary.get("copy_min_period") else "their first half")
-    lines.append(f"{summary['copy_fraction']:.0%} of the sequences repeat {repeated} "
+    lengths = (f"{summary['copy_min_period']} tokens to half the row long"
+               if summary.get("copy_min_period") else "half the row long")
+    if summary.get("copy_shown_twice"):
+      repeated = f"show consecutive chunks of their own twice each, {lengths}"
+    elif summary.get("copy_min_period"):
+      repeated = f"repeat a prefix of their own over and over, {lengths}"
+    else:
+      repeated = "repeat their first half"
+    lines.append(f"{summary['copy_fraction']:.0%} of the sequences {repeated} "
                  "(copy rows, see `mdjax.train.data`).")
   if summary.get("random_copy_fraction"):
     details = (f", each drawn from {summary['random_copy_min_alphabet']} or more ids "

@@ -254,7 +254,8 @@ def prepare_data(config: ml_collections.ConfigDict, corpus: data.Corpus, fast_to
                                    config.random_copy_common_share,
                                    config.random_copy_shown_twice,
                                    config.random_copy_phrase_rate,
-                                   config.random_copy_phrase_longest),
+                                   config.random_copy_phrase_longest,
+                                   config.copy_shown_twice),
               heldout=picked, heldout_bytes_per_token=float(target_bytes.mean()),
               train_tokens=len(train))
 
