@@ -94,6 +94,7 @@ def copy_task(model: mdjax.Model, functions: list[str]) -> dict:
     examples.append({"function": function, "continuation": out.texts[0]})
   return {"functions": len(functions), "exact_copies": exact,
           "mean_prefix_copied": float(np.mean(token_match)),
+          "prefix_copied_by_function": [round(share, 4) for share in token_match],
           "misses_after_a_repeated_token": after_repeated,
           "misses_writing_a_token_of_the_function": from_function,
           "misses_match_needed": match_needed, "examples": examples[:2]}
