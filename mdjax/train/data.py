@@ -348,6 +348,7 @@ class Batches:
     return lengths
 
   def _draw_period(self, rng: np.random.Generator) -> int:
+    """h, or drawn from m..h by `rng`."""
     half = first_half(self.sequences.shape[1])
     return int(rng.integers(self.copy_min_period, half + 1)) if self.copy_min_period else half
 
