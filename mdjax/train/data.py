@@ -38,7 +38,8 @@ is fresh text. Over and over, a prefix of p tokens gives a first repeat at only 
 the ~512 - p predictable positions; the later ones can look back to any earlier copy.
 Target stage 20 (stage 18 continued with 50% such rows) became the best model of
 held-out code (loss 3.38 against 3.48) but not a better copier (50 of 131 held-out
-functions copied exactly, stage 18: 58), so it was not shipped.
+functions copied exactly, stage 18: 58), so it was not shipped; nor was stage 21
+(stage 20 continued with stage 18's rows: 50 of 131 too).
 
 Code repeats itself (call sites, `self.x = x`, edited versions of a function), and a
 small model trained on a few million tokens does not learn to copy from plain text
