@@ -1,0 +1,99 @@
+"""Function-preserving growth (`mdjax.train.grow`, `experiments.grow_lm`): a grown model
+gives the logits of the model it grew from, and its new weights can still learn."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from mdjax.errors import MdjaxError
+from mdjax.models.config import ModelConfig
+from mdjax.models.random_init import init_params
+from mdjax.models.transformer import causal_logits
+from mdjax.train import grow, lm
+from tests.helpers import torch_logits, write_tiny_checkpoint
+
+CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
+                     num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=32)
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 24)))
+
+
+def test_grown_model_gives_the_same_logits():
+  params = init_params(CONFIG, seed=1, std=0.3)
+  grown, config = grow.grow(params, CONFIG, num_kv_heads=4, num_layers=5, seed=2)
+  assert (config.num_kv_heads, config.num_layers) == (4, 5)
+  np.testing.assert_allclose(causal_logits(grown, TOKENS, config=config),
+                             causal_logits(params, TOKENS, config=CONFIG), rtol=1e-5, atol=1e-5)
+
+
+def test_kv_heads_are_copied_to_the_query_heads_that_read_them():
+  params = init_params(CONFIG, seed=1)
+  grown, _ = grow.grow(params, CONFIG, num_kv_heads=4)
+  h, n = CONFIG.head_dim, CONFIG.num_heads
+  old, new = params["layers"][0]["wqkv"], grown["layers"][0]["wqkv"]
+  assert new.shape == (32, (n + 2 * 4) * h)
+  for part in (0, 1):  # keys, then values: query heads 0,1 read old head 0; 2,3 old head 1
+    for head in range(4):
+      start_new, start_old = (n + part * 4 + head) * h, (n + part * 2 + head // 2) * h
+      np.testing.assert_array_equal(new[:, start_new:start_new + h],
+                                    old[:, start_old:start_old + h])
+  np.testing.assert_array_equal(new[:, :n * h], old[:, :n * h])
+
+
+def test_new_layers_sit_between_old_ones_silent_but_trainable():
+  params = init_params(CONFIG, seed=1)
+  grown, config = grow.grow(params, CONFIG, num_layers=5, seed=2)
+  new = [1, 3]  # 3 -> 5 layers: old0 NEW old1 NEW old2
+  for i, old in zip([0, 2, 4], params["layers"]):
+    jax.tree.map(np.testing.assert_array_equal, grown["layers"][i], old)
+  for i in new:
+    assert not np.any(grown["layers"][i]["wo"]) and not np.any(grown["layers"][i]["w_down"])
+    assert np.any(grown["layers"][i]["wqkv"])
+
+  def loss(p):
+    return lm.token_losses(p, TOKENS, config)[0].mean()
+
+  grads = jax.grad(loss)(grown)
+  for i in new:  # zero outputs still get a gradient: they can learn
+    assert np.abs(grads["layers"][i]["wo"]).max() > 0
+    assert np.abs(grads["layers"][i]["w_down"]).max() > 0
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(num_kv_heads=3), "multiple of 2 that divides the 4 query heads"),
+    (dict(num_layers=2), "growth only adds layers"),
+])
+def test_growth_that_cannot_preserve_the_function_is_refused(change, message):
+  with pytest.raises(MdjaxError, match=message):
+    grow.grow(init_params(CONFIG), CONFIG, **change)
+
+
+def test_qwen2_kv_heads_are_refused():
+  config = ModelConfig(**{**CONFIG.__dict__, "family": "qwen2", "qkv_bias": True})
+  with pytest.raises(MdjaxError, match="no q/k/v bias"):
+    grow.grow(init_params(config), config, num_kv_heads=4)
+
+
+def test_grow_lm_writes_a_model_transformers_reads_with_the_same_logits(tmp_path):
+  source = tmp_path / "source"
+  torch_model = write_tiny_checkpoint(source)
+  (source / "training_summary.json").write_text(json.dumps({"tokens_seen": 7}))
+  out = tmp_path / "grown"
+  subprocess.run([sys.executable, "-m", "experiments.grow_lm", f"--model={source}",
+                  "--num_kv_heads=4", "--num_layers=4", f"--out={out}"], check=True)
+  grown = transformers.LlamaForCausalLM.from_pretrained(out, attn_implementation="eager")
+  assert (grown.config.num_key_value_heads, grown.config.num_hidden_layers) == (4, 4)
+  ids = np.random.default_rng(3).integers(0, 192, 20)
+  with torch.no_grad():
+    np.testing.assert_allclose(torch_logits(grown.eval(), ids), torch_logits(torch_model, ids),
+                               rtol=1e-4, atol=1e-4)
+  summary = json.loads((out / "training_summary.json").read_text())
+  assert summary["tokens_seen"] == 7 and summary["grown_from"]["num_layers"] == 2
