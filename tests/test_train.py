@@ -90,7 +90,8 @@ def test_batches_are_a_pure_function_of_the_step():
 
 def test_copy_rows_repeat_their_first_half_at_the_requested_rate():
   sequences = np.arange(2000 * 9).reshape(2000, 9) % 1000
-  plain, copying = data.Batches(sequences, 50, seed=3), data.Batches(sequences, 50, seed=3, copy_fraction=0.3)
+  mix = data.RowMix(copy_fraction=0.3)
+  plain, copying = data.Batches(sequences, 50, seed=3), data.Batches(sequences, 50, 3, mix)
   batches = [(plain.batch(s), copying.batch(s)) for s in range(40)]
   changed = np.concatenate([(a != b).any(axis=1) for a, b in batches])  # [2000]
   assert 0.25 < changed.mean() < 0.35
@@ -98,14 +99,15 @@ def test_copy_rows_repeat_their_first_half_at_the_requested_rate():
     rows = (a != b).any(axis=1)
     assert np.array_equal(b[rows, :5], a[rows, :5]) and np.array_equal(b[rows, 5:], a[rows, :4])
     assert np.array_equal(b[~rows], a[~rows])
-  assert np.array_equal(copying.batch(11), data.Batches(sequences, 50, 3, 0.3).batch(11))
+  assert np.array_equal(copying.batch(11), data.Batches(sequences, 50, 3, mix).batch(11))
   with pytest.raises(ValueError, match="copy_fraction must be in"):
-    data.Batches(sequences, 4, seed=0, copy_fraction=1.5)
+    data.Batches(sequences, 4, seed=0, mix=data.RowMix(copy_fraction=1.5))
 
 
 def test_copy_rows_with_a_minimum_period_repeat_prefixes_of_many_lengths():
   sequences = np.arange(400 * 65).reshape(400, 65)  # every id distinct: periods are exact
-  copying = data.Batches(sequences, 40, seed=5, copy_fraction=1.0, copy_min_period=8)
+  mix = data.RowMix(copy_fraction=1.0, copy_min_period=8)
+  copying = data.Batches(sequences, 40, seed=5, mix=mix)
   plain = data.Batches(sequences, 40, seed=5)
   periods = []
   for step in range(10):
@@ -114,16 +116,15 @@ def test_copy_rows_with_a_minimum_period_repeat_prefixes_of_many_lengths():
       assert 8 <= period <= 33 and np.array_equal(row[:period], text[:period])
       periods.append(period)
   assert len(set(periods)) > 20  # drawn from 8..33, not one fixed offset
-  assert np.array_equal(copying.batch(3), data.Batches(sequences, 40, 5, 1.0,
-                                                       copy_min_period=8).batch(3))
+  assert np.array_equal(copying.batch(3), data.Batches(sequences, 40, 5, mix).batch(3))
   with pytest.raises(ValueError, match=r"copy_min_period must be in \[0, 33\]"):
-    data.Batches(sequences, 4, seed=0, copy_fraction=0.5, copy_min_period=34)
+    data.Batches(sequences, 4, seed=0, mix=data.RowMix(copy_fraction=0.5, copy_min_period=34))
 
 
 def test_copy_rows_shown_twice_show_consecutive_chunks_of_the_row_twice_each():
   sequences = np.arange(400 * 65).reshape(400, 65)  # every id distinct: chunks are exact
-  twice = data.Batches(sequences, 40, seed=5, copy_fraction=1.0, copy_min_period=8,
-                       copy_shown_twice=True)
+  twice = data.Batches(sequences, 40, seed=5,
+                       mix=data.RowMix(copy_fraction=1.0, copy_min_period=8, copy_shown_twice=True))
   plain = data.Batches(sequences, 40, seed=5)
   lengths = []
   for step in range(5):
@@ -139,14 +140,17 @@ def test_copy_rows_shown_twice_show_consecutive_chunks_of_the_row_twice_each():
         at, read = at + 2 * length, read + length
   assert len(set(lengths)) > 15  # drawn from 8..33 per chunk
   assert data.chunks_shown_twice(np.arange(12), [2, 3]).tolist() == [0, 1, 0, 1, 2, 3, 4, 2, 3, 4, 5, 6]
-  first_half = data.Batches(sequences, 8, seed=1, copy_fraction=1.0, copy_shown_twice=True)
-  assert np.array_equal(first_half.batch(2), data.Batches(sequences, 8, 1, 1.0).batch(2))
+  first_half = data.Batches(sequences, 8, seed=1,
+                            mix=data.RowMix(copy_fraction=1.0, copy_shown_twice=True))
+  first_half_rows = data.Batches(sequences, 8, seed=1, mix=data.RowMix(copy_fraction=1.0))
+  assert np.array_equal(first_half.batch(2), first_half_rows.batch(2))
 
 
 def test_random_copy_rows_repeat_a_random_block_beside_the_text_copies():
   sequences = np.arange(2000 * 129).reshape(2000, 129) % 1000
   plain = data.Batches(sequences, 50, seed=3)
-  mixed = data.Batches(sequences, 50, seed=3, copy_fraction=0.2, random_copy_fraction=0.3,
+  mixed = data.Batches(sequences, 50, seed=3,
+                       mix=data.RowMix(copy_fraction=0.2, random_copy_fraction=0.3),
                        vocab_size=5000)
   kinds = []
   for step in range(40):
@@ -162,11 +166,13 @@ def test_random_copy_rows_repeat_a_random_block_beside_the_text_copies():
         kinds.append("random")
   shares = {k: kinds.count(k) / len(kinds) for k in ("plain", "copy", "random")}
   assert 0.15 < shares["copy"] < 0.25 and 0.25 < shares["random"] < 0.35, shares
-  again = data.Batches(sequences, 50, seed=3, copy_fraction=0.2, random_copy_fraction=0.3,
+  again = data.Batches(sequences, 50, seed=3,
+                       mix=data.RowMix(copy_fraction=0.2, random_copy_fraction=0.3),
                        vocab_size=5000)
   assert np.array_equal(again.batch(7), mixed.batch(7))
   with pytest.raises(ValueError, match=r"random_copy_fraction \+ framed_copy_fraction must sum to"):
-    data.Batches(sequences, 4, seed=0, copy_fraction=0.6, random_copy_fraction=0.6, vocab_size=9)
+    data.Batches(sequences, 4, seed=0,
+                 mix=data.RowMix(copy_fraction=0.6, random_copy_fraction=0.6), vocab_size=9)
 
 
 def block_period(row: np.ndarray) -> int:
@@ -178,7 +184,7 @@ def repeated_blocks(seed: int, steps: int, **options) -> list[np.ndarray]:
   """Each random row's repeated block (the row is it over and over, 8..64 long), for
   `steps` batches of 50 rows of 129 tokens over 5000 ids."""
   batches = data.Batches(np.zeros((2000, 129), np.int64), 50, seed=seed,
-                         random_copy_fraction=1.0, vocab_size=5000, **options)
+                         mix=data.RowMix(random_copy_fraction=1.0, **options), vocab_size=5000)
   found = []
   for step in range(steps):
     for row in batches.batch(step):
@@ -212,8 +218,9 @@ def test_random_rows_over_a_small_alphabet_repeat_ids_with_different_successors(
   assert np.array_equal(blocks(4)[123], small[123])  # a pure function of (seed, step)
   for bad in (1, 4998):
     with pytest.raises(ValueError, match=r"random_copy_min_alphabet must be 0 .* \[2, 4997\]"):
-      data.Batches(sequences, 4, seed=0, random_copy_fraction=0.5, vocab_size=5000,
-                   random_copy_min_alphabet=bad)
+      data.Batches(sequences, 4, seed=0,
+                   mix=data.RowMix(random_copy_fraction=0.5, random_copy_min_alphabet=bad),
+                   vocab_size=5000)
 
 
 def test_random_rows_with_common_ids_put_a_few_ids_among_rare_ones_at_the_share_asked():
@@ -237,8 +244,9 @@ def test_random_rows_with_common_ids_put_a_few_ids_among_rare_ones_at_the_share_
   assert np.array_equal(blocks(0.3)[77], mixed[77])  # a pure function of (seed, step)
   for bad in (-0.1, 1.0):
     with pytest.raises(ValueError, match=r"random_copy_common_share must be in \[0, 1\)"):
-      data.Batches(sequences, 4, seed=0, random_copy_fraction=0.5, vocab_size=5000,
-                   random_copy_common_share=bad)
+      data.Batches(sequences, 4, seed=0,
+                   mix=data.RowMix(random_copy_fraction=0.5, random_copy_common_share=bad),
+                   vocab_size=5000)
 
 
 def test_match_needed_counts_the_ids_a_copy_must_match_to_know_where_to_copy_from():
@@ -283,19 +291,21 @@ def test_random_rows_with_phrases_need_matches_longer_than_two_ids():
   assert np.mean(phrased_needs >= 6) < 0.02 and np.mean(longer >= 6) > 0.05  # phrases of 2..8
   for bad in (-0.1, 1.0):
     with pytest.raises(ValueError, match=r"random_copy_phrase_rate must be in \[0, 1\)"):
-      data.Batches(sequences, 4, seed=0, random_copy_fraction=0.5, vocab_size=5000,
-                   random_copy_phrase_rate=bad)
+      data.Batches(sequences, 4, seed=0,
+                   mix=data.RowMix(random_copy_fraction=0.5, random_copy_phrase_rate=bad),
+                   vocab_size=5000)
   for bad in (1, 9):
     with pytest.raises(ValueError, match=r"random_copy_phrase_longest must be in \[2, 8\]"):
-      data.Batches(sequences, 4, seed=0, random_copy_fraction=0.5, vocab_size=5000,
-                   random_copy_phrase_longest=bad)
+      data.Batches(sequences, 4, seed=0,
+                   mix=data.RowMix(random_copy_fraction=0.5, random_copy_phrase_longest=bad),
+                   vocab_size=5000)
 
 
 def test_random_rows_shown_twice_are_fresh_blocks_each_followed_by_itself():
   sequences = np.zeros((500, 513), np.int64)
-  batches = data.Batches(sequences, 50, seed=9, random_copy_fraction=1.0, vocab_size=5000,
-                         random_copy_shown_twice=True)
-  over_and_over = data.Batches(sequences, 50, seed=9, random_copy_fraction=1.0,
+  mix = data.RowMix(random_copy_fraction=1.0, random_copy_shown_twice=True)
+  batches = data.Batches(sequences, 50, seed=9, mix=mix, vocab_size=5000)
+  over_and_over = data.Batches(sequences, 50, seed=9, mix=data.RowMix(random_copy_fraction=1.0),
                                vocab_size=5000)
   blocks_per_row = []
   for step in range(6):
@@ -314,17 +324,16 @@ def test_random_rows_shown_twice_are_fresh_blocks_each_followed_by_itself():
       period = block_period(first)
       assert np.array_equal(row[:2 * period], first[:2 * period])  # the same first block
   assert min(blocks_per_row) >= 4 and np.mean(blocks_per_row) > 6  # pairs of 2 x 8..64 ids
-  assert np.array_equal(batches.batch(3), data.Batches(
-      sequences, 50, seed=9, random_copy_fraction=1.0, vocab_size=5000,
-      random_copy_shown_twice=True).batch(3))
+  assert np.array_equal(batches.batch(3), data.Batches(sequences, 50, 9, mix, 5000).batch(3))
 
 
 def test_framed_copy_rows_show_a_prefix_a_frame_the_prefix_again_then_the_text_on():
   sequences = np.arange(2000 * 129).reshape(2000, 129) % 1000
   frames = (np.array([5001, 5002]), np.array([5003]), np.array([5004, 5005, 5006]))
   plain = data.Batches(sequences, 50, seed=4)
-  mixed = data.Batches(sequences, 50, seed=4, copy_fraction=0.2, random_copy_fraction=0.1,
-                       vocab_size=1000, copy_min_period=8, framed_copy_fraction=0.3, frames=frames)
+  mix = data.RowMix(copy_fraction=0.2, copy_min_period=8, random_copy_fraction=0.1,
+                    framed_copy_fraction=0.3)
+  mixed = data.Batches(sequences, 50, seed=4, mix=mix, vocab_size=1000, frames=frames)
   kinds, periods, used = [], set(), set()
   for step in range(40):
     for text, row in zip(plain.batch(step), mixed.batch(step)):
@@ -344,12 +353,13 @@ def test_framed_copy_rows_show_a_prefix_a_frame_the_prefix_again_then_the_text_o
   shares = {k: kinds.count(k) / len(kinds) for k in ("plain", "framed")}
   assert 0.25 < shares["framed"] < 0.35 and 0.35 < shares["plain"] < 0.45, shares
   assert len(periods) > 20 and len(used) == len(frames)
-  again = data.Batches(sequences, 50, 4, 0.2, 0.1, 1000, 8, 0.3, frames)
+  again = data.Batches(sequences, 50, 4, mix, 1000, frames)
   assert np.array_equal(again.batch(9), mixed.batch(9))
   with pytest.raises(ValueError, match="framed copy rows need the frames"):
-    data.Batches(sequences, 4, seed=0, framed_copy_fraction=0.5)
+    data.Batches(sequences, 4, seed=0, mix=data.RowMix(framed_copy_fraction=0.5))
   with pytest.raises(ValueError, match=r"must sum to <= 1, got 0.5 \+ 0.0 \+ 0.6"):
-    data.Batches(sequences, 4, seed=0, copy_fraction=0.5, framed_copy_fraction=0.6, frames=frames)
+    data.Batches(sequences, 4, seed=0,
+                 mix=data.RowMix(copy_fraction=0.5, framed_copy_fraction=0.6), frames=frames)
 
 
 def test_the_card_names_every_kind_of_copy_row_the_run_trained_on():
@@ -541,6 +551,12 @@ def test_export_shards_on_request_and_loads_the_same_weights(trained, tmp_path):
   sharded.export_shard_mb = -1.0
   with pytest.raises(ValueError, match="export_shard_mb must be >= 0"):
     lm.validate(sharded)
+
+
+def test_validate_rejects_a_bad_row_mix_before_reading_data(tmp_path):
+  config = tiny_config(tmp_path / "run", copy_fraction=0.7, random_copy_fraction=0.5)
+  with pytest.raises(ValueError, match=r"must sum to <= 1, got 0.7 \+ 0.5 \+ 0.0"):
+    lm.validate(config)
 
 
 def test_init_from_continues_an_export_and_counts_all_tokens(trained, tmp_path):

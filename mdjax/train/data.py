@@ -243,62 +243,81 @@ def pack(stream: np.ndarray, seq_len: int) -> np.ndarray:
   return stream[starts + np.arange(seq_len + 1)[None, :]]  # [count, seq_len + 1]
 
 
+@dataclasses.dataclass(frozen=True)
+class RowMix:
+  """Which lessons in copying replace a share of the plain rows, and how (the trainer's
+  options of the same names; see the module docstring). The default is plain rows only."""
+
+  copy_fraction: float = 0.0
+  copy_min_period: int = 0
+  copy_shown_twice: bool = False
+  random_copy_fraction: float = 0.0
+  random_copy_min_alphabet: int = 0
+  random_copy_common_share: float = 0.0
+  random_copy_shown_twice: bool = False
+  random_copy_phrase_rate: float = 0.0
+  random_copy_phrase_longest: int = 4
+  framed_copy_fraction: float = 0.0
+
+  def __post_init__(self):
+    for name, value in self.fractions.items():
+      if not 0 <= value <= 1:
+        raise MdjaxError(f"{name} must be in [0, 1], got {value}")
+    if sum(self.fractions.values()) > 1:
+      raise MdjaxError(f"{' + '.join(self.fractions)} must sum to <= 1, got "
+                       f"{' + '.join(str(v) for v in self.fractions.values())}")
+    for name in ("random_copy_common_share", "random_copy_phrase_rate"):
+      if not 0 <= getattr(self, name) < 1:
+        raise MdjaxError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+    if not 2 <= self.random_copy_phrase_longest <= 8:
+      raise MdjaxError(f"random_copy_phrase_longest must be in [2, 8] (a phrase shorter "
+                       f"than a block of 8), got {self.random_copy_phrase_longest}")
+
+  @property
+  def fractions(self) -> dict[str, float]:
+    """The shares of the row kinds, in the order `Batches` draws them."""
+    return {"copy_fraction": self.copy_fraction,
+            "random_copy_fraction": self.random_copy_fraction,
+            "framed_copy_fraction": self.framed_copy_fraction}
+
+  @classmethod
+  def from_config(cls, config) -> RowMix:
+    """The mix a trainer config (`configs/lm_common.py`) asks for."""
+    return cls(**{field.name: config[field.name] for field in dataclasses.fields(cls)})
+
+
 class Batches:
   """`batch(step)`: int32 `[batch_size, seq_len + 1]`, a pure function of (seed, step).
 
   Sample `i = step * batch_size + j` is sequence `perm_e[i mod n]` of epoch
-  `e = i // n`, with `perm_e` a permutation drawn from `fold_in(key(seed), e)`.
+  `e = i // n`, with `perm_e` a permutation drawn from `fold_in(key(seed), e)`. A stable
+  share of the samples become the copy lessons of `mix`.
   """
 
   def __init__(self, sequences: np.ndarray, batch_size: int, seed: int,
-               copy_fraction: float = 0.0, random_copy_fraction: float = 0.0,
-               vocab_size: int = 0, copy_min_period: int = 0,
-               framed_copy_fraction: float = 0.0, frames: tuple[np.ndarray, ...] = (),
-               random_copy_min_alphabet: int = 0, random_copy_common_share: float = 0.0,
-               random_copy_shown_twice: bool = False, random_copy_phrase_rate: float = 0.0,
-               random_copy_phrase_longest: int = 4, copy_shown_twice: bool = False):
+               mix: RowMix = RowMix(), vocab_size: int = 0,
+               frames: tuple[np.ndarray, ...] = ()):
     if batch_size < 1:
       raise MdjaxError(f"batch_size must be >= 1, got {batch_size}")
-    fractions = {"copy_fraction": copy_fraction, "random_copy_fraction": random_copy_fraction,
-                 "framed_copy_fraction": framed_copy_fraction}
-    for name, value in fractions.items():
-      if not 0 <= value <= 1:
-        raise MdjaxError(f"{name} must be in [0, 1], got {value}")
-    if sum(fractions.values()) > 1:
-      raise MdjaxError(f"{' + '.join(fractions)} must sum to <= 1, got "
-                       f"{' + '.join(str(v) for v in fractions.values())}")
-    if framed_copy_fraction and not frames:
+    if mix.framed_copy_fraction and not frames:
       raise MdjaxError("framed copy rows need the frames' token ids, got none")
-    if random_copy_fraction and vocab_size <= FIRST_RANDOM_ID:
+    if mix.random_copy_fraction and vocab_size <= FIRST_RANDOM_ID:
       raise MdjaxError(f"random copy rows need the vocabulary size, got {vocab_size}")
     alphabet_max = vocab_size - FIRST_RANDOM_ID
-    if random_copy_min_alphabet and not 2 <= random_copy_min_alphabet <= alphabet_max:
+    if mix.random_copy_min_alphabet and not 2 <= mix.random_copy_min_alphabet <= alphabet_max:
       raise MdjaxError(f"random_copy_min_alphabet must be 0 (the whole vocabulary) or in "
-                       f"[2, {alphabet_max}], got {random_copy_min_alphabet}")
-    for name, value in (("random_copy_common_share", random_copy_common_share),
-                        ("random_copy_phrase_rate", random_copy_phrase_rate)):
-      if not 0 <= value < 1:
-        raise MdjaxError(f"{name} must be in [0, 1), got {value}")
-    if not 2 <= random_copy_phrase_longest <= 8:
-      raise MdjaxError(f"random_copy_phrase_longest must be in [2, 8] (a phrase shorter "
-                       f"than a block of 8), got {random_copy_phrase_longest}")
+                       f"[2, {alphabet_max}], got {mix.random_copy_min_alphabet}")
     half = first_half(sequences.shape[1])
-    if not 0 <= copy_min_period <= half:
+    if not 0 <= mix.copy_min_period <= half:
       raise MdjaxError(f"copy_min_period must be in [0, {half}] (0: always the first half of "
-                       f"the {sequences.shape[1]}-token rows), got {copy_min_period}")
-    self.copy_min_period = copy_min_period
-    self.copy_shown_twice = copy_shown_twice
+                       f"the {sequences.shape[1]}-token rows), got {mix.copy_min_period}")
+    self.mix = mix
     self.sequences = sequences
     self.batch_size = batch_size
     # a sample's share in [0, e0) copies, [e0, e1) random ids, [e1, e2) framed, [e2, 1) plain
-    self.kind_edges = np.cumsum(list(fractions.values()))  # [3]
+    self.kind_edges = np.cumsum(list(mix.fractions.values()))  # [3]
     self.frames = frames
     self.vocab_size = vocab_size
-    self.random_copy_min_alphabet = random_copy_min_alphabet
-    self.random_copy_common_share = random_copy_common_share
-    self.random_copy_shown_twice = random_copy_shown_twice
-    self.random_copy_phrase_rate = random_copy_phrase_rate
-    self.random_copy_phrase_longest = random_copy_phrase_longest
     self.seed = seed
     self.key = jax.random.key(seed)
     self._permutations: dict[int, np.ndarray] = {}
@@ -321,17 +340,16 @@ class Batches:
       batch = batch.copy()
     for row in changed:
       sample = int(samples[row])
-      if kind[row] == 0 and self.copy_shown_twice:
+      if kind[row] == 0 and self.mix.copy_shown_twice:
         batch[row] = chunks_shown_twice(batch[row], self._chunk_lengths(sample))
       elif kind[row] == 0:
         batch[row] = repeat_prefix(batch[row], self._copy_period(sample))
       elif kind[row] == 1:
+        mix = self.mix
         batch[row] = random_repeats(self.seed, sample, batch.shape[1], self.vocab_size,
-                                    self.random_copy_min_alphabet,
-                                    self.random_copy_common_share,
-                                    self.random_copy_shown_twice,
-                                    self.random_copy_phrase_rate,
-                                    self.random_copy_phrase_longest)
+                                    mix.random_copy_min_alphabet, mix.random_copy_common_share,
+                                    mix.random_copy_shown_twice, mix.random_copy_phrase_rate,
+                                    mix.random_copy_phrase_longest)
       else:
         pick = np.random.default_rng([self.seed, sample, 2]).integers(len(self.frames))
         batch[row] = framed_repeat(batch[row], self._copy_period(sample), self.frames[pick])
@@ -351,7 +369,8 @@ class Batches:
   def _draw_period(self, rng: np.random.Generator) -> int:
     """h, or drawn from m..h by `rng`."""
     half = first_half(self.sequences.shape[1])
-    return int(rng.integers(self.copy_min_period, half + 1)) if self.copy_min_period else half
+    m = self.mix.copy_min_period
+    return int(rng.integers(m, half + 1)) if m else half
 
 
 def first_half(width: int) -> int:

@@ -247,15 +247,8 @@ def prepare_data(config: ml_collections.ConfigDict, corpus: data.Corpus, fast_to
   frames = tuple(np.asarray(encoding.ids, np.int32) for encoding in
                  fast_tokenizer.encode_batch(list(data.COPY_FRAMES), add_special_tokens=False))
   return Data(batches=data.Batches(data.pack(train, config.seq_len), config.batch_size,
-                                   config.seed, config.copy_fraction, config.random_copy_fraction,
-                                   fast_tokenizer.get_vocab_size(), config.copy_min_period,
-                                   config.framed_copy_fraction, frames,
-                                   config.random_copy_min_alphabet,
-                                   config.random_copy_common_share,
-                                   config.random_copy_shown_twice,
-                                   config.random_copy_phrase_rate,
-                                   config.random_copy_phrase_longest,
-                                   config.copy_shown_twice),
+                                   config.seed, data.RowMix.from_config(config),
+                                   fast_tokenizer.get_vocab_size(), frames),
               heldout=picked, heldout_bytes_per_token=float(target_bytes.mean()),
               train_tokens=len(train))
 
@@ -329,6 +322,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
                "keep_checkpoints", "eval_sequences"):
     if config[name] < 1:
       raise MdjaxError(f"config.{name} must be >= 1, got {config[name]}")
+  data.RowMix.from_config(config)  # a bad row mix fails here, before any data is read
   if config.export_shard_mb < 0:
     raise MdjaxError(f"config.export_shard_mb must be >= 0 (0: one file), got "
                      f"{config.export_shard_mb}")
