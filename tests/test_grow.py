@@ -19,7 +19,7 @@ from mdjax.models.config import ModelConfig
 from mdjax.models.random_init import init_params
 from mdjax.models.transformer import causal_logits
 from mdjax.train import grow, lm
-from tests.helpers import torch_logits, write_tiny_checkpoint
+from helpers import torch_logits, write_tiny_checkpoint
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=32)

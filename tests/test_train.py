@@ -363,7 +363,7 @@ def test_framed_copy_rows_show_a_prefix_a_frame_the_prefix_again_then_the_text_o
 
 
 def test_the_card_names_every_kind_of_copy_row_the_run_trained_on():
-  summary = {"copy_fraction": 0.2, "copy_min_period": 16, "random_copy_fraction": 0.1,
+  summary = {"steps": 100, "copy_fraction": 0.2, "copy_min_period": 16, "random_copy_fraction": 0.1,
              "framed_copy_fraction": 0.35, "init_from": ""}
   lines = export.continuation_line(summary).splitlines()
   assert [line.split(" of the sequences")[0] for line in lines] == ["20%", "10%", "35%"]
@@ -573,6 +573,28 @@ def test_init_from_continues_an_export_and_counts_all_tokens(trained, tmp_path):
   wider.model.hidden_size = 64
   with pytest.raises(ValueError, match="hidden_size: 32 vs 64"):
     lm.initial_params(wider, lm.model_config(wider, result.model_config.vocab_size))
+
+
+def test_export_only_before_any_checkpoint_exports_init_from_as_it_is(trained, tmp_path):
+  """A soup (or grown model) gets a card, held-out numbers and a fingerprint with no step."""
+  result, config = trained
+  export.export(result, config, tmp_path / "start")
+  record = json.loads((tmp_path / "start" / "training_summary.json").read_text())
+  record["averaged_from"] = [{"model": "a", "weight": 0.5}, {"model": "b", "weight": 0.5}]
+  (tmp_path / "start" / "training_summary.json").write_text(json.dumps(record))
+  as_is = tiny_config(tmp_path / "as-is", init_from=str(tmp_path / "start"), copy_fraction=0.3)
+  run = lm.train(as_is, progress=False, restore_only=True)
+  assert run.step == 0
+  for got, want in zip(jax.tree.leaves(run.params), jax.tree.leaves(result.params)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  summary = export.export(run, as_is, tmp_path / "exported")
+  assert summary["tokens_seen_total"] == record["tokens_seen_total"]
+  assert summary["heldout_loss"] == pytest.approx(record["heldout_loss"], abs=1e-6)
+  card = (tmp_path / "exported" / "README.md").read_text()
+  assert "No training step" in card and "the average of the weights of `a` x 0.5, `b` x 0.5" in card
+  assert "copy rows" not in card  # no step trained on the config's row mix
+  with pytest.raises(ValueError, match="no checkpoint to export .* and no init_from"):
+    lm.train(tiny_config(tmp_path / "empty"), progress=False, restore_only=True)
 
 
 def test_init_from_a_tied_export_can_continue_untied_with_the_same_logits(tmp_path):

@@ -98,13 +98,16 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
 
 
 def continued_from(init_from: str, tokens_seen: int) -> dict:
-  """`init_from` and the tokens seen over the whole lineage (this run's + its start's)."""
-  before = 0
+  """`init_from`, the tokens seen over the whole lineage (this run's + its start's), and
+  how the start was made when it is a soup or a grown model (`experiments.soup_lm`,
+  `experiments.grow_lm`)."""
+  before, made = 0, {}
   summary_file = pathlib.Path(init_from) / "training_summary.json" if init_from else None
   if summary_file and summary_file.is_file():
     earlier = json.loads(summary_file.read_text())
     before = earlier.get("tokens_seen_total", earlier["tokens_seen"])
-  return {"init_from": init_from, "tokens_seen_total": tokens_seen + before}
+    made = {key: earlier[key] for key in ("averaged_from", "grown_from") if key in earlier}
+  return {"init_from": init_from, "tokens_seen_total": tokens_seen + before, **made}
 
 
 def distilled_from(run, exported: Model, batch_size: int) -> dict:
@@ -131,7 +134,9 @@ def write_fingerprint(model: Model, sequences, directory: str | os.PathLike) -> 
 def continuation_line(summary: dict) -> str:
   """The card's sentences on copy rows, the run this one continued and its teacher."""
   lines = []
-  if summary["copy_fraction"]:
+  if not summary["steps"]:
+    lines.append("No training step: these are the weights of `init_from` as they are.")
+  elif summary["copy_fraction"]:
     lengths = (f"{summary['copy_min_period']} tokens to half the row long"
                if summary.get("copy_min_period") else "half the row long")
     if summary.get("copy_shown_twice"):
@@ -142,7 +147,7 @@ def continuation_line(summary: dict) -> str:
       repeated = "repeat their first half"
     lines.append(f"{summary['copy_fraction']:.0%} of the sequences {repeated} "
                  "(copy rows, see `mdjax.train.data`).")
-  if summary.get("random_copy_fraction"):
+  if summary["steps"] and summary.get("random_copy_fraction"):
     details = (f", each drawn from {summary['random_copy_min_alphabet']} or more ids "
                "(log-uniform) rather than the whole vocabulary"
                if summary.get("random_copy_min_alphabet") else "")
@@ -157,13 +162,21 @@ def continuation_line(summary: dict) -> str:
                 else "repeat a block of random ids")
     lines.append(f"{summary['random_copy_fraction']:.0%} of the sequences {repeated}"
                  f"{details} (random copy rows, see `mdjax.train.data`).")
-  if summary.get("framed_copy_fraction"):
+  if summary["steps"] and summary.get("framed_copy_fraction"):
     lines.append(f"{summary['framed_copy_fraction']:.0%} of the sequences show a prefix, a "
                  "comment announcing a repeat, then the prefix again (framed copy rows, see "
                  "`mdjax.train.data`).")
   if summary["init_from"]:
     lines.append(f"Continued from the weights of `{summary['init_from']}`: "
                  f"{summary['tokens_seen_total']:,} tokens seen in all.")
+  if summary.get("averaged_from"):
+    parts = ", ".join(f"`{i['model']}` x {i['weight']:.3g}" for i in summary["averaged_from"])
+    lines.append(f"`{summary['init_from']}` is a soup (`experiments.soup_lm`): the average "
+                 f"of the weights of {parts}.")
+  if summary.get("grown_from"):
+    g = summary["grown_from"]
+    lines.append(f"`{summary['init_from']}` is `{g['model']}` grown (`experiments.grow_lm`) "
+                 f"from {g['num_kv_heads']} KV heads and {g['num_layers']} layers.")
   if summary.get("teacher"):
     lines.append(f"Distilled from `{summary['teacher']}` (loss = {1 - summary['distill_weight']:g} "
                  f"x cross-entropy + {summary['distill_weight']:g} x KL to the teacher at "

@@ -332,7 +332,9 @@ def train(config: ml_collections.ConfigDict, *, progress: bool = True,
           restore_only: bool = False) -> Run:
   """Trains (or resumes) up to `config.steps`; returns the final params and what made them.
 
-  `restore_only`: run no step, return the latest checkpoint's params (for an export).
+  `restore_only`: run no step, return the latest checkpoint's params (for an export), or,
+  before any checkpoint, `init_from`'s as they are (step 0: e.g. a soup or a grown model
+  exported with a card and held-out numbers like any trained one).
   """
   validate(config)
   run_dir = pathlib.Path(config.run_dir)
@@ -361,8 +363,9 @@ def train(config: ml_collections.ConfigDict, *, progress: bool = True,
   lr = lr_schedule(config)
 
   end = start if restore_only else config.steps
-  if restore_only and not start:
-    raise MdjaxError(f"no checkpoint to export in {str(run_dir / 'checkpoints')!r}")
+  if restore_only and not start and not config.init_from:
+    raise MdjaxError(f"no checkpoint to export in {str(run_dir / 'checkpoints')!r} and no "
+                     "init_from")
   bar = tqdm(total=end, initial=start, disable=not progress, dynamic_ncols=True,
              desc=run_dir.name)
   session_start = last_time = time.perf_counter()
