@@ -591,7 +591,9 @@ def test_export_only_before_any_checkpoint_exports_init_from_as_it_is(trained, t
   assert summary["tokens_seen_total"] == record["tokens_seen_total"]
   assert summary["heldout_loss"] == pytest.approx(record["heldout_loss"], abs=1e-6)
   card = (tmp_path / "exported" / "README.md").read_text()
-  assert "No training step" in card and "the average of the weights of `a` x 0.5, `b` x 0.5" in card
+  assert "No training step: exported only" in card and "as they are" in card
+  assert "the average of the weights of `a` x 0.5, `b` x 0.5" in card
+  assert "Continued from" not in card
   assert "copy rows" not in card  # no step trained on the config's row mix
   with pytest.raises(ValueError, match="no checkpoint to export .* and no init_from"):
     lm.train(tiny_config(tmp_path / "empty"), progress=False, restore_only=True)

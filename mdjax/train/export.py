@@ -135,7 +135,8 @@ def continuation_line(summary: dict) -> str:
   """The card's sentences on copy rows, the run this one continued and its teacher."""
   lines = []
   if not summary["steps"]:
-    lines.append("No training step: these are the weights of `init_from` as they are.")
+    lines.append(f"These are the weights of `{summary['init_from']}` as they are: "
+                 f"{summary['tokens_seen_total']:,} tokens seen in all.")
   elif summary["copy_fraction"]:
     lengths = (f"{summary['copy_min_period']} tokens to half the row long"
                if summary.get("copy_min_period") else "half the row long")
@@ -166,7 +167,7 @@ def continuation_line(summary: dict) -> str:
     lines.append(f"{summary['framed_copy_fraction']:.0%} of the sequences show a prefix, a "
                  "comment announcing a repeat, then the prefix again (framed copy rows, see "
                  "`mdjax.train.data`).")
-  if summary["init_from"]:
+  if summary["steps"] and summary["init_from"]:
     lines.append(f"Continued from the weights of `{summary['init_from']}`: "
                  f"{summary['tokens_seen_total']:,} tokens seen in all.")
   if summary.get("averaged_from"):
@@ -183,6 +184,15 @@ def continuation_line(summary: dict) -> str:
                  f"temperature {summary['distill_temperature']:g}); held-out argmax agreement "
                  f"with it: {summary['heldout_teacher_agreement']:.4f}.")
   return "\n".join(lines) + ("\n" if lines else "")
+
+
+def _steps_line(summary: dict) -> str:
+  s = summary
+  if not s["steps"]:
+    return f"No training step: exported only (`--config.export_only=True`), on {s['trained_on']}."
+  return (f"{s['steps']} steps x {s['batch_size']} sequences x {s['seq_len']} tokens = "
+          f"{s['tokens_seen']:,}\ntokens seen, AdamW with warmup + cosine decay, trained on "
+          f"{s['trained_on']}.")
 
 
 def model_card(name: str, config, summary: dict) -> str:
@@ -210,8 +220,7 @@ files listed in `heldout_files.json`. Byte-level BPE tokenizer, vocabulary {c.vo
 
     {s["command"]}
 
-{s["steps"]} steps x {s["batch_size"]} sequences x {s["seq_len"]} tokens = {s["tokens_seen"]:,}
-tokens seen, AdamW with warmup + cosine decay, trained on {s["trained_on"]}.
+{_steps_line(s)}
 {continuation_line(s)}
 ## Held-out results (measured on these exported weights)
 
