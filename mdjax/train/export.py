@@ -133,43 +133,14 @@ def write_fingerprint(model: Model, sequences, directory: str | os.PathLike) -> 
 
 def continuation_line(summary: dict) -> str:
   """The card's sentences on copy rows, the run this one continued and its teacher."""
-  lines = []
   if not summary["steps"]:
-    lines.append(f"These are the weights of `{summary['init_from']}` as they are: "
-                 f"{summary['tokens_seen_total']:,} tokens seen in all.")
-  elif summary["copy_fraction"]:
-    lengths = (f"{summary['copy_min_period']} tokens to half the row long"
-               if summary.get("copy_min_period") else "half the row long")
-    if summary.get("copy_shown_twice"):
-      repeated = f"show consecutive chunks of their own twice each, {lengths}"
-    elif summary.get("copy_min_period"):
-      repeated = f"repeat a prefix of their own over and over, {lengths}"
-    else:
-      repeated = "repeat their first half"
-    lines.append(f"{summary['copy_fraction']:.0%} of the sequences {repeated} "
-                 "(copy rows, see `mdjax.train.data`).")
-  if summary["steps"] and summary.get("random_copy_fraction"):
-    details = (f", each drawn from {summary['random_copy_min_alphabet']} or more ids "
-               "(log-uniform) rather than the whole vocabulary"
-               if summary.get("random_copy_min_alphabet") else "")
-    if summary.get("random_copy_common_share"):
-      details += (f", {summary['random_copy_common_share']:.0%} of their positions one of "
-                  "the block's 2..8 common ids")
-    if summary.get("random_copy_phrase_rate"):
-      details += (", one of the block's 1..3 phrases of 2.."
-                  f"{summary.get('random_copy_phrase_longest', 4)} ids starting at "
-                  f"{summary['random_copy_phrase_rate']:.0%} of their positions")
-    repeated = ("show blocks of random ids twice each" if summary.get("random_copy_shown_twice")
-                else "repeat a block of random ids")
-    lines.append(f"{summary['random_copy_fraction']:.0%} of the sequences {repeated}"
-                 f"{details} (random copy rows, see `mdjax.train.data`).")
-  if summary["steps"] and summary.get("framed_copy_fraction"):
-    lines.append(f"{summary['framed_copy_fraction']:.0%} of the sequences show a prefix, a "
-                 "comment announcing a repeat, then the prefix again (framed copy rows, see "
-                 "`mdjax.train.data`).")
-  if summary["steps"] and summary["init_from"]:
-    lines.append(f"Continued from the weights of `{summary['init_from']}`: "
-                 f"{summary['tokens_seen_total']:,} tokens seen in all.")
+    lines = [f"These are the weights of `{summary['init_from']}` as they are: "
+             f"{summary['tokens_seen_total']:,} tokens seen in all."]
+  else:
+    lines = _row_lines(summary)
+    if summary["init_from"]:
+      lines.append(f"Continued from the weights of `{summary['init_from']}`: "
+                   f"{summary['tokens_seen_total']:,} tokens seen in all.")
   if summary.get("averaged_from"):
     parts = ", ".join(f"`{i['model']}` x {i['weight']:.3g}" for i in summary["averaged_from"])
     lines.append(f"`{summary['init_from']}` is a soup (`experiments.soup_lm`): the average "
@@ -184,6 +155,42 @@ def continuation_line(summary: dict) -> str:
                  f"temperature {summary['distill_temperature']:g}); held-out argmax agreement "
                  f"with it: {summary['heldout_teacher_agreement']:.4f}.")
   return "\n".join(lines) + ("\n" if lines else "")
+
+
+def _row_lines(summary: dict) -> list[str]:
+  """A sentence per kind of copy row the run trained on."""
+  lines = []
+  if summary["copy_fraction"]:
+    lengths = (f"{summary['copy_min_period']} tokens to half the row long"
+               if summary.get("copy_min_period") else "half the row long")
+    if summary.get("copy_shown_twice"):
+      repeated = f"show consecutive chunks of their own twice each, {lengths}"
+    elif summary.get("copy_min_period"):
+      repeated = f"repeat a prefix of their own over and over, {lengths}"
+    else:
+      repeated = "repeat their first half"
+    lines.append(f"{summary['copy_fraction']:.0%} of the sequences {repeated} "
+                 "(copy rows, see `mdjax.train.data`).")
+  if summary.get("random_copy_fraction"):
+    details = (f", each drawn from {summary['random_copy_min_alphabet']} or more ids "
+               "(log-uniform) rather than the whole vocabulary"
+               if summary.get("random_copy_min_alphabet") else "")
+    if summary.get("random_copy_common_share"):
+      details += (f", {summary['random_copy_common_share']:.0%} of their positions one of "
+                  "the block's 2..8 common ids")
+    if summary.get("random_copy_phrase_rate"):
+      details += (", one of the block's 1..3 phrases of 2.."
+                  f"{summary.get('random_copy_phrase_longest', 4)} ids starting at "
+                  f"{summary['random_copy_phrase_rate']:.0%} of their positions")
+    repeated = ("show blocks of random ids twice each" if summary.get("random_copy_shown_twice")
+                else "repeat a block of random ids")
+    lines.append(f"{summary['random_copy_fraction']:.0%} of the sequences {repeated}"
+                 f"{details} (random copy rows, see `mdjax.train.data`).")
+  if summary.get("framed_copy_fraction"):
+    lines.append(f"{summary['framed_copy_fraction']:.0%} of the sequences show a prefix, a "
+                 "comment announcing a repeat, then the prefix again (framed copy rows, see "
+                 "`mdjax.train.data`).")
+  return lines
 
 
 def _steps_line(summary: dict) -> str:
