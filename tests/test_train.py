@@ -594,7 +594,7 @@ def test_export_only_before_any_checkpoint_exports_init_from_as_it_is(trained, t
   assert "No training step: exported only" in card and "as they are" in card
   assert "the average of the weights of `a` x 0.5, `b` x 0.5" in card
   assert "Continued from" not in card
-  assert "copy rows" not in card  # no step trained on the config's row mix
+  assert "copy rows" not in card and "copy_fraction" not in summary  # no step, no row mix
   with pytest.raises(ValueError, match="no checkpoint to export .* and no init_from"):
     lm.train(tiny_config(tmp_path / "empty"), progress=False, restore_only=True)
 

@@ -17,6 +17,7 @@ model can be checked against its own card.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -30,7 +31,7 @@ import ml_collections
 
 from mdjax.models import hf
 from mdjax.models.model import Model
-from mdjax.train import distill
+from mdjax.train import data, distill
 from mdjax.train.lm import Run, evaluate, evaluate_copying, evaluate_induction
 
 
@@ -61,16 +62,8 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
       "batch_size": config.batch_size,
       "seq_len": config.seq_len,
       "tokens_seen": run.step * config.batch_size * config.seq_len,
-      "copy_fraction": config.copy_fraction,
-      "copy_min_period": config.copy_min_period,
-      "copy_shown_twice": config.copy_shown_twice,
-      "random_copy_fraction": config.random_copy_fraction,
-      "random_copy_min_alphabet": config.random_copy_min_alphabet,
-      "random_copy_common_share": config.random_copy_common_share,
-      "random_copy_shown_twice": config.random_copy_shown_twice,
-      "random_copy_phrase_rate": config.random_copy_phrase_rate,
-      "random_copy_phrase_longest": config.random_copy_phrase_longest,
-      "framed_copy_fraction": config.framed_copy_fraction,
+      # the row mix trained on (none when no step was run)
+      **(dataclasses.asdict(data.RowMix.from_config(config)) if run.step else {}),
       **continued_from(config.init_from, run.step * config.batch_size * config.seq_len),
       **distilled_from(run, exported, config.batch_size),
       "num_params": run.model_config.num_params,
@@ -160,7 +153,7 @@ def continuation_line(summary: dict) -> str:
 def _row_lines(summary: dict) -> list[str]:
   """A sentence per kind of copy row the run trained on."""
   lines = []
-  if summary["copy_fraction"]:
+  if summary.get("copy_fraction"):
     lengths = (f"{summary['copy_min_period']} tokens to half the row long"
                if summary.get("copy_min_period") else "half the row long")
     if summary.get("copy_shown_twice"):
