@@ -20,7 +20,7 @@ import shutil
 from absl import app, flags
 
 from mdjax.models import hf
-from mdjax.train import grow
+from mdjax.train import export, grow
 
 _MODEL = flags.DEFINE_string("model", "code-tiny", "shipped model name or model directory")
 _NUM_KV_HEADS = flags.DEFINE_integer("num_kv_heads", None, "key/value heads after growth")
@@ -40,8 +40,7 @@ def main(argv):
   out = pathlib.Path(_OUT.value)
   if (source / "heldout_files.json").is_file():
     shutil.copy(source / "heldout_files.json", out / "heldout_files.json")
-  summary_file = source / "training_summary.json"
-  summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+  summary = export.recorded_summary(source)
   summary["grown_from"] = {"model": _MODEL.value, "num_kv_heads": model.config.num_kv_heads,
                            "num_layers": model.config.num_layers, "seed": _SEED.value}
   (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -21,18 +21,13 @@ from absl import app, flags
 
 from mdjax.errors import MdjaxError
 from mdjax.models import hf
-from mdjax.train import soup
+from mdjax.train import export, soup
 
 _MODELS = flags.DEFINE_list("models", None, "shipped model names or model directories",
                             required=True)
 _WEIGHTS = flags.DEFINE_list("weights", None, "a weight per model (default: equal)")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "weight dtype of the written soup")
 _OUT = flags.DEFINE_string("out", None, "directory to write the soup to", required=True)
-
-
-def _summary(directory: pathlib.Path) -> dict:
-  file = directory / "training_summary.json"
-  return json.loads(file.read_text()) if file.is_file() else {}
 
 
 def main(argv):
@@ -49,8 +44,7 @@ def main(argv):
   hf.save_hf(mixed, out, dtype=_DTYPE.value)
   if heldout[0] is not None:
     shutil.copy(directories[0] / "heldout_files.json", out / "heldout_files.json")
-  summaries = [_summary(d) for d in directories]
-  seen = [s.get("tokens_seen_total", s.get("tokens_seen", 0)) for s in summaries]
+  seen = [export.lineage_tokens(export.recorded_summary(d)) for d in directories]
   weights = weights or [1.0] * len(directories)
   record = {"averaged_from": [{"model": name, "weight": w / sum(weights), "tokens_seen_total": n}
                               for name, w, n in zip(_MODELS.value, weights, seen)],

@@ -90,17 +90,25 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
   return summary
 
 
+def recorded_summary(directory: str | os.PathLike) -> dict:
+  """The `training_summary.json` an export wrote into `directory`, or {} where there is none."""
+  file = pathlib.Path(directory) / "training_summary.json"
+  return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def lineage_tokens(summary: dict) -> int:
+  """The tokens a recorded model saw over its whole lineage (0 for an unrecorded one)."""
+  return summary.get("tokens_seen_total", summary.get("tokens_seen", 0))
+
+
 def continued_from(init_from: str, tokens_seen: int) -> dict:
   """`init_from`, the tokens seen over the whole lineage (this run's + its start's), and
   how the start was made when it is a soup or a grown model (`experiments.soup_lm`,
   `experiments.grow_lm`)."""
-  before, made = 0, {}
-  summary_file = pathlib.Path(init_from) / "training_summary.json" if init_from else None
-  if summary_file and summary_file.is_file():
-    earlier = json.loads(summary_file.read_text())
-    before = earlier.get("tokens_seen_total", earlier["tokens_seen"])
-    made = {key: earlier[key] for key in ("averaged_from", "grown_from") if key in earlier}
-  return {"init_from": init_from, "tokens_seen_total": tokens_seen + before, **made}
+  earlier = recorded_summary(init_from) if init_from else {}
+  made = {key: earlier[key] for key in ("averaged_from", "grown_from") if key in earlier}
+  return {"init_from": init_from, "tokens_seen_total": tokens_seen + lineage_tokens(earlier),
+          **made}
 
 
 def distilled_from(run, exported: Model, batch_size: int) -> dict:
