@@ -76,20 +76,25 @@ def test_growth_that_cannot_preserve_the_function_is_refused(change, message):
     grow.grow(init_params(CONFIG), CONFIG, **change)
 
 
-def test_qwen2_kv_heads_are_refused():
-  config = ModelConfig(**{**CONFIG.__dict__, "family": "qwen2", "qkv_bias": True})
-  with pytest.raises(MdjaxError, match="no q/k/v bias"):
-    grow.grow(init_params(config), config, num_kv_heads=4)
+@pytest.mark.parametrize("family, change", [("qwen2", dict(qkv_bias=True)),
+                                             ("qwen3", dict(qk_norm=True))])
+def test_kv_heads_of_biased_or_normed_attention_grow_with_the_same_logits(family, change):
+  config = ModelConfig(**{**CONFIG.__dict__, "family": family, **change})
+  params = init_params(config, seed=1, std=0.3)
+  grown, grown_config = grow.grow(params, config, num_kv_heads=4, num_layers=4, seed=2)
+  np.testing.assert_allclose(causal_logits(grown, TOKENS, config=grown_config),
+                             causal_logits(params, TOKENS, config=config), rtol=1e-5, atol=1e-5)
 
 
-def test_grow_lm_writes_a_model_transformers_reads_with_the_same_logits(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_grow_lm_writes_a_model_transformers_reads_with_the_same_logits(tmp_path, family):
   source = tmp_path / "source"
-  torch_model = write_tiny_checkpoint(source)
+  torch_model = write_tiny_checkpoint(source, family)
   (source / "training_summary.json").write_text(json.dumps({"tokens_seen": 7}))
   out = tmp_path / "grown"
   subprocess.run([sys.executable, "-m", "experiments.grow_lm", f"--model={source}",
                   "--num_kv_heads=4", "--num_layers=4", f"--out={out}"], check=True)
-  grown = transformers.LlamaForCausalLM.from_pretrained(out, attn_implementation="eager")
+  grown = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
   assert (grown.config.num_key_value_heads, grown.config.num_hidden_layers) == (4, 4)
   ids = np.random.default_rng(3).integers(0, 192, 20)
   with torch.no_grad():

@@ -5,7 +5,8 @@ continues from its quality with more capacity (Net2Net-style, for the llama layo
 
 * **Key/value heads** `K -> K'` (`K'` a multiple of `K` dividing the `N` query heads).
   Query head `i` reads kv group `i // (N / K)`; after growth it reads group
-  `i // (N / K')`, whose key and value projections are copies of its old group's:
+  `i // (N / K')`, whose key and value projections (and q/k/v biases, where the family
+  has them) are copies of its old group's:
 
       K = 2, N = 6:   q0 q1 q2 | q3 q4 q5        wqkv columns [q (N*H) | k (K*H) | v (K*H)]
                       k0       | k1
@@ -57,24 +58,28 @@ def _check(config: ModelConfig, num_kv_heads: int, num_layers: int) -> None:
   if num_layers < config.num_layers:
     raise MdjaxError(f"cannot grow {config.num_layers} layers to {num_layers}: growth only "
                      "adds layers")
-  if num_kv_heads != k and (config.qkv_bias or config.qk_norm):
-    raise MdjaxError("growing key/value heads supports llama/mistral attention (no q/k/v "
-                     f"bias, no q/k norm); this model is {config.family}")
 
 
 def _more_kv_heads(layer: dict, config: ModelConfig, num_kv_heads: int) -> dict:
-  """`wqkv` [D, (N + 2K) * H] -> [D, (N + 2K') * H], each kv head repeated K'/K times."""
+  """`wqkv` [D, (N + 2K) * H] -> [D, (N + 2K') * H], each kv head repeated K'/K times, and
+  `bqkv` [(N + 2K) * H] alike. The q/k norms ([H], one per head dimension, shared by all
+  heads) need no change."""
   n, k, h = config.num_heads, config.num_kv_heads, config.head_dim
   if num_kv_heads == k:
     return layer
-  d = layer["wqkv"].shape[0]
-  q, key, value = jnp.split(layer["wqkv"], [n * h, (n + k) * h], axis=1)
   repeat = num_kv_heads // k
 
-  def repeated(w):  # [D, K*H] -> [D, K'*H], head j' = old head j' // repeat
-    return jnp.repeat(w.reshape(d, k, h), repeat, axis=1).reshape(d, num_kv_heads * h)
+  def regrouped(w):  # [..., (N + 2K) * H] -> [..., (N + 2K') * H]
+    q, key, value = jnp.split(w, [n * h, (n + k) * h], axis=-1)
 
-  return {**layer, "wqkv": jnp.concatenate([q, repeated(key), repeated(value)], axis=1)}
+    def repeated(x):  # [..., K*H] -> [..., K'*H], head j' = old head j' // repeat
+      heads = x.reshape(*x.shape[:-1], k, h)
+      return jnp.repeat(heads, repeat, axis=-2).reshape(*x.shape[:-1], num_kv_heads * h)
+
+    return jnp.concatenate([q, repeated(key), repeated(value)], axis=-1)
+
+  return {**layer, **{name: regrouped(layer[name]) for name in ("wqkv", "bqkv")
+                      if name in layer}}
 
 
 def _silent(layer: dict) -> dict:
