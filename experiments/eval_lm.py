@@ -45,13 +45,20 @@ _DRAFT = flags.DEFINE_string("draft", "code-tiny-draft", "Draft model (same toke
 _SEQUENCES = flags.DEFINE_integer("sequences", 32, "Held-out sequences for loss/accuracy.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 256, "Tokens per held-out sequence.")
 _COPIES = flags.DEFINE_integer("copies", 8, "Functions in the copy task.")
+_COPY_KIND = flags.DEFINE_enum(
+    "copy_kind", "functions", ["functions", "methods"],
+    "What the copy task copies: top-level functions, or methods (functions in a top-level "
+    "class body, indented as in their file): a second set of held-out code, for checking a "
+    "model chosen on the functions.")
 _OUT = flags.DEFINE_string("out", "results/eval_lm/eval_lm.json", "JSON output.")
 
 COPY_TEMPLATE = "{function}\n\n# The same function, repeated exactly:\n{first_line}"
 
 
-def short_functions(texts: list[str], count: int, max_lines: int = 12) -> list[str]:
-  """Top-level functions of 4..max_lines lines from the texts, in file order."""
+def short_functions(texts: list[str], count: int, max_lines: int = 12,
+                    kind: str = "functions") -> list[str]:
+  """Functions of 4..max_lines lines from the texts, in file order: top-level ones
+  (`kind="functions"`) or those in top-level class bodies (`"methods"`, indented)."""
   found = []
   for text in texts:
     try:
@@ -59,7 +66,9 @@ def short_functions(texts: list[str], count: int, max_lines: int = 12) -> list[s
     except SyntaxError:
       continue
     lines = text.splitlines()
-    for node in tree.body:
+    nodes = tree.body if kind == "functions" else [
+        node for cls in tree.body if isinstance(cls, ast.ClassDef) for node in cls.body]
+    for node in nodes:
       if isinstance(node, ast.FunctionDef) and 4 <= node.end_lineno - node.lineno + 1 <= max_lines:
         found.append("\n".join(lines[node.lineno - 1:node.end_lineno]))
         if len(found) == count:
@@ -222,7 +231,9 @@ def main(argv):
   result["random_copy_accuracy_by_alphabet"] = random_copy_accuracy_by_alphabet(target)
   result["random_copy_after_repeated_ids"] = random_copy_after_repeated_ids(target)
   result["embedding_similarity_by_token_count"] = embedding_similarity_by_token_count(target, counts)
-  result["copy_task"] = copy_task(target, short_functions(texts, _COPIES.value))
+  result["copy_task"] = copy_task(
+      target, short_functions(texts, _COPIES.value, kind=_COPY_KIND.value))
+  result["copy_task"]["kind"] = _COPY_KIND.value
   out = pathlib.Path(_OUT.value)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(result, indent=1) + "\n")

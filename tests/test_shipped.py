@@ -93,6 +93,17 @@ def test_accuracy_by_band_puts_each_count_in_the_band_that_starts_at_or_below_it
                  ">=64": {"tokens": 2, "accuracy": 1.0}}
 
 
+def test_copy_task_takes_top_level_functions_or_methods_of_4_to_12_lines():
+  from experiments import eval_lm
+  method = "    def method(self):\n        a = 1\n        b = 2\n        return a + b"
+  function = "def function(x):\n    y = x\n    z = y\n    return z"
+  short = "def short():\n    return 1"
+  text = f"{short}\n\n{function}\n\nclass C:\n{method}\n\n    x = 1\n"
+  assert eval_lm.short_functions([text, "def broken(:"], 8) == [function]
+  assert eval_lm.short_functions([text], 8, kind="methods") == [method]
+  assert eval_lm.short_functions([text, text], 1, kind="methods") == [method]
+
+
 def test_embedding_similarity_is_1_for_parallel_and_0_for_orthogonal_embeddings(shipped):
   """Ids 0-2 (band >=1024) get parallel embeddings, ids 3-5 (band 0-15) orthogonal ones,
   the rest (band 16-63) random ones."""
