@@ -50,15 +50,19 @@ _COPY_KIND = flags.DEFINE_enum(
     "What the copy task copies: top-level functions, or methods (functions in a top-level "
     "class body, indented as in their file): a second set of held-out code, for checking a "
     "model chosen on the functions.")
+_COPY_LINES = flags.DEFINE_list(
+    "copy_lines", ["4", "12"], "Fewest and most lines of a copied function (longer ones: "
+    "a third held-out set, and a harder one).")
 _OUT = flags.DEFINE_string("out", "results/eval_lm/eval_lm.json", "JSON output.")
 
 COPY_TEMPLATE = "{function}\n\n# The same function, repeated exactly:\n{first_line}"
 
 
-def short_functions(texts: list[str], count: int, max_lines: int = 12,
+def short_functions(texts: list[str], count: int, lines: tuple[int, int] = (4, 12),
                     kind: str = "functions") -> list[str]:
-  """Functions of 4..max_lines lines from the texts, in file order: top-level ones
+  """Functions of `lines[0]..lines[1]` lines from the texts, in file order: top-level ones
   (`kind="functions"`) or those in top-level class bodies (`"methods"`, indented)."""
+  fewest, most = lines
   found = []
   for text in texts:
     try:
@@ -69,11 +73,23 @@ def short_functions(texts: list[str], count: int, max_lines: int = 12,
     nodes = tree.body if kind == "functions" else [
         node for cls in tree.body if isinstance(cls, ast.ClassDef) for node in cls.body]
     for node in nodes:
-      if isinstance(node, ast.FunctionDef) and 4 <= node.end_lineno - node.lineno + 1 <= max_lines:
+      if isinstance(node, ast.FunctionDef) and fewest <= node.end_lineno - node.lineno + 1 <= most:
         found.append("\n".join(lines[node.lineno - 1:node.end_lineno]))
         if len(found) == count:
           return found
   return found
+
+
+def copy_lines() -> tuple[int, int]:
+  """`--copy_lines` as (fewest, most), checked."""
+  try:
+    fewest, most = map(int, _COPY_LINES.value)
+  except ValueError:
+    raise app.UsageError(f"--copy_lines must be two integers FEWEST,MOST, got "
+                         f"{','.join(_COPY_LINES.value)}") from None
+  if not 2 <= fewest <= most:
+    raise app.UsageError(f"--copy_lines needs 2 <= FEWEST <= MOST, got {fewest},{most}")
+  return fewest, most
 
 
 def copy_task(model: mdjax.Model, functions: list[str]) -> dict:
@@ -201,6 +217,7 @@ def copy_accuracy_by_match_needed(model: mdjax.Model, rows: np.ndarray,
 
 def main(argv):
   del argv
+  lines = copy_lines()  # a bad flag fails before minutes of measuring
   target, draft = mdjax.load(_TARGET.value), mdjax.load(_DRAFT.value)
   texts = data.recorded_heldout_texts(target.path)
   eos = target.tokenizer.convert_tokens_to_ids(target.tokenizer.eos_token)
@@ -232,8 +249,8 @@ def main(argv):
   result["random_copy_after_repeated_ids"] = random_copy_after_repeated_ids(target)
   result["embedding_similarity_by_token_count"] = embedding_similarity_by_token_count(target, counts)
   result["copy_task"] = copy_task(
-      target, short_functions(texts, _COPIES.value, kind=_COPY_KIND.value))
-  result["copy_task"]["kind"] = _COPY_KIND.value
+      target, short_functions(texts, _COPIES.value, lines, _COPY_KIND.value))
+  result["copy_task"].update(kind=_COPY_KIND.value, lines=list(lines))
   out = pathlib.Path(_OUT.value)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(result, indent=1) + "\n")

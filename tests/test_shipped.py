@@ -93,7 +93,7 @@ def test_accuracy_by_band_puts_each_count_in_the_band_that_starts_at_or_below_it
                  ">=64": {"tokens": 2, "accuracy": 1.0}}
 
 
-def test_copy_task_takes_top_level_functions_or_methods_of_4_to_12_lines():
+def test_copy_task_takes_top_level_functions_or_methods_of_the_lines_asked():
   from experiments import eval_lm
   method = "    def method(self):\n        a = 1\n        b = 2\n        return a + b"
   function = "def function(x):\n    y = x\n    z = y\n    return z"
@@ -102,6 +102,7 @@ def test_copy_task_takes_top_level_functions_or_methods_of_4_to_12_lines():
   assert eval_lm.short_functions([text, "def broken(:"], 8) == [function]
   assert eval_lm.short_functions([text], 8, kind="methods") == [method]
   assert eval_lm.short_functions([text, text], 1, kind="methods") == [method]
+  assert eval_lm.short_functions([text], 8, lines=(2, 3)) == [short]
 
 
 def test_embedding_similarity_is_1_for_parallel_and_0_for_orthogonal_embeddings(shipped):
