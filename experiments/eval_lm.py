@@ -92,6 +92,20 @@ def copy_lines() -> tuple[int, int]:
   return fewest, most
 
 
+def copy_prompt(model: mdjax.Model, function: str) -> tuple[str, list[int]]:
+  """(the function, then the request and its first line; the ids of the rest of it)."""
+  first_line, rest = function.split("\n", 1)
+  prompt = COPY_TEMPLATE.format(function=function, first_line=first_line)
+  return prompt, model.tokenizer.encode("\n" + rest)  # the newline starts the next token
+
+
+def fits_the_context(model: mdjax.Model, function: str) -> bool:
+  """Do the copy prompt and the copy fit in the model's positions?"""
+  prompt, expected = copy_prompt(model, function)
+  return (len(model.tokenizer.encode(prompt)) + len(expected)
+          <= model.config.max_position_embeddings)
+
+
 def copy_task(model: mdjax.Model, functions: list[str]) -> dict:
   """Greedy continuation after the repeated first line == the rest of the function?
 
@@ -102,9 +116,7 @@ def copy_task(model: mdjax.Model, functions: list[str]) -> dict:
   exact, token_match = 0, []
   examples, after_repeated, from_function, match_needed = [], 0, 0, []
   for function in functions:
-    first_line, rest = function.split("\n", 1)
-    prompt = COPY_TEMPLATE.format(function=function, first_line=first_line)
-    expected = model.tokenizer.encode("\n" + rest)  # the newline starts the next token
+    prompt, expected = copy_prompt(model, function)
     out = mdjax.generate(model, prompt, max_new_tokens=len(expected), eos_token_id=[])
     got = out.sequences[0]
     matched = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), len(expected))
@@ -248,9 +260,11 @@ def main(argv):
   result["random_copy_accuracy_by_alphabet"] = random_copy_accuracy_by_alphabet(target)
   result["random_copy_after_repeated_ids"] = random_copy_after_repeated_ids(target)
   result["embedding_similarity_by_token_count"] = embedding_similarity_by_token_count(target, counts)
-  result["copy_task"] = copy_task(
-      target, short_functions(texts, _COPIES.value, lines, _COPY_KIND.value))
-  result["copy_task"].update(kind=_COPY_KIND.value, lines=list(lines))
+  candidates = short_functions(texts, _COPIES.value, lines, _COPY_KIND.value)
+  functions = [f for f in candidates if fits_the_context(target, f)]
+  result["copy_task"] = copy_task(target, functions)
+  result["copy_task"].update(kind=_COPY_KIND.value, lines=list(lines),
+                             too_long_for_the_context=len(candidates) - len(functions))
   out = pathlib.Path(_OUT.value)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(result, indent=1) + "\n")

@@ -105,6 +105,17 @@ def test_copy_task_takes_top_level_functions_or_methods_of_the_lines_asked():
   assert eval_lm.short_functions([text], 8, lines=(2, 3)) == [short]
 
 
+def test_copy_prompt_asks_for_the_rest_and_long_functions_do_not_fit(shipped):
+  from experiments import eval_lm
+  function = "def f(x):\n    y = x\n    return y"
+  prompt, expected = eval_lm.copy_prompt(shipped, function)
+  assert prompt.startswith(function) and prompt.endswith("\ndef f(x):")
+  assert shipped.tokenizer.decode(expected) == "\n    y = x\n    return y"
+  assert eval_lm.fits_the_context(shipped, function)
+  body = "\n".join(f"    v{i} = {i}" for i in range(shipped.config.max_position_embeddings // 8))
+  assert not eval_lm.fits_the_context(shipped, f"def g():\n{body}")
+
+
 def test_embedding_similarity_is_1_for_parallel_and_0_for_orthogonal_embeddings(shipped):
   """Ids 0-2 (band >=1024) get parallel embeddings, ids 3-5 (band 0-15) orthogonal ones,
   the rest (band 16-63) random ones."""
