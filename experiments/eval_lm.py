@@ -58,7 +58,7 @@ _OUT = flags.DEFINE_string("out", "results/eval_lm/eval_lm.json", "JSON output."
 COPY_TEMPLATE = "{function}\n\n# The same function, repeated exactly:\n{first_line}"
 
 
-def short_functions(texts: list[str], count: int, lines: tuple[int, int] = (4, 12),
+def functions_to_copy(texts: list[str], count: int, lines: tuple[int, int] = (4, 12),
                     kind: str = "functions") -> list[str]:
   """Functions of `lines[0]..lines[1]` lines from the texts, in file order: top-level ones
   (`kind="functions"`) or those in top-level class bodies (`"methods"`, indented)."""
@@ -69,12 +69,12 @@ def short_functions(texts: list[str], count: int, lines: tuple[int, int] = (4, 1
       tree = ast.parse(text)
     except SyntaxError:
       continue
-    lines = text.splitlines()
+    source_lines = text.splitlines()
     nodes = tree.body if kind == "functions" else [
         node for cls in tree.body if isinstance(cls, ast.ClassDef) for node in cls.body]
     for node in nodes:
       if isinstance(node, ast.FunctionDef) and fewest <= node.end_lineno - node.lineno + 1 <= most:
-        found.append("\n".join(lines[node.lineno - 1:node.end_lineno]))
+        found.append("\n".join(source_lines[node.lineno - 1:node.end_lineno]))
         if len(found) == count:
           return found
   return found
@@ -93,7 +93,8 @@ def copy_lines() -> tuple[int, int]:
 
 
 def copy_prompt(model: mdjax.Model, function: str) -> tuple[str, list[int]]:
-  """(the function, then the request and its first line; the ids of the rest of it)."""
+  """The copy prompt (the function, the request to repeat it, its first line) and the ids
+  a copy continues it with (the rest of the function)."""
   first_line, rest = function.split("\n", 1)
   prompt = COPY_TEMPLATE.format(function=function, first_line=first_line)
   return prompt, model.tokenizer.encode("\n" + rest)  # the newline starts the next token
@@ -260,7 +261,7 @@ def main(argv):
   result["random_copy_accuracy_by_alphabet"] = random_copy_accuracy_by_alphabet(target)
   result["random_copy_after_repeated_ids"] = random_copy_after_repeated_ids(target)
   result["embedding_similarity_by_token_count"] = embedding_similarity_by_token_count(target, counts)
-  candidates = short_functions(texts, _COPIES.value, lines, _COPY_KIND.value)
+  candidates = functions_to_copy(texts, _COPIES.value, lines, _COPY_KIND.value)
   functions = [f for f in candidates if fits_the_context(target, f)]
   result["copy_task"] = copy_task(target, functions)
   result["copy_task"].update(kind=_COPY_KIND.value, lines=list(lines),

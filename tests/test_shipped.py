@@ -99,10 +99,10 @@ def test_copy_task_takes_top_level_functions_or_methods_of_the_lines_asked():
   function = "def function(x):\n    y = x\n    z = y\n    return z"
   short = "def short():\n    return 1"
   text = f"{short}\n\n{function}\n\nclass C:\n{method}\n\n    x = 1\n"
-  assert eval_lm.short_functions([text, "def broken(:"], 8) == [function]
-  assert eval_lm.short_functions([text], 8, kind="methods") == [method]
-  assert eval_lm.short_functions([text, text], 1, kind="methods") == [method]
-  assert eval_lm.short_functions([text], 8, lines=(2, 3)) == [short]
+  assert eval_lm.functions_to_copy([text, "def broken(:"], 8) == [function]
+  assert eval_lm.functions_to_copy([text], 8, kind="methods") == [method]
+  assert eval_lm.functions_to_copy([text, text], 1, kind="methods") == [method]
+  assert eval_lm.functions_to_copy([text], 8, lines=(2, 3)) == [short]
 
 
 def test_copy_prompt_asks_for_the_rest_and_long_functions_do_not_fit(shipped):
