@@ -65,7 +65,7 @@ successors::
 and copying needs the longer match a real repeat of code needs too (`IncrementalEncoder`
 beside `IncrementalDecoder`: "Incremental" alone does not say what comes next). Stage
 11 of the target copied whole-vocabulary blocks at 0.90 top-1 but blocks over 4 ids at
-0.31 (`experiments.eval_lm`). A run with such rows (stage 15 in the README) learnt the
+0.31 (`experiments.eval_lm`). A run with such rows (stage 15 in `docs/shipped_models.md`) learnt the
 longer match (0.54 at 4 ids) but copied whole-vocabulary blocks and held-out functions
 worse, so the shipped models do not use them.
 
