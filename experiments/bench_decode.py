@@ -52,7 +52,9 @@ from mdjax.cache import KVCache
 from experiments.benchlib import (agreement, load_pair, machine_info, machine_line,
                                   median_after_first_token, memory_bandwidth, plt, save_figure,
                                   write_results)
-from mdjax.generate import bucket, cache_size
+from mdjax.generate import cache_size
+from mdjax.prompts import bucket
+from mdjax.strategies.base import ModelFn
 
 
 _MODELS = flags.DEFINE_list("models", ["random-llama"],
@@ -131,7 +133,7 @@ class BareStep:
     self.model = model
     config = model.config
     batch, prompt_len = prompts.shape
-    slots = cache_size(strategies.build("greedy", config, {}), bucket(prompt_len),
+    slots = cache_size(strategies.get("greedy")(model=ModelFn(config=config)), bucket(prompt_len),
                        bucket(new_tokens), 1)
     self.topology = mdjax.Topology.causal(batch)
     positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), prompts.shape)

@@ -12,17 +12,20 @@ import numpy as np
 
 from mdjax.cache import KVCache
 from mdjax.errors import CheckpointError, MdjaxError
-from mdjax.generate import (GenerationOutput, bucket, check_context, clear_compiled,
-                            compiled_programs, encode_prompts, generate, stream)
+from mdjax.generate import (GenerationOutput, clear_compiled, compiled_programs, generate,
+                            stream)
 from mdjax.models.config import ModelConfig, RopeScaling, weight_dtype
 from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
 from mdjax.models.registry import RANDOM_MODELS
+from mdjax.prompts import bucket, check_context, encode_prompts
 from mdjax.step import decode_step
 from mdjax.topology import Topology
 
-__all__ = ["load", "forward_logits", "generate", "stream", "clear_compiled", "compiled_programs",
-           "Model", "ModelConfig", "RopeScaling",
+from mdjax import pipelines  # after generate: pipelines are a layer above it
+
+__all__ = ["load", "forward_logits", "generate", "stream", "pipelines", "clear_compiled",
+           "compiled_programs", "Model", "ModelConfig", "RopeScaling",
            "KVCache", "Topology", "decode_step", "GenerationOutput", "MdjaxError",
            "CheckpointError"]
 

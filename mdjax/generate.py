@@ -11,22 +11,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mdjax import strategies
-from mdjax.cache import CacheRegions, KVCache
+from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
 from mdjax.models.model import Model
-from mdjax.strategies import metadata, skeleton
-from mdjax.strategies.base import (Limits, Prompt, branch_token_counts, layout_chains,
-                                   layout_prompts)
-
-MIN_BUCKET = 16
-FINE_BUCKETS_ABOVE = 512
+from mdjax.prompts import bucket, eos_ids
+from mdjax.strategies import metadata
+from mdjax.strategies.base import Limits, Prompt
 
 
 @dataclasses.dataclass
@@ -42,75 +39,10 @@ class GenerationOutput:
   intermediate: list[dict] | None = None
 
 
-def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
-  """The padded size of `n`: the smallest power of two >= max(n, minimum) up to
-  `FINE_BUCKETS_ABOVE`; above it, the next multiple of 1/16 of that power of two, so
-  padding (compute a prefill spends on nothing) stays under 12.5%, at 8 sizes per
-  octave: 1040 -> 1152, not 2048."""
-  size = max(minimum, 1 << max(0, n - 1).bit_length())
-  if size <= FINE_BUCKETS_ABOVE:
-    return size
-  step = size // 16
-  return -(-n // step) * step
-
-
-def encode_prompts(model: Model, prompts) -> list[list[int]]:
-  """One prompt or a list of prompts, each text (needs a tokenizer) or token ids."""
-  if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and
-                                  all(isinstance(t, (int, np.integer)) for t in prompts)):
-    prompts = [prompts]
-  if isinstance(prompts, np.ndarray):
-    prompts = list(prompts)
-  if not isinstance(prompts, Sequence) or len(prompts) == 0:
-    raise MdjaxError(f"prompts must be a non-empty list of texts or token-id lists, got {prompts!r}")
-  encoded = []
-  for i, prompt in enumerate(prompts):
-    if isinstance(prompt, str):
-      if model.tokenizer is None:
-        raise MdjaxError(f"prompt {i} is text but the model {model.name or model.path!r} has no "
-                         "tokenizer; pass token ids instead")
-      prompt = model.tokenizer.encode(prompt)
-    array = np.asarray(prompt).reshape(-1)
-    if array.size == 0:
-      raise MdjaxError(f"prompt {i} is empty")
-    if array.dtype.kind not in "iu":
-      raise MdjaxError(f"prompt {i} must be text or integer token ids, got {prompt!r}")
-    ids = [int(t) for t in array]
-    bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
-    if bad:
-      raise MdjaxError(f"prompt {i} has token id {bad[0]} outside the vocabulary "
-                       f"[0, {model.config.vocab_size})")
-    encoded.append(ids)
-  return encoded
-
-
-def eos_ids(model: Model, eos_token_id) -> tuple[int, ...]:
-  """`None` means the model's own EOS ids (possibly none); an int or a list of ints."""
-  if eos_token_id is None:
-    return tuple(model.config.eos_token_id)
-  ids = (eos_token_id,) if isinstance(eos_token_id, (int, np.integer)) else tuple(eos_token_id)
-  for t in ids:
-    if not isinstance(t, (int, np.integer)) or not 0 <= t < model.config.vocab_size:
-      raise MdjaxError(f"eos_token_id {t!r} is not a token id in [0, {model.config.vocab_size})")
-  return tuple(int(t) for t in ids)
-
-
-def check_context(model: Model, prompts: list[list[int]], max_new_tokens) -> None:
-  """Rejects a negative budget, or prompts + new tokens beyond the context length."""
-  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-    raise MdjaxError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-  longest = max(len(p) for p in prompts)
-  limit = model.config.max_position_embeddings
-  if longest + max_new_tokens > limit:
-    raise MdjaxError(f"prompt length {longest} + max_new_tokens {max_new_tokens} = "
-                     f"{longest + max_new_tokens} exceeds the model's context length "
-                     f"max_position_embeddings={limit}")
-
-
 def _start(strategy, params, prompt: Prompt, limits: Limits, *, num_slots: int, capacity: int,
            cache_dtype):
   """An empty cache of `num_slots` per row, then the strategy's prefill: its first state."""
-  cache = KVCache.create(strategy.config, prompt.tokens.shape[0], num_slots, cache_dtype)
+  cache = KVCache.create(strategy.model.config, prompt.tokens.shape[0], num_slots, cache_dtype)
   return strategy.init(params, prompt, cache, limits, capacity)
 
 
@@ -170,97 +102,32 @@ class _Plan:
   output_rows: list[int]  # buffer rows that are real branches, prompt-major
 
 
-def _layout(model: Model, prompts, strategy: str, branch_value, max_new_tokens: int
-            ) -> tuple[Prompt, list[int], list[int]]:
-  """The laid-out prompt batch, the prompt tokens of each row and its branch count."""
-  if strategy in strategies.CHAIN_LAYOUTS:
-    return _layout_chains(model, prompts, strategy, branch_value, max_new_tokens)
-  ids = encode_prompts(model, prompts)
-  extra = strategies.branches(strategy, branch_value, len(ids),
-                             lambda pieces: [_continuation(model, q) for q in pieces])
-  if extra is not None and max(len(b) for b in extra) == 1:  # nothing to share: plain prompts
-    ids, extra = [c + b[0] for c, b in zip(ids, extra)], None
-  rows = ids if extra is None else [c + max(b, key=len) for c, b in zip(ids, extra)]
-  check_context(model, rows, max_new_tokens)
-  total = [len(c) + (0 if extra is None else sum(len(b) for b in extra[i]))
-           for i, c in enumerate(ids)]
-  counts = [1] * len(ids) if extra is None else [len(b) for b in extra]
-  return layout_prompts(ids, extra, bucket(max(total))), total, counts
-
-
-def _layout_chains(model: Model, prompts, strategy: str, suffix, max_new_tokens: int
-                   ) -> tuple[Prompt, list[int], list[int]]:
-  """`_layout` for chained chunks (skeleton source, margin notes), each branch after
-  its chunk appending `suffix` (the strategy's branch option, e.g. an instruction)."""
-  rows = [_skeleton_chunks(model, p, i)
-          for i, p in enumerate([prompts] if isinstance(prompts, str) else prompts)]
-  suffixes = None
-  if strategy in strategies.BRANCH_OPTIONS:
-    if suffix is None:
-      raise MdjaxError(f"strategy {strategy!r} needs the option "
-                       f"{strategies.BRANCH_OPTIONS[strategy]!r}")
-    suffixes = [[_continuation(model, suffix)] * len(chunks) for chunks in rows]
-  flat = [sum(chunks, []) + (suffixes[i][0] if suffixes else []) for i, chunks in enumerate(rows)]
-  check_context(model, flat, max_new_tokens)
-  total = [len(f) + (len(suffixes[i][0]) * (len(c) - 1) if suffixes else 0)
-           for i, (f, c) in enumerate(zip(flat, rows))]
-  return layout_chains(rows, bucket(max(total)), suffixes), total, [len(c) for c in rows]
-
-
-def _skeleton_chunks(model: Model, skeleton_prompt, index: int) -> list[list[int]]:
-  """Python source (cut after every stub's docstring), or its chunks (texts or ids)."""
-  if isinstance(skeleton_prompt, str):
-    skeleton_prompt = skeleton.chunks(skeleton_prompt)
-  if not isinstance(skeleton_prompt, Sequence) or not skeleton_prompt:
-    raise MdjaxError(f"prompt {index} must be Python source text or a list of chunks (texts "
-                     f"or token ids), got {skeleton_prompt!r}")
-  (head,) = encode_prompts(model, [skeleton_prompt[0]])  # special tokens (BOS) only here
-  return [head] + [_continuation(model, chunk) for chunk in skeleton_prompt[1:]]
-
-
-def _continuation(model: Model, piece) -> list[int]:
-  """Text (encoded without special tokens: it continues a prompt) or token ids."""
-  if isinstance(piece, str) and model.tokenizer is not None:
-    piece = model.tokenizer.encode(piece, add_special_tokens=False)
-  (ids,) = encode_prompts(model, [piece])
-  return ids
-
-
 def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_token_id, seed: int,
              options: dict) -> _Plan:
   if not isinstance(strategy, str):
     raise MdjaxError(f"strategy must be a name, got {strategy!r}")
   if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
     raise MdjaxError(f"seed must be an integer, got {seed!r}")
-  options = dict(options)
-  branch_value = options.pop(strategies.BRANCH_OPTIONS.get(strategy, ""), None)
-  decoder = strategies.build(strategy, model.config, options)
-  params = strategies.run_params(strategy, model.params, options)
-  prompt, total, counts = _layout(model, prompts, strategy, branch_value, max_new_tokens)
+  cls = strategies.get(strategy)
+  strategies.check_options(strategy, options)
+  options, layout = dict(options), cls.layout
+  layout_value = options.pop(layout.option, None) if layout.option else None
+  decoder, params = cls.build(model, options)
+  if layout_value is None and layout.option and layout.required:
+    raise MdjaxError(f"strategy {strategy!r} needs the option {layout.option!r}")
+  laid = layout.lay_out(model, prompts, layout_value, max_new_tokens)
   eos = eos_ids(model, eos_token_id)
   limits = Limits(max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
                   eos_ids=jnp.asarray(eos or (-1,), jnp.int32), key=jax.random.key(seed))
   capacity = bucket(max_new_tokens)
-  num_branches = prompt.branch_segment.shape[1]
-  decoder = _with_regions(decoder, prompt, capacity)
-  static = dict(num_slots=cache_size(decoder, prompt.tokens.shape[1], capacity, num_branches),
+  num_branches = laid.prompt.branch_segment.shape[1]
+  decoder = decoder.for_request(laid.prompt, capacity)
+  static = dict(num_slots=cache_size(decoder, laid.prompt.tokens.shape[1], capacity, num_branches),
                 capacity=capacity,
                 cache_dtype=str(model.params["embed"].dtype))  # K/V in the weights' dtype
-  output_rows = [i * num_branches + j for i, n in enumerate(counts) for j in range(n)]
-  return _Plan(decoder=decoder, params=params, prompt=prompt, limits=limits, static=static,
-               prompt_tokens=sum(total), output_rows=output_rows)
-
-
-def _with_regions(decoder, prompt: Prompt, capacity: int):
-  """A decoder that can keep one cache region per branch (it has a `regions` field)
-  gets them when the prompts have several branches: the shared tokens padded to a
-  bucket, then per branch its own prompt tokens (rounded to 16) + `capacity`."""
-  if prompt.branch_segment.shape[1] < 2 or "regions" not in {
-      f.name for f in dataclasses.fields(decoder)}:
-    return decoder
-  shared, own = branch_token_counts(prompt)
-  return dataclasses.replace(decoder, regions=CacheRegions(bucket(shared),
-                                                           -(-own // 16) * 16 + capacity))
+  output_rows = [i * num_branches + j for i, n in enumerate(laid.branch_counts) for j in range(n)]
+  return _Plan(decoder=decoder, params=params, prompt=laid.prompt, limits=limits, static=static,
+               prompt_tokens=laid.prompt_tokens, output_rows=output_rows)
 
 
 ATTENTION_BLOCK = 128  # the largest block of the block-sparse attention (`decode_step`)
@@ -300,11 +167,6 @@ def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: in
   (e.g. temperature, top_k, top_p, min_p for "sample"; num_beams, length_penalty,
   early_stopping for "beam", which also fills `beams`).
   """
-  if strategy in strategies.PIPELINES:  # several generate calls ("margins", "reasoning")
-    strategies.check_options(strategy, options)
-    return strategies.PIPELINES[strategy].run(
-        generate, encode_prompts, model, prompts, max_new_tokens=max_new_tokens,
-        eos_token_id=eos_token_id, seed=seed, **options)
   plan = _prepare(model, prompts, strategy, max_new_tokens, eos_token_id, seed, options)
   program, compile_s = _compile(plan.decoder, plan.params, plan.prompt, plan.limits,
                                 **plan.static)
@@ -344,8 +206,8 @@ def stream(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int 
   pass, so it is slower than `generate`, which runs the loop on the device. Not for
   "beam": its best hypothesis is known only at the end.
   """
-  if strategy == "beam":
-    raise MdjaxError("stream does not support strategy 'beam'; use generate")
+  if not strategies.get(strategy).streams:
+    raise MdjaxError(f"stream does not support strategy {strategy!r}; use generate")
   plan = _prepare(model, prompts, strategy, max_new_tokens, eos_token_id, seed, options)
   init, step = _stepper(plan.decoder, tuple(sorted(plan.static.items())))
   state = init(plan.params, plan.prompt, plan.limits)

@@ -16,6 +16,9 @@ from jaxtyping import Array, Bool, Float, Int
 from mdjax.errors import MdjaxError, check_count, check_real
 
 
+SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
   """temperature 0 means greedy (argmax); top_k 0, top_p 1 and min_p 0 disable a filter."""

@@ -26,57 +26,92 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
 
 from mdjax.cache import CacheRegions, KVCache
-from mdjax.models.config import ModelConfig
-from mdjax.sampling import SamplingParams, choose, row_keys
-from mdjax.step import decode_step
-from mdjax.strategies.base import (Limits, OutputBuffer, Prompt, emit, prefill,
+from mdjax.prompts import bucket
+from mdjax.sampling import choose, row_keys
+from mdjax.strategies import layouts
+from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Sampled,
+                                   branch_token_counts, emit, internal, prefill,
                                    region_prompt_slots, region_slot_base, run_narrowest)
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Autoregressive:
-  config: ModelConfig
-  sampling: SamplingParams = SamplingParams(temperature=0.0)
-  attention: str = "block_sparse"
-  regions: CacheRegions | None = None  # one cache region per branch, or appending
+class AutoregressiveState(DecodeState):
+  """`DecodeState` (buffer rows R = B * N: row b * N + j is branch j of row b), and
 
-  def cache_slots(self, prompt_len: int, max_new_tokens: int, branches: int = 1) -> int:
+    branch_segment  int32[B, N]   the segment branch j decodes in (-1: no such branch)
+    next_pos        int32[B, N]   the position of the token branch j feeds next
+    last            int32[B, N]   branch j's last chosen token: what it feeds next
+    slot_base       int32[B, N]   with regions, its token at position p takes slot
+                                  slot_base + p (`region_slot_base`); else None
+    columns_fed     int32[]       columns fed over all passes (B x the pass's width)
+  """
+
+  branch_segment: Int[Array, "B N"]
+  next_pos: Int[Array, "B N"]
+  last: Int[Array, "B N"]
+  slot_base: Int[Array, "B N"] | None
+  columns_fed: Int[Array, ""]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Autoregressive(Sampled):
+  """One token per live branch per pass; greedy unless a sampling option is set."""
+
+  layout: ClassVar = layouts.Plain()
+  regions: CacheRegions | None = internal()  # one cache region per branch, or appending
+
+  def for_request(self, prompt: Prompt, capacity: int) -> "Autoregressive":
+    """With several branches, one cache region each: the shared tokens padded to a
+    bucket, then per branch its own prompt tokens (rounded to 16) + `capacity`."""
+    if prompt.branch_segment.shape[1] < 2:
+      return self
+    shared, own = branch_token_counts(prompt)
+    return dataclasses.replace(self, regions=CacheRegions(bucket(shared),
+                                                          -(-own // 16) * 16 + capacity))
+
+  def cache_slots(self, prompt_len: int, capacity: int, branches: int = 1) -> int:
     """Slots per row: the padded prompt, then one per generated token of every branch
     (or the shared slots and one region per branch)."""
     if self.regions is not None:
       return self.regions.shared + self.regions.size * branches
-    return prompt_len + max_new_tokens * branches
+    return prompt_len + capacity * branches
 
-  def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits, capacity: int) -> dict:
+  def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
+           capacity: int) -> AutoregressiveState:
     slots = None if self.regions is None else region_prompt_slots(prompt, self.regions)
-    logits, cache, topology = prefill(params, prompt, cache, self.config, self.attention, slots)
+    logits, cache, topology = prefill(self.model, params, prompt, cache, slots)
     absent = (prompt.branch_segment < 0).reshape(-1)  # [B * N] rows of missing branches
     buffer = dataclasses.replace(OutputBuffer.empty(absent.shape[0], capacity), done=absent)
-    state = dict(cache=cache, topology=topology, limits=limits, buffer=buffer,
-                 branch_segment=prompt.branch_segment, next_pos=prompt.branch_positions(),
-                 last=jnp.zeros(prompt.branch_segment.shape, jnp.int32),
-                 slot_base=None if self.regions is None else region_slot_base(prompt, self.regions),
-                 passes=jnp.zeros((), jnp.int32), columns_fed=jnp.zeros((), jnp.int32))
+    state = AutoregressiveState(
+        cache=cache, topology=topology, limits=limits, buffer=buffer,
+        passes=jnp.zeros((), jnp.int32), branch_segment=prompt.branch_segment,
+        next_pos=prompt.branch_positions(), last=jnp.zeros(prompt.branch_segment.shape, jnp.int32),
+        slot_base=None if self.regions is None else region_slot_base(prompt, self.regions),
+        columns_fed=jnp.zeros((), jnp.int32))
     return self._commit(state, logits)
 
-  def step(self, params, state: dict) -> dict:
-    done = state["buffer"].done.reshape(state["last"].shape)  # [B, N]
-    unfed = jnp.zeros((*done.shape, self.config.vocab_size), jnp.float32)  # [B, N, V]
-    others = {k: v for k, v in state.items() if k != "cache"}  # the cache only in the carry
+  def step(self, params, state: AutoregressiveState) -> AutoregressiveState:
+    done = state.buffer.done.reshape(state.last.shape)  # [B, N]
+    unfed = jnp.zeros((*done.shape, self.model.vocab_size), jnp.float32)  # [B, N, V]
+    without_cache = dataclasses.replace(state, cache=None)  # the cache only in the carry
     (logits, cache), width = run_narrowest(
         feed_widths(done.shape[1]), (~done).sum(axis=1).max(),  # holds every row's live
-        lambda w: functools.partial(self._feed, width=w), (unfed, state["cache"]),
-        params, others, done)
-    state = dict(state, cache=cache, next_pos=state["next_pos"] + 1, passes=state["passes"] + 1,
-                 columns_fed=state["columns_fed"] + width * done.shape[0])  # B * W columns
+        lambda w: functools.partial(self._feed, width=w), (unfed, state.cache),
+        params, without_cache, done)
+    state = dataclasses.replace(state, cache=cache, next_pos=state.next_pos + 1,
+                                passes=state.passes + 1,
+                                columns_fed=state.columns_fed + width * done.shape[0])  # B * W
     return self._commit(state, logits)
 
-  def _feed(self, carry, params, state: dict, done, *, width: int):
+  def _feed(self, carry, params, state: AutoregressiveState, done, *, width: int):
     """One pass over `width` columns, the live branches first: `(logits [B, N, V],
     cache)` from the `(logits, cache)` carry."""
     batch, branches = done.shape
@@ -85,13 +120,12 @@ class Autoregressive:
     else:
       columns = jnp.argsort(done, axis=1, stable=True)[:, :width]  # [B, W] live first
     pick = functools.partial(jnp.take_along_axis, indices=columns, axis=1)
-    segments = jnp.where(pick(done), -1, pick(state["branch_segment"]))  # [B, W]
-    positions = pick(state["next_pos"])  # [B, W]
-    slots = None if self.regions is None else pick(state["slot_base"]) + positions
-    logits, _, cache = decode_step(params, carry[1], pick(state["last"]), positions,
-                                   segments, state["topology"], config=self.config,
-                                   attention=self.attention, slots=slots,
-                                   regions=self._pass_regions(width == branches))  # [B, W, V]
+    segments = jnp.where(pick(done), -1, pick(state.branch_segment))  # [B, W]
+    positions = pick(state.next_pos)  # [B, W]
+    slots = None if self.regions is None else pick(state.slot_base) + positions
+    logits, _, cache = self.model(params, carry[1], pick(state.last), positions, segments,
+                                  state.topology, slots=slots,
+                                  regions=self._pass_regions(width == branches))  # [B, W, V]
     rows = jnp.arange(batch)[:, None]
     return carry[0].at[rows, columns].set(logits), cache  # finished columns: zeros, never emitted
 
@@ -99,21 +133,70 @@ class Autoregressive:
     """A full-width pass feeds branch t as column t, so its queries are in order."""
     return None if self.regions is None else self.regions._replace(in_order=full_width)
 
-  def _commit(self, state: dict, logits) -> dict:
-    """Chooses every branch's next token from `logits` [B, N, V] and emits it."""
-    buffer = state["buffer"]
-    rows = buffer.count.shape[0]  # B * N
-    keys = row_keys(state["limits"].key, jnp.arange(rows), buffer.count)
+  def _commit(self, state: AutoregressiveState,
+              logits: Float[Array, "B N V"]) -> AutoregressiveState:
+    """Chooses every branch's next token from `logits` and emits it."""
+    rows = state.buffer.count.shape[0]  # B * N
+    keys = row_keys(state.limits.key, jnp.arange(rows), state.buffer.count)
     token = choose(keys, logits.reshape(rows, -1), self.sampling)  # [B * N]
-    buffer, _ = emit(buffer, token[:, None], jnp.ones_like(token), state["limits"])
-    return dict(state, buffer=buffer, last=token.reshape(state["last"].shape))
+    buffer, _ = emit(state.buffer, token[:, None], jnp.ones_like(token), state.limits)
+    return dataclasses.replace(state, buffer=buffer, last=token.reshape(state.last.shape))
 
-  def done(self, state: dict):
-    return state["buffer"].done
+  def result(self, state: AutoregressiveState):
+    return state.buffer, {"target_passes": state.passes, "columns_fed": state.columns_fed}
 
-  def result(self, state: dict):
-    return state["buffer"], {"target_passes": state["passes"],
-                             "columns_fed": state["columns_fed"]}
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Greedy(Autoregressive):
+  """The argmax token every pass."""
+
+  name: ClassVar[str] = "greedy"
+  temperature: float | None = internal()
+  top_k: int | None = internal()
+  top_p: float | None = internal()
+  min_p: float | None = internal()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sample(Autoregressive):
+  """Sampling, at temperature 1 unless set."""
+
+  name: ClassVar[str] = "sample"
+  temperature: float | None = 1.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MultiQuestion(Autoregressive):
+  """Every question a branch over the shared context; answer j is what greedy (or
+  sampling) gives for context + question j alone."""
+
+  name: ClassVar[str] = "multi_question"
+  layout: ClassVar = layouts.Questions()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelSample(Sample):
+  """`num_samples` samples per prompt, all over the prompt's one cached copy."""
+
+  name: ClassVar[str] = "parallel_sample"
+  layout: ClassVar = layouts.Samples()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SkeletonFill(Autoregressive):
+  """A branch fills each stub of a Python skeleton, seeing the source up to its stub."""
+
+  name: ClassVar[str] = "skeleton_fill"
+  layout: ClassVar = layouts.Chains()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MarginNotes(Autoregressive):
+  """A note after every chunk of a context (`instruction`, then the note), each
+  seeing the chunks up to its own (writing in the margins' first phase)."""
+
+  name: ClassVar[str] = "margin_notes"
+  layout: ClassVar = layouts.Chains(option="instruction")
 
 
 def feed_widths(branches: int) -> tuple[int, ...]:

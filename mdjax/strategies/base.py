@@ -1,23 +1,38 @@
-"""What every strategy shares: the prompt batch, run limits and the output buffer.
+"""The strategy protocol, and what every strategy shares: the model callback, the
+prompt batch, run limits, the output buffer and the loop state's common fields.
 
-A strategy is a frozen dataclass of static options (hashable: it is a static jit
-argument, and the key of the compiled-program cache) with pure functions over its
-own state pytree::
+A strategy is a frozen dataclass whose init fields are its options (hashable: it
+is a static jit argument and the key of the compiled-program cache). It declares
+itself once::
 
-    cache_slots(prompt_len, capacity) -> int          (static: how big a cache it needs)
-    init(params, prompt, cache, limits, capacity) -> state   (prefill + first tokens)
-    step(params, state) -> state                      (propose -> decode_step -> commit)
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class MyStrategy(Strategy):
+      name: ClassVar[str] = "my_strategy"       # what `generate(strategy=...)` calls it
+      layout: ClassVar = layouts.Plain()        # how prompts become rows and branches
+      width: int = 4                            # an option: validated in __post_init__
+
+and one registry line (`mdjax.strategies.STRATEGIES`). `generate` validates a call's
+options against the init fields (`Strategy.options`), builds the strategy with the
+model callback `model` (`ModelFn`: the step bound to the model's config and the
+attention choice; strategies never call `decode_step` themselves), then runs
+
+    cache_slots(prompt_len, capacity, branches) -> int     (static: the cache it needs)
+    init(params, prompt, cache, limits, capacity) -> state (prefill + first tokens)
+    step(params, state) -> state                           (propose -> model -> commit)
     done(state) -> bool[rows]
     result(state) -> (OutputBuffer, stats: dict of int32 scalars)
 
-`mdjax.generate` runs `step` inside one `lax.while_loop`, so a whole generation is
-one compiled program with no host sync per token.
+with `step` inside one `lax.while_loop`, so a whole generation is one compiled
+program with no host sync per token. `state` is a registered frozen dataclass
+(`DecodeState` or a subclass) whose fields are documented with their shapes;
+`step` returns a new one through `dataclasses.replace`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +40,113 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from mdjax.cache import CacheRegions, KVCache
+from mdjax.errors import MdjaxError
 from mdjax.models.config import ModelConfig
+from mdjax.sampling import SAMPLING_OPTIONS, SamplingParams
 from mdjax.step import decode_step
 from mdjax.topology import Topology
+
+ATTENTIONS = ("block_sparse", "dense")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelFn:
+  """The model as a strategy sees it (t5x's `tokens_to_logits`): `decode_step` bound
+  to one architecture and attention choice. Static and hashable; the weights come
+  as the `params` argument of every call."""
+
+  config: ModelConfig
+  attention: str = "block_sparse"
+
+  def __post_init__(self):
+    if self.attention not in ATTENTIONS:
+      raise MdjaxError(f"attention must be 'block_sparse' or 'dense', got {self.attention!r}")
+
+  def __call__(self, params, cache: KVCache, tokens: Int[Array, "B T"],
+               positions: Int[Array, "B T"], segments: Int[Array, "B T"], topology: Topology,
+               **kwargs) -> tuple[Float[Array, "B R V"], Float[Array, "B T D"], KVCache]:
+    """`(logits, hidden, cache)` of one pass; `kwargs`: `logits_at`, `slots`, `regions`
+    (see `mdjax.step.decode_step`)."""
+    return decode_step(params, cache, tokens, positions, segments, topology, config=self.config,
+                       attention=self.attention, **kwargs)
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size
+
+
+def internal(default=None):
+  """A strategy field that is not a user option (set by `Strategy.for_request` or
+  fixed by a subclass)."""
+  return dataclasses.field(default=default, metadata={"option": False})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Strategy:
+  """The base of every strategy: see the module docstring for the protocol."""
+
+  name: ClassVar[str]
+  layout: ClassVar[Any]  # a `mdjax.strategies.layouts` layout
+  streams: ClassVar[bool] = True  # `mdjax.stream` can show its tokens as they come
+
+  model: ModelFn = internal()
+
+  @classmethod
+  def options(cls) -> tuple[str, ...]:
+    """The keyword arguments `generate` accepts for this strategy."""
+    fields = tuple(f.name for f in dataclasses.fields(cls)
+                   if f.init and f.metadata.get("option", True))
+    return fields + ((cls.layout.option,) if cls.layout.option else ()) + ("attention",)
+
+  @classmethod
+  def build(cls, model, options: dict) -> tuple["Strategy", Any]:
+    """The strategy for `model` (an `mdjax.Model`) with `options` (validated by its
+    fields), and the params pytree it runs on: the model's, by default."""
+    options = dict(options)
+    target = ModelFn(config=model.config, attention=options.pop("attention", "block_sparse"))
+    return cls(model=target, **options), model.params
+
+  def for_request(self, prompt: "Prompt", capacity: int) -> "Strategy":
+    """This strategy specialised to one laid-out request (e.g. its cache regions)."""
+    return self
+
+  def cache_slots(self, prompt_len: int, capacity: int, branches: int = 1) -> int:
+    """Slots per row by default: the padded prompt, then `capacity` generated tokens
+    per branch."""
+    return prompt_len + capacity * branches
+
+  def init(self, params, prompt: "Prompt", cache: KVCache, limits: "Limits", capacity: int):
+    raise NotImplementedError
+
+  def step(self, params, state):
+    raise NotImplementedError
+
+  def done(self, state) -> Bool[Array, "R"]:
+    return state.buffer.done
+
+  def result(self, state) -> tuple["OutputBuffer", dict]:
+    return state.buffer, {"target_passes": state.passes}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sampled(Strategy):
+  """A strategy with the sampling options (Hugging Face's names and order). It decodes
+  greedily unless one of them is set; then it samples, at temperature 1 unless set
+  (temperature 0 is greedy)."""
+
+  temperature: float | None = None
+  top_k: int | None = None
+  top_p: float | None = None
+  min_p: float | None = None
+
+  def __post_init__(self):
+    self.sampling  # validates the options
+
+  @property
+  def sampling(self) -> SamplingParams:
+    given = {name: getattr(self, name) for name in SAMPLING_OPTIONS
+             if getattr(self, name) is not None}
+    return SamplingParams(**given) if given else SamplingParams(temperature=0.0)
 
 
 @jax.tree_util.register_dataclass
@@ -42,7 +161,7 @@ class Prompt:
     branch_last                  int32[B, N]   token whose logits give the branch's first token
 
   A plain prompt is one branch in segment 0. Questions over one context (see
-  `layout_prompts`): the context is segment 0 at positions 0..c-1, question j is
+  `mdjax.strategies.layouts`): the context is segment 0 at positions 0..c-1, question j is
   segment j+1 forked at c, at positions c, c+1, ...; branch j continues after it.
   """
 
@@ -61,87 +180,6 @@ class Prompt:
   def branch_positions(self) -> Int[Array, "B N"]:
     """Position of each branch's first generated token."""
     return jnp.take_along_axis(self.positions, self.branch_last, axis=1) + 1
-
-
-def layout_prompts(contexts: list[list[int]], branches: list[list[list[int]]] | None,
-                   width: int) -> Prompt:
-  """Prompts (padded to `width` tokens) with, per row, branches that each append
-  their own tokens (possibly none) after the shared context. `branches` None: one
-  plain branch per row, decoding in the context's own segment 0."""
-  batch = len(contexts)
-  num_branches = 1 if branches is None else max(len(b) for b in branches)
-  tokens, positions = np.zeros((batch, width), np.int32), np.zeros((batch, width), np.int32)
-  segments = np.full((batch, width), -1, np.int32)
-  parent = np.full((batch, num_branches + 1), -1, np.int32)
-  fork = np.zeros((batch, num_branches + 1), np.int32)
-  branch_segment = np.full((batch, num_branches), -1, np.int32)
-  branch_last = np.zeros((batch, num_branches), np.int32)
-  lengths = np.zeros((batch,), np.int32)
-  for row, context in enumerate(contexts):
-    c = len(context)
-    tokens[row, :c], positions[row, :c], segments[row, :c] = context, np.arange(c), 0
-    end = c
-    if branches is None:
-      branch_segment[row, 0], branch_last[row, 0] = 0, c - 1
-    for j, extra in enumerate([] if branches is None else branches[row]):
-      n = len(extra)
-      tokens[row, end:end + n], positions[row, end:end + n] = extra, c + np.arange(n)
-      segments[row, end:end + n] = j + 1
-      parent[row, j + 1], fork[row, j + 1] = 0, c
-      branch_segment[row, j], branch_last[row, j] = j + 1, end + n - 1 if n else c - 1
-      end += n
-    lengths[row] = end
-  return Prompt(*(jnp.asarray(a) for a in (tokens, positions, segments, lengths, parent, fork,
-                                           branch_segment, branch_last)))
-
-
-def layout_chains(rows: list[list[list[int]]], width: int,
-                  suffixes: list[list[list[int]]] | None = None) -> Prompt:
-  """Prompts made of chained chunks, with one branch continuing after every chunk
-  (after its own `suffixes[row][j]` tokens, e.g. an instruction, when given).
-
-  Chunk j of a row is segment j, forked from chunk j - 1 where it ends (so chunk j
-  sees chunks 0..j); branch j is segment n + j, forked from chunk j at its end, so it
-  sees chunks 0..j and its own tokens, never the chunks after it. Three chunks
-  (`a b | c | d e`), after one pass::
-
-      slot   0 1 2 3 4 | 5 6 7       tokens a b c d e, then the branches' first tokens
-      seg    0 0 1 2 2 | 3 4 5       parent [-1, 0, 1, 0, 1, 2]
-      pos    0 1 2 3 4 | 2 3 5       fork   [ 0, 2, 3, 2, 3, 5]
-
-  Branch j decodes exactly as greedy after the tokens of chunks 0..j alone.
-  """
-  batch, num_chunks = len(rows), max(len(chunks) for chunks in rows)
-  tokens, positions = np.zeros((batch, width), np.int32), np.zeros((batch, width), np.int32)
-  segments = np.full((batch, width), -1, np.int32)
-  parent = np.full((batch, 2 * num_chunks), -1, np.int32)
-  fork = np.zeros((batch, 2 * num_chunks), np.int32)
-  branch_segment = np.full((batch, num_chunks), -1, np.int32)
-  branch_last = np.zeros((batch, num_chunks), np.int32)
-  lengths = np.zeros((batch,), np.int32)
-  for row, chunks in enumerate(rows):
-    end, ends = 0, []
-    for j, chunk in enumerate(chunks):
-      start, end = end, end + len(chunk)
-      ends.append(end)
-      tokens[row, start:end], positions[row, start:end] = chunk, np.arange(start, end)
-      segments[row, start:end] = j
-      parent[row, j], fork[row, j] = j - 1, start if j else 0
-      branch = num_chunks + j
-      parent[row, branch], fork[row, branch] = j, end
-      branch_segment[row, j], branch_last[row, j] = branch, end - 1
-    tail = end
-    for j, chunk_end in enumerate(ends):
-      suffix = suffixes[row][j] if suffixes else []
-      tokens[row, tail:tail + len(suffix)] = suffix
-      positions[row, tail:tail + len(suffix)] = chunk_end + np.arange(len(suffix))
-      segments[row, tail:tail + len(suffix)] = num_chunks + j
-      if suffix:
-        branch_last[row, j] = tail + len(suffix) - 1
-      tail += len(suffix)
-    lengths[row] = tail
-  return Prompt(*(jnp.asarray(a) for a in (tokens, positions, segments, lengths, parent, fork,
-                                           branch_segment, branch_last)))
 
 
 @jax.tree_util.register_dataclass
@@ -171,6 +209,26 @@ class OutputBuffer:
                count=jnp.zeros((rows,), jnp.int32), done=jnp.zeros((rows,), jnp.bool_))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeState:
+  """The loop state every strategy with an output buffer carries; a strategy's own
+  state subclasses it (and is registered as a pytree too).
+
+    cache     KVCache             the target's cache (the loop's largest carry)
+    topology  Topology  [B, G]    the segment tree of the target's cache
+    limits    Limits              max_new_tokens, EOS ids, the run's PRNG key
+    buffer    OutputBuffer [R]    generated tokens per output row
+    passes    int32[]             target passes after prefill
+  """
+
+  cache: KVCache
+  topology: Topology
+  limits: Limits
+  buffer: OutputBuffer
+  passes: Int[Array, ""]
+
+
 def emit(buffer: OutputBuffer, new: Int[Array, "R A"], num_new: Int[Array, "R"],
          limits: Limits) -> tuple[OutputBuffer, Bool[Array, "R A"]]:
   """Appends the first `num_new[r]` tokens of `new[r]` to row r.
@@ -191,16 +249,14 @@ def emit(buffer: OutputBuffer, new: Int[Array, "R A"], num_new: Int[Array, "R"],
   return OutputBuffer(tokens=tokens, count=count, done=done), taken
 
 
-def prefill(params, prompt: Prompt, cache: KVCache, config: ModelConfig, attention: str,
+def prefill(model: ModelFn, params, prompt: Prompt, cache: KVCache,
             slots: Int[Array, "B P"] | None = None
             ) -> tuple[Float[Array, "B N V"], KVCache, Topology]:
   """Every row's context and branch tokens in one pass (into `slots` when given): the
   logits that start each branch, the cache, and the prompt's topology."""
   topology = prompt.topology()
-  logits, _, cache = decode_step(params, cache, prompt.tokens, prompt.positions,
-                                 prompt.segments, topology, config=config,
-                                 logits_at=prompt.branch_last, attention=attention,
-                                 slots=slots)  # [B, N, V]
+  logits, _, cache = model(params, cache, prompt.tokens, prompt.positions, prompt.segments,
+                            topology, logits_at=prompt.branch_last, slots=slots)  # [B, N, V]
   return logits, cache, topology
 
 
@@ -273,11 +329,10 @@ def chain_widths(width: int) -> tuple[int, ...]:
   return tuple(sorted({width, *half, 1}, reverse=True))
 
 
-def decode_chains(params, cache: KVCache, tokens: Int[Array, "B N C"],
+def decode_chains(model: ModelFn, params, cache: KVCache, tokens: Int[Array, "B N C"],
                   positions: Int[Array, "B N C"], segments: Int[Array, "B N C"],
-                  topology: Topology, *, config: ModelConfig, attention: str
-                  ) -> tuple[Float[Array, "B N C V"], KVCache, Int[Array, ""]]:
-  """`decode_step` over N chains of C columns per row, each chain's scored tokens a
+                  topology: Topology) -> tuple[Float[Array, "B N C V"], KVCache, Int[Array, ""]]:
+  """`model` over N chains of C columns per row, each chain's scored tokens a
   prefix (segment -1 after it), run only as wide as the longest prefix needs::
 
       chains   c d0 d1 d2 d3 d4 | c d0 .  .  .  .     longest prefix 3 -> W = 3
@@ -292,12 +347,12 @@ def decode_chains(params, cache: KVCache, tokens: Int[Array, "B N C"],
   def feed(fed: int, carry):
     def cut(x):
       return x[..., :fed].reshape(batch, branches * fed)
-    logits, _, cache = decode_step(params, carry[1], cut(tokens), cut(positions), cut(segments),
-                                   topology, config=config, attention=attention)
+    logits, _, cache = model(params, carry[1], cut(tokens), cut(positions), cut(segments),
+                             topology)
     logits = logits.reshape(batch, branches, fed, -1)
     return jnp.pad(logits, ((0, 0), (0, 0), (0, width - fed), (0, 0))), cache
 
-  unfed = jnp.zeros((batch, branches, width, config.vocab_size), jnp.float32)
+  unfed = jnp.zeros((batch, branches, width, model.vocab_size), jnp.float32)
   (logits, cache), fed_width = run_narrowest(
       chain_widths(width), (segments >= 0).sum(axis=-1).max(),
       lambda w: functools.partial(feed, w), (unfed, cache))
