@@ -85,6 +85,15 @@ class Topology:
     zeros = jnp.zeros((batch, num_segments), jnp.int32)
     return cls(parent=zeros - 1, fork=zeros)
 
+  @classmethod
+  def fan(cls, fork: Int[Array, "B"], branches: int) -> "Topology":
+    """Segment 0 a root; segments 1..branches all forked from it at `fork[b]` (beams
+    after the prompt, `entropy_branching`'s branches after the committed text)."""
+    segment = jnp.arange(branches + 1)[None, :]  # [1, n+1]
+    parent = jnp.broadcast_to(jnp.where(segment == 0, -1, 0), (fork.shape[0], branches + 1))
+    fork = jnp.where(segment == 0, 0, fork[:, None])  # [B, n+1]
+    return cls(parent=parent.astype(jnp.int32), fork=fork.astype(jnp.int32))
+
   def add_segment(self, segment: Int[Array, "B"], parent: Int[Array, "B"],
                   fork: Int[Array, "B"]) -> "Topology":
     """Sets `segment`'s parent and fork position in every row (pure)."""

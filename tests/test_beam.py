@@ -138,8 +138,8 @@ def test_reorder_moves_only_branch_slots(pairs):
   @jax.jit
   def run(params, prompt, limits):
     first = _start(plan.decoder, params, prompt, limits, **plan.static)
-    return first["cache"], jax.lax.fori_loop(0, passes, lambda _, s: plan.decoder.step(params, s),
-                                             first)["cache"]
+    return first.cache, jax.lax.fori_loop(0, passes, lambda _, s: plan.decoder.step(params, s),
+                                          first).cache
 
   first, cache = jax.device_get(run(plan.params, plan.prompt, plan.limits))
   for row, p in enumerate(prompts):

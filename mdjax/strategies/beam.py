@@ -36,6 +36,7 @@ or at `max_new_tokens`. `num_beams=1` is greedy search (transformers' choice), w
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -43,18 +44,9 @@ from jaxtyping import Array, Bool, Float, Int
 
 from mdjax.cache import KVCache, gather_slots
 from mdjax.errors import MdjaxError, check_count, check_real
-from mdjax.models.config import ModelConfig
-from mdjax.step import decode_step
-from mdjax.strategies.base import Limits, OutputBuffer, Prompt, prefill
+from mdjax.strategies import layouts
+from mdjax.strategies.base import Limits, OutputBuffer, Prompt, Strategy, prefill
 from mdjax.topology import Topology
-
-
-def beam_topology(lengths: Int[Array, "B"], num_beams: int) -> Topology:
-  """Segment 0: the prompt (a root); segment j + 1: beam j, forked from it at the prompt length."""
-  segment = jnp.arange(num_beams + 1)[None, :]  # [1, k+1]
-  parent = jnp.broadcast_to(jnp.where(segment == 0, -1, 0), (lengths.shape[0], num_beams + 1))
-  fork = jnp.where(segment == 0, 0, lengths[:, None])  # [B, k+1]
-  return Topology(parent=parent.astype(jnp.int32), fork=fork.astype(jnp.int32))
 
 
 def extend(tokens: Int[Array, "B k N"], parent: Int[Array, "B C"], token: Int[Array, "B C"],
@@ -77,15 +69,53 @@ def rank_major(x: Array) -> Array:
   return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Beam:
+class BeamState:
+  """Beam search's loop state (t5x's `BeamState`); k = num_beams, N = capacity. It has
+  no `OutputBuffer`: the output is the finished hypotheses, read once at the end.
+
+    cache            KVCache            the prompt, then a [N, k] block of beam slots per row
+    topology         Topology [B, k+1]  segment 0 the prompt, segment j + 1 beam j
+    limits           Limits             max_new_tokens, EOS ids, the run's PRNG key
+    start            int32[B]           prompt length: the beams' first slot and position
+    generated        int32[]            tokens each running beam holds (all in the cache)
+    last             int32[B, k]        each running beam's last token: what it feeds next
+    running_score    float32[B, k]      each running beam's summed log-probability
+    running_tokens   int32[B, k, N]     each running beam's tokens (-1 past `generated`)
+    finished_score   float32[B, k]      finished hypotheses' scores, best first (-inf: none yet)
+    finished_tokens  int32[B, k, N]     their tokens (-1 past their length)
+    finished_length  int32[B, k]        their lengths (EOS included)
+    closed           bool[B]            the row is done (budget, or early_stopping's rule)
+    passes           int32[]            passes after prefill
+  """
+
+  cache: KVCache
+  topology: Topology
+  limits: Limits
+  start: Int[Array, "B"]
+  generated: Int[Array, ""]
+  last: Int[Array, "B k"]
+  running_score: Float[Array, "B k"]
+  running_tokens: Int[Array, "B k N"]
+  finished_score: Float[Array, "B k"]
+  finished_tokens: Int[Array, "B k N"]
+  finished_length: Int[Array, "B k"]
+  closed: Bool[Array, "B"]
+  passes: Int[Array, ""]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Beam(Strategy):
   """Beam search; the options mean what they mean in transformers' `generate`."""
 
-  config: ModelConfig
+  name: ClassVar[str] = "beam"
+  layout: ClassVar = layouts.Plain()
+  streams: ClassVar[bool] = False  # the best hypothesis is known only at the end
+
   num_beams: int = 4
   length_penalty: float = 1.0
   early_stopping: bool | str = False
-  attention: str = "block_sparse"
 
   def __post_init__(self):
     check_count("num_beams", self.num_beams, 1)
@@ -103,101 +133,103 @@ class Beam:
     """The padded prompt, then one slot per generated token of every beam (one branch per row)."""
     return prompt_len + capacity * self.num_beams
 
-  def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits, capacity: int) -> dict:
-    logits, cache, _ = prefill(params, prompt, cache, self.config, self.attention)  # [B, 1, V]
+  def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
+           capacity: int) -> BeamState:
+    logits, cache, _ = prefill(self.model, params, prompt, cache)  # [B, 1, V]
     batch, k = prompt.lengths.shape[0], self.num_beams
     no_tokens = jnp.full((batch, k, capacity), -1, jnp.int32)
     only_first = jnp.where(jnp.arange(k) == 0, 0.0, -jnp.inf)  # one beam until the first choice
-    state = dict(cache=cache, topology=beam_topology(prompt.lengths, k), limits=limits,
-                 start=prompt.lengths, generated=jnp.zeros((), jnp.int32),
-                 last=jnp.zeros((batch, k), jnp.int32),
-                 running_score=jnp.broadcast_to(only_first, (batch, k)), running_tokens=no_tokens,
-                 finished_score=jnp.full((batch, k), -jnp.inf), finished_tokens=no_tokens,
-                 finished_length=jnp.zeros((batch, k), jnp.int32),
-                 closed=jnp.broadcast_to(limits.max_new_tokens <= 0, (batch,)),
-                 passes=jnp.zeros((), jnp.int32))
+    state = BeamState(cache=cache, topology=Topology.fan(prompt.lengths, k), limits=limits,
+                      start=prompt.lengths, generated=jnp.zeros((), jnp.int32),
+                      last=jnp.zeros((batch, k), jnp.int32),
+                      running_score=jnp.broadcast_to(only_first, (batch, k)),
+                      running_tokens=no_tokens, finished_score=jnp.full((batch, k), -jnp.inf),
+                      finished_tokens=no_tokens, finished_length=jnp.zeros((batch, k), jnp.int32),
+                      closed=jnp.broadcast_to(limits.max_new_tokens <= 0, (batch,)),
+                      passes=jnp.zeros((), jnp.int32))
     return self._select(state, jnp.broadcast_to(logits, (batch, k, logits.shape[-1])))
 
-  def step(self, params, state: dict) -> dict:
+  def step(self, params, state: BeamState) -> BeamState:
     """Feeds every open row's k running tokens (a closed row feeds padding), then selects."""
-    segments = jnp.where(state["closed"][:, None], -1, jnp.arange(1, self.num_beams + 1))  # [B, k]
-    positions = jnp.broadcast_to(state["start"][:, None] + state["generated"], segments.shape)
-    logits, _, cache = decode_step(params, state["cache"], state["last"], positions, segments,
-                                   state["topology"], config=self.config,
-                                   attention=self.attention)  # [B, k, V]
-    state = dict(state, cache=cache, generated=state["generated"] + 1,
-                 passes=state["passes"] + 1)
+    segments = jnp.where(state.closed[:, None], -1, jnp.arange(1, self.num_beams + 1))  # [B, k]
+    positions = jnp.broadcast_to(state.start[:, None] + state.generated, segments.shape)
+    logits, _, cache = self.model(params, state.cache, state.last, positions, segments,
+                                  state.topology)  # [B, k, V]
+    state = dataclasses.replace(state, cache=cache, generated=state.generated + 1,
+                                passes=state.passes + 1)
     return self._select(state, logits)
 
-  def _select(self, state: dict, logits: Float[Array, "B k V"]) -> dict:
+  def _select(self, state: BeamState, logits: Float[Array, "B k V"]) -> BeamState:
     """One beam-search choice from each running beam's next-token logits.
 
-    The running beams hold `state["generated"]` tokens (all in the cache); the
+    The running beams hold `state.generated` tokens (all in the cache); the
     candidates add one more. A closed row's running beams are no longer read.
     """
-    limits, step = state["limits"], state["generated"]
+    step = state.generated
     scores = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1) + \
-        state["running_score"][..., None]  # [B, k, V]
-    is_eos = (jnp.arange(scores.shape[-1])[:, None] == limits.eos_ids).any(-1)  # [V]
-    last = step + 1 >= limits.max_new_tokens
+        state.running_score[..., None]  # [B, k, V]
+    is_eos = (jnp.arange(scores.shape[-1])[:, None] == state.limits.eos_ids).any(-1)  # [V]
+    last = step + 1 >= state.limits.max_new_tokens
     state = self._finish(state, scores, is_eos, last)
     running_score, parent, token = top_continuations(jnp.where(is_eos, -jnp.inf, scores),
                                                      self.num_beams)  # [B, k]
     cache = self._reorder(state, parent)
-    closed = state["closed"] | last | self._hopeless(state, running_score[:, 0], step + 1)
-    return dict(state, cache=cache, running_score=running_score, last=token, closed=closed,
-                running_tokens=extend(state["running_tokens"], parent, token, step))
+    closed = state.closed | last | self._hopeless(state, running_score[:, 0], step + 1)
+    return dataclasses.replace(state, cache=cache, running_score=running_score, last=token,
+                               closed=closed,
+                               running_tokens=extend(state.running_tokens, parent, token, step))
 
-  def _finish(self, state: dict, scores: Float[Array, "B k V"], is_eos: Bool[Array, "V"],
-              last: Bool[Array, ""]) -> dict:
+  def _finish(self, state: BeamState, scores: Float[Array, "B k V"], is_eos: Bool[Array, "V"],
+              last: Bool[Array, ""]) -> BeamState:
     """Of each open row's k best candidates, those ending in EOS (or at the budget) join
     its finished hypotheses, of which the k best stay (sorted, best first)."""
-    k, step = self.num_beams, state["generated"]
+    k, step = self.num_beams, state.generated
     score, parent, token = top_continuations(scores, k)  # [B, k]
-    ends = (is_eos[token] | last) & ~state["closed"][:, None]
+    ends = (is_eos[token] | last) & ~state.closed[:, None]
     length = step + 1
     score = jnp.where(ends, score / length.astype(jnp.float32) ** self.length_penalty, -jnp.inf)
-    merged_score = jnp.concatenate([state["finished_score"], score], axis=1)  # [B, 2k]
+    merged_score = jnp.concatenate([state.finished_score, score], axis=1)  # [B, 2k]
     best, pick = jax.lax.top_k(merged_score, k)  # [B, k]
     merged_tokens = jnp.concatenate(
-        [state["finished_tokens"], extend(state["running_tokens"], parent, token, step)], axis=1)
+        [state.finished_tokens, extend(state.running_tokens, parent, token, step)], axis=1)
     merged_length = jnp.concatenate(
-        [state["finished_length"], jnp.broadcast_to(length, score.shape)], axis=1)  # [B, 2k]
-    return dict(state, finished_score=best,
-                finished_tokens=jnp.take_along_axis(merged_tokens, pick[..., None], axis=1),
-                finished_length=jnp.take_along_axis(merged_length, pick, axis=1))
+        [state.finished_length, jnp.broadcast_to(length, score.shape)], axis=1)  # [B, 2k]
+    return dataclasses.replace(
+        state, finished_score=best,
+        finished_tokens=jnp.take_along_axis(merged_tokens, pick[..., None], axis=1),
+        finished_length=jnp.take_along_axis(merged_length, pick, axis=1))
 
-  def _hopeless(self, state: dict, best_running: Float[Array, "B"], length: Int[Array, ""]
+  def _hopeless(self, state: BeamState, best_running: Float[Array, "B"], length: Int[Array, ""]
                 ) -> Bool[Array, "B"]:
     """Rows whose k finished hypotheses no running beam can beat (the early_stopping rule).
 
     `length`: tokens the running beams hold now.
     """
-    full = jnp.isfinite(state["finished_score"]).all(axis=1)  # [B]
+    full = jnp.isfinite(state.finished_score).all(axis=1)  # [B]
     if self.stops_when_full:
       return full
     if self.early_stopping == "never" and self.length_penalty > 0:
-      length = state["limits"].max_new_tokens
+      length = state.limits.max_new_tokens
     best_possible = best_running / length.astype(jnp.float32) ** self.length_penalty
-    return full & (best_possible <= state["finished_score"].min(axis=1))
+    return full & (best_possible <= state.finished_score.min(axis=1))
 
-  def _reorder(self, state: dict, parent: Int[Array, "B k"]) -> KVCache:
+  def _reorder(self, state: BeamState, parent: Int[Array, "B k"]) -> KVCache:
     """New beam j takes the cached tokens of old beam `parent[j]`: for every written step s,
     slot start + s*k + j gets the contents of slot start + s*k + parent[j]."""
-    k, start = self.num_beams, state["start"]
-    width = state["running_tokens"].shape[2] * k  # the branch block: capacity steps of k beams
+    k, start = self.num_beams, state.start
+    width = state.running_tokens.shape[2] * k  # the branch block: capacity steps of k beams
     step, beam = jnp.arange(width) // k, jnp.arange(width) % k  # [W] of every block slot
-    source_beam = jnp.where(step < state["generated"], parent[:, beam], beam)  # [B, W]
-    return gather_slots(state["cache"], start, start[:, None] + step * k + source_beam, width)
+    source_beam = jnp.where(step < state.generated, parent[:, beam], beam)  # [B, W]
+    return gather_slots(state.cache, start, start[:, None] + step * k + source_beam, width)
 
-  def done(self, state: dict) -> Bool[Array, "B"]:
-    return state["closed"]
+  def done(self, state: BeamState) -> Bool[Array, "B"]:
+    return state.closed
 
-  def result(self, state: dict):
+  def result(self, state: BeamState) -> tuple[OutputBuffer, dict]:
     """Finished hypotheses rank-major: output row r*B + i is prompt i's r-th best (rows 0..B-1
     the best ones); a hypothesis never filled (max_new_tokens 0) has score -inf."""
-    count = rank_major(state["finished_length"])
-    buffer = OutputBuffer(tokens=rank_major(state["finished_tokens"]), count=count,
+    count = rank_major(state.finished_length)
+    buffer = OutputBuffer(tokens=rank_major(state.finished_tokens), count=count,
                           done=jnp.ones(count.shape, jnp.bool_),
-                          scores=rank_major(state["finished_score"]))
-    return buffer, {"target_passes": state["passes"]}
+                          scores=rank_major(state.finished_score))
+    return buffer, {"target_passes": state.passes}

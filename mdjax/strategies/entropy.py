@@ -23,17 +23,17 @@ them (the others are padding and take no slot).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
 from mdjax.errors import check_count, check_real
-from mdjax.models.config import ModelConfig
-from mdjax.step import decode_step
-from mdjax.strategies.base import Limits, OutputBuffer, Prompt, emit, prefill
+from mdjax.strategies import layouts
+from mdjax.strategies.base import Limits, OutputBuffer, Prompt, Strategy, emit, prefill
 from mdjax.topology import Topology
 
 
@@ -46,14 +46,53 @@ def entropy_varentropy(logits: Float[Array, "... V"]) -> tuple[Float[Array, "...
   return entropy, (p * (logp + entropy[..., None]) ** 2).sum(-1)
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class EntropyBranching:
-  config: ModelConfig
+class EntropyState:
+  """The loop state; k = num_branches, m = branch_tokens. No topology is carried: each
+  pass derives it from `next_pos` (the fork position of an exploring row).
+
+    cache          KVCache          the text (segment 0), then an exploration's branches
+    limits         Limits           max_new_tokens, EOS ids, the run's PRNG key
+    buffer         OutputBuffer [B] the committed tokens
+    passes         int32[]          passes after prefill
+    last           int32[B]         a linear row's last committed token: what it feeds next
+    next_pos       int32[B]         the position `last` is fed at; of an exploring row, the
+                                    fork position (its branches' first tokens)
+    exploring      int32[B]         tokens each branch holds (1..m-1); 0: decoding linearly
+    fork_slot      int32[B]         the exploration's first slot (where compaction starts)
+    branch_last    int32[B, k]      each branch's last token: what it feeds next
+    branch_tokens  int32[B, k, m]   each branch's tokens so far
+    branch_score   float32[B, k]    each branch's summed log-probability
+    forks          int32[]          explorations started, over all rows
+  """
+
+  cache: KVCache
+  limits: Limits
+  buffer: OutputBuffer
+  passes: Int[Array, ""]
+  last: Int[Array, "B"]
+  next_pos: Int[Array, "B"]
+  exploring: Int[Array, "B"]
+  fork_slot: Int[Array, "B"]
+  branch_last: Int[Array, "B k"]
+  branch_tokens: Int[Array, "B k m"]
+  branch_score: Float[Array, "B k"]
+  forks: Int[Array, ""]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EntropyBranching(Strategy):
+  """Greedy, with a `num_branches`-way exploration of `branch_tokens` tokens wherever
+  the next token's entropy and varentropy exceed `branch_entropy` and `branch_varentropy`."""
+
+  name: ClassVar[str] = "entropy_branching"
+  layout: ClassVar = layouts.Plain()
+
   num_branches: int = 3
   branch_tokens: int = 4
   branch_entropy: float = 2.0
   branch_varentropy: float = 0.0
-  attention: str = "block_sparse"
 
   def __post_init__(self):
     check_count("num_branches", self.num_branches, 1)
@@ -69,46 +108,41 @@ class EntropyBranching:
   def cache_slots(self, prompt_len: int, capacity: int, branches: int = 1) -> int:
     return prompt_len + capacity + self.exploration_slots + self.num_branches
 
-  def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits, capacity: int) -> dict:
+  def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
+           capacity: int) -> EntropyState:
     batch, k = prompt.tokens.shape[0], self.num_branches
-    logits, cache, _ = prefill(params, prompt, cache, self.config, self.attention)
+    logits, cache, _ = prefill(self.model, params, prompt, cache)
     zeros = jnp.zeros((batch,), jnp.int32)
-    state = dict(cache=cache, limits=limits, buffer=OutputBuffer.empty(batch, capacity),
-                 last=zeros, next_pos=prompt.lengths, exploring=zeros, fork_slot=zeros,
-                 branch_last=jnp.zeros((batch, k), jnp.int32),
-                 branch_tokens=jnp.zeros((batch, k, self.branch_tokens), jnp.int32),
-                 branch_score=jnp.zeros((batch, k), jnp.float32),
-                 passes=jnp.zeros((), jnp.int32), forks=jnp.zeros((), jnp.int32))
+    state = EntropyState(cache=cache, limits=limits, buffer=OutputBuffer.empty(batch, capacity),
+                         passes=jnp.zeros((), jnp.int32), last=zeros, next_pos=prompt.lengths,
+                         exploring=zeros, fork_slot=zeros,
+                         branch_last=jnp.zeros((batch, k), jnp.int32),
+                         branch_tokens=jnp.zeros((batch, k, self.branch_tokens), jnp.int32),
+                         branch_score=jnp.zeros((batch, k), jnp.float32),
+                         forks=jnp.zeros((), jnp.int32))
     return self._after_main(state, logits[:, 0], jnp.ones((batch,), jnp.bool_))
 
-  def topology(self, fork_pos: Int[Array, "B"]) -> Topology:
-    """Segment 0 (the text) and the branches 1..k forked from it at `fork_pos`."""
-    segment = jnp.arange(self.num_branches + 1)[None, :]
-    parent = jnp.broadcast_to(jnp.where(segment == 0, -1, 0), (fork_pos.shape[0], segment.size))
-    return Topology(parent=parent.astype(jnp.int32),
-                    fork=jnp.where(segment == 0, 0, fork_pos[:, None]).astype(jnp.int32))
-
-  def step(self, params, state: dict) -> dict:
-    done, exploring = state["buffer"].done, state["exploring"] > 0  # [B]
+  def step(self, params, state: EntropyState) -> EntropyState:
+    done, exploring = state.buffer.done, state.exploring > 0  # [B]
     k = self.num_branches
     column = jnp.arange(k)[None, :]
     # linear rows feed `last` in column 0 (segment 0); exploring rows feed every branch
-    tokens = jnp.where(exploring[:, None], state["branch_last"], state["last"][:, None])
+    tokens = jnp.where(exploring[:, None], state.branch_last, state.last[:, None])
     segments = jnp.where(exploring[:, None], column + 1, jnp.where(column == 0, 0, -1))
     segments = jnp.where(done[:, None], -1, segments)
-    depth = state["exploring"]  # tokens each branch holds (1..branch_tokens-1 while exploring)
-    positions = jnp.broadcast_to((state["next_pos"] + jnp.maximum(depth - 1, 0))[:, None],
+    depth = state.exploring  # tokens each branch holds (1..branch_tokens-1 while exploring)
+    positions = jnp.broadcast_to((state.next_pos + jnp.maximum(depth - 1, 0))[:, None],
                                  tokens.shape)
-    fork_pos = state["next_pos"]  # of an exploring row: its branches' first tokens
-    logits, _, cache = decode_step(params, state["cache"], tokens, positions, segments,
-                                   self.topology(fork_pos), config=self.config,
-                                   attention=self.attention)  # [B, k, V]
-    state = dict(state, cache=cache, passes=state["passes"] + 1)
+    fork_pos = state.next_pos  # of an exploring row: its branches' first tokens
+    logits, _, cache = self.model(params, state.cache, tokens, positions, segments,
+                                  Topology.fan(fork_pos, k))  # [B, k, V]
+    state = dataclasses.replace(state, cache=cache, passes=state.passes + 1)
     linear = ~exploring & ~done
     state = self._after_main(state, logits[:, 0], linear)
     return self._after_branches(state, logits, exploring & ~done)
 
-  def _after_main(self, state: dict, logits: Float[Array, "B V"], rows) -> dict:
+  def _after_main(self, state: EntropyState, logits: Float[Array, "B V"],
+                  rows: Bool[Array, "B"]) -> EntropyState:
     """Rows `rows` got the logits after their last committed token: emit the argmax,
     or fork there when the distribution is uncertain enough."""
     entropy, varentropy = entropy_varentropy(logits)
@@ -116,48 +150,49 @@ class EntropyBranching:
     if self.num_branches == 1 or self.branch_tokens == 1:
       fork = jnp.zeros_like(fork)
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    buffer, _ = emit(state["buffer"], token[:, None], (rows & ~fork).astype(jnp.int32),
-                     state["limits"])
+    buffer, _ = emit(state.buffer, token[:, None], (rows & ~fork).astype(jnp.int32),
+                     state.limits)
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     top_logp, top = jax.lax.top_k(logp, self.num_branches)  # [B, k]
-    fed = state["cache"].length  # the main token was just written: branches start here
-    return dict(
+    fed = state.cache.length  # the main token was just written: branches start here
+    return dataclasses.replace(
         state, buffer=buffer,
-        last=jnp.where(rows & ~fork, token, state["last"]),
+        last=jnp.where(rows & ~fork, token, state.last),
         # the position of the next token to feed: the new `last`, or the branches' first
-        next_pos=state["next_pos"] + rows * (state["passes"] > 0),
-        exploring=jnp.where(fork, 1, state["exploring"]),
-        fork_slot=jnp.where(fork, fed, state["fork_slot"]),
-        branch_last=jnp.where(fork[:, None], top, state["branch_last"]),
-        branch_tokens=jnp.where(fork[:, None, None], state["branch_tokens"].at[:, :, 0].set(top),
-                                state["branch_tokens"]),
-        branch_score=jnp.where(fork[:, None], top_logp, state["branch_score"]),
-        forks=state["forks"] + fork.sum(dtype=jnp.int32))
+        next_pos=state.next_pos + rows * (state.passes > 0),
+        exploring=jnp.where(fork, 1, state.exploring),
+        fork_slot=jnp.where(fork, fed, state.fork_slot),
+        branch_last=jnp.where(fork[:, None], top, state.branch_last),
+        branch_tokens=jnp.where(fork[:, None, None], state.branch_tokens.at[:, :, 0].set(top),
+                                state.branch_tokens),
+        branch_score=jnp.where(fork[:, None], top_logp, state.branch_score),
+        forks=state.forks + fork.sum(dtype=jnp.int32))
 
-  def _after_branches(self, state: dict, logits: Float[Array, "B k V"], rows) -> dict:
+  def _after_branches(self, state: EntropyState, logits: Float[Array, "B k V"],
+                      rows: Bool[Array, "B"]) -> EntropyState:
     """Exploring rows extend every branch by its argmax; a row whose branches are
     complete keeps the best one, compacts its cache and emits its tokens."""
-    depth = state["exploring"]  # tokens each branch holds before this pass
+    depth = state.exploring  # tokens each branch holds before this pass
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, k, V]
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, k]
     token_logp = jnp.take_along_axis(logp, token[..., None], axis=-1)[..., 0]
     slot = jnp.arange(self.branch_tokens)[None, None, :] == depth[:, None, None]
-    branch_tokens = jnp.where(rows[:, None, None] & slot, token[..., None], state["branch_tokens"])
-    score = state["branch_score"] + jnp.where(rows[:, None], token_logp, 0.0)
+    branch_tokens = jnp.where(rows[:, None, None] & slot, token[..., None], state.branch_tokens)
+    score = state.branch_score + jnp.where(rows[:, None], token_logp, 0.0)
     depth = jnp.where(rows, depth + 1, depth)
     finished = rows & (depth == self.branch_tokens)
     best = jnp.argmax(score, axis=1).astype(jnp.int32)  # [B]
     winner = jnp.take_along_axis(branch_tokens, best[:, None, None], axis=1)[:, 0]  # [B, m]
-    buffer, _ = emit(state["buffer"], winner, finished * self.branch_tokens, state["limits"])
-    cache = self._keep_branch(state["cache"], finished, best, state["fork_slot"])
-    return dict(
+    buffer, _ = emit(state.buffer, winner, finished * self.branch_tokens, state.limits)
+    cache = self._keep_branch(state.cache, finished, best, state.fork_slot)
+    return dataclasses.replace(
         state, cache=cache, buffer=buffer, branch_tokens=branch_tokens, branch_score=score,
-        branch_last=jnp.where(rows[:, None], token, state["branch_last"]),
+        branch_last=jnp.where(rows[:, None], token, state.branch_last),
         exploring=jnp.where(finished, 0, depth),
-        last=jnp.where(finished, winner[:, -1], state["last"]),
-        next_pos=state["next_pos"] + finished * (self.branch_tokens - 1))
+        last=jnp.where(finished, winner[:, -1], state.last),
+        next_pos=state.next_pos + finished * (self.branch_tokens - 1))
 
-  def _keep_branch(self, cache: KVCache, finished, best: Int[Array, "B"],
+  def _keep_branch(self, cache: KVCache, finished: Bool[Array, "B"], best: Int[Array, "B"],
                    fork_slot: Int[Array, "B"]) -> KVCache:
     """Rows `finished`: the best branch's slots become segment 0, the others die, and
     the exploration window is compacted (the committed prefix is never moved)."""
@@ -168,8 +203,5 @@ class EntropyBranching:
     return cache_ops.compact(cache_ops.remap_segments(cache, mapping), start,
                              self.exploration_slots)
 
-  def done(self, state: dict):
-    return state["buffer"].done
-
-  def result(self, state: dict):
-    return state["buffer"], {"target_passes": state["passes"], "forks": state["forks"]}
+  def result(self, state: EntropyState) -> tuple[OutputBuffer, dict]:
+    return state.buffer, {"target_passes": state.passes, "forks": state.forks}
