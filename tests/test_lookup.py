@@ -10,7 +10,7 @@ from tests.helpers import random_model
 from mdjax.cache import KVCache
 from mdjax.sampling import greedy_accept
 from mdjax.step import decode_step
-from mdjax.strategies.base import chain_widths, decode_chains
+from mdjax.strategies.base import ModelFn, chain_widths, decode_chains
 from mdjax.topology import Topology
 from mdjax.strategies.lookup import latest_ngram_continuation, propose_by_lookup
 
@@ -106,8 +106,8 @@ def test_decode_chains_feeds_only_the_longest_prefix_and_matches_the_full_pass(m
   spare = jax.tree.map(jnp.copy, cache)  # decode_step donates its cache
   full_logits, _, full_cache = decode_step(params, spare, tokens[:, 0], chain_positions[:, 0],
                                            segments[:, 0], topology, config=cfg)
-  logits, narrow_cache, fed = decode_chains(params, cache, tokens, chain_positions, segments,
-                                            topology, config=cfg, attention="block_sparse")
+  logits, narrow_cache, fed = decode_chains(ModelFn(config=cfg, attention="block_sparse"), params,
+                                            cache, tokens, chain_positions, segments, topology)
   assert chain_widths(6) == (6, 3, 1) and int(fed) == 3
   np.testing.assert_allclose(logits[:, 0, :3], full_logits[:, :3], atol=1e-5)
   assert not np.asarray(logits[:, 0, 3:]).any()  # never fed

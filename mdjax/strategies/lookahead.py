@@ -60,10 +60,10 @@ gets exactly the logits of decoding its chain alone. After the pass:
   accepted (see `slide`).
 
 Jacobi decoding (Santilli et al. 2023) is the 2-gram case without a pool:
-`strategy="jacobi"` is `Lookahead(ngram=2, guess_set=0)`. The window is one
-chain `c u1 .. u(W-1)`; each pass refines every guess in parallel (u_k becomes the
-argmax after u_(k-1)), keeps the longest prefix of guesses equal to the argmax, and
-slides past it.
+`strategy="jacobi"` (`Jacobi`) is a `Lookahead` fixed at ngram=2, guess_set=0. The
+window is one chain `c u1 .. u(W-1)`; each pass refines every guess in parallel (u_k
+becomes the argmax after u_(k-1)), keeps the longest prefix of guesses equal to the
+argmax, and slides past it.
 
 Where this differs from the paper (none of it changes the output): the level-0
 chain is verified too (free); the window starts filled with prompt tokens and the
@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -86,15 +87,15 @@ from jaxtyping import Array, Bool, Int
 from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
 from mdjax.errors import check_count
-from mdjax.models.config import ModelConfig
 from mdjax.sampling import greedy_accept
-from mdjax.step import decode_step
-from mdjax.strategies.base import Limits, OutputBuffer, Prompt, emit, prefill
+from mdjax.strategies import layouts
+from mdjax.strategies.base import (Limits, OutputBuffer, Prompt, Strategy, emit, internal,
+                                   prefill)
 from mdjax.topology import Topology
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class FeedLayout:
   """The static shape of one pass (see the module docstring), relative to p.
 
     offset, segment  int[T]       position - p and segment of every fed token:
@@ -125,7 +126,7 @@ class Layout:
 
 
 @functools.lru_cache(maxsize=None)
-def feed_layout(window: int, ngram_size: int, guess_set: int) -> Layout:
+def feed_layout(window: int, ngram_size: int, guess_set: int) -> FeedLayout:
   """The layout of W = `window`, N = `ngram_size`, G = `guess_set`: T = (N - 1)(W + G)."""
   levels = ngram_size - 1
   level, column = np.divmod(np.arange(levels * window), window)  # the window, level-major
@@ -141,10 +142,11 @@ def feed_layout(window: int, ngram_size: int, guess_set: int) -> Layout:
   pool = [np.pad(np.concatenate([[0], levels * window + g * levels + np.arange(levels)]),
                  (0, longest - levels)) for g in range(guess_set)]
   as_int32 = lambda a: np.asarray(a, np.int32)
-  return Layout(offset=as_int32(offset), segment=as_int32(segment), parent=as_int32(parent),
-                fork=as_int32(fork), paths=as_int32(np.stack([chain, *pool])),
-                guesses=as_int32([window - 1] + [levels] * guess_set),
-                owner=as_int32([1] + [2 + columns + g for g in range(guess_set)]))
+  return FeedLayout(offset=as_int32(offset), segment=as_int32(segment),
+                    parent=as_int32(parent), fork=as_int32(fork),
+                    paths=as_int32(np.stack([chain, *pool])),
+                    guesses=as_int32([window - 1] + [levels] * guess_set),
+                    owner=as_int32([1] + [2 + columns + g for g in range(guess_set)]))
 
 
 @jax.tree_util.register_dataclass
@@ -211,16 +213,47 @@ def slide(window: Int[Array, "B L W"], top: Int[Array, "B W"], shift: Int[Array,
   return jnp.take_along_axis(moved, column[:, None, :], axis=2)
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Lookahead:
+class LookaheadState:
+  """The loop state (one branch per row). `cache`, `limits`, `buffer` [B] and
+  `passes` as in `DecodeState`, without its topology: every pass builds its own
+  (`FeedLayout.place`). L = N - 1 levels, W = `window`:
+
+    last                    int32[B]         c: the last emitted token, not yet cached
+    next_pos                int32[B]         c's position p
+    window                  int32[B, L, W]   the Jacobi guesses (level 0, column 0: stale,
+                                             overwritten by c each pass)
+    pool                    NgramPool        [B, P, N] the n-grams the window produced
+    accepted                int32[]          guesses accepted, over live row-passes
+    accepted_from_pool      int32[]          of those, the ones of a pool candidate
+    accepted_length_counts  int32[D + 1]     live row-passes by guesses accepted
+  """
+
+  cache: KVCache
+  limits: Limits
+  buffer: OutputBuffer
+  passes: Int[Array, ""]
+  last: Int[Array, "B"]
+  next_pos: Int[Array, "B"]
+  window: Int[Array, "B L W"]
+  pool: NgramPool
+  accepted: Int[Array, ""]
+  accepted_from_pool: Int[Array, ""]
+  accepted_length_counts: Int[Array, "D+1"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Lookahead(Strategy):
   """W = `window` columns (tokens per level, c included), N = `ngram`,
   G = `guess_set` candidates per pass (0, with N = 2 only: Jacobi decoding)."""
 
-  config: ModelConfig
+  name: ClassVar[str] = "lookahead"
+  layout: ClassVar = layouts.Plain()
+
   window: int = 7
   ngram: int = 5
   guess_set: int = 7
-  attention: str = "block_sparse"
 
   def __post_init__(self):
     check_count("window", self.window, 1)
@@ -228,27 +261,29 @@ class Lookahead:
     check_count("guess_set", self.guess_set, 0 if self.ngram == 2 else 1)
 
   @property
-  def layout(self) -> Layout:
+  def plan(self) -> FeedLayout:
     return feed_layout(self.window, self.ngram, self.guess_set)
 
   def cache_slots(self, prompt_len: int, capacity: int, branches: int = 1) -> int:
     """The padded prompt, the generated tokens, and room for one whole pass."""
-    return prompt_len + capacity + self.layout.offset.size
+    return prompt_len + capacity + self.plan.offset.size
 
-  def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits, capacity: int) -> dict:
+  def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
+           capacity: int) -> LookaheadState:
     batch = prompt.tokens.shape[0]
-    logits, cache, _ = prefill(params, prompt, cache, self.config, self.attention)
+    logits, cache, _ = prefill(self.model, params, prompt, cache)
     first = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)  # [B] (one branch per row)
     buffer, _ = emit(OutputBuffer.empty(batch, capacity), first[:, None],
                      jnp.ones_like(first), limits)
     zero = jnp.zeros((), jnp.int32)
     # at most `capacity` passes, each adding at most W n-grams: the pool never fills
     pool_size = self.window * capacity if self.guess_set else 0
-    return dict(cache=cache, limits=limits, buffer=buffer, last=first, next_pos=prompt.lengths,
-                window=self._first_window(prompt),
-                pool=NgramPool.empty(batch, pool_size, self.ngram), passes=zero,
-                accepted=zero, accepted_from_pool=zero,
-                accepted_length_counts=jnp.zeros((self.layout.paths.shape[1],), jnp.int32))
+    return LookaheadState(
+        cache=cache, limits=limits, buffer=buffer, passes=zero, last=first,
+        next_pos=prompt.lengths, window=self._first_window(prompt),
+        pool=NgramPool.empty(batch, pool_size, self.ngram), accepted=zero,
+        accepted_from_pool=zero,
+        accepted_length_counts=jnp.zeros((self.plan.paths.shape[1],), jnp.int32))
 
   def _first_window(self, prompt: Prompt) -> Int[Array, "B L W"]:
     """Prompt tokens, cycled: any guesses keep the output exact."""
@@ -258,28 +293,29 @@ class Lookahead:
     window = jnp.take_along_axis(prompt.tokens, index, axis=1)
     return window.reshape(-1, levels, self.window)
 
-  def step(self, params, state: dict) -> dict:
-    done, plan = state["buffer"].done, self.layout
-    window = state["window"].at[:, 0, 0].set(state["last"])  # [B, L, W]
-    candidates, found = state["pool"].candidates(state["last"], self.guess_set)  # [B, G, N-1]
+  def step(self, params, state: LookaheadState) -> LookaheadState:
+    done, plan = state.buffer.done, self.plan
+    window = state.window.at[:, 0, 0].set(state.last)  # [B, L, W]
+    candidates, found = state.pool.candidates(state.last, self.guess_set)  # [B, G, N-1]
     tokens = jnp.concatenate([window.reshape(done.shape[0], -1),
                               candidates.reshape(done.shape[0], -1)], axis=1)  # [B, T]
-    positions, segments, topology = plan.place(state["next_pos"], done)  # [B, T]
-    logits, _, cache = decode_step(params, state["cache"], tokens, positions, segments, topology,
-                                   config=self.config, attention=self.attention)  # [B, T, V]
+    positions, segments, topology = plan.place(state.next_pos, done)  # [B, T]
+    logits, _, cache = self.model(params, state.cache, tokens, positions, segments,
+                                  topology)  # [B, T, V]
     choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T]
     accepted, winner = self._verify(tokens, choice, found)  # [B, C], [B]
     best = jnp.take_along_axis(accepted, winner[:, None], axis=1)[:, 0]  # [B]
     emitted = jnp.take_along_axis(choice[:, plan.paths], winner[:, None, None],
                                   axis=1)[:, 0]  # [B, D + 1]: the argmax after c, then each guess
     top, grams = self._columns(window, choice)  # [B, W], [B, W, N]
-    ready = state["passes"] >= self.ngram - 2  # every level above 0 holds argmax outputs
-    return dict(self._tally(state, best, winner),
-                buffer=emit(state["buffer"], emitted, best + 1, state["limits"])[0],
-                cache=self._commit(cache, state["cache"].length, winner, best, done),
-                last=jnp.take_along_axis(emitted, best[:, None], axis=1)[:, 0],
-                next_pos=state["next_pos"] + best + 1, window=slide(window, top, accepted[:, 0]),
-                pool=state["pool"].add(grams, state["passes"], ~done & ready))
+    ready = state.passes >= self.ngram - 2  # every level above 0 holds argmax outputs
+    return dataclasses.replace(
+        self._tally(state, best, winner),
+        buffer=emit(state.buffer, emitted, best + 1, state.limits)[0],
+        cache=self._commit(cache, state.cache.length, winner, best, done),
+        last=jnp.take_along_axis(emitted, best[:, None], axis=1)[:, 0],
+        next_pos=state.next_pos + best + 1, window=slide(window, top, accepted[:, 0]),
+        pool=state.pool.add(grams, state.passes, ~done & ready))
 
   def _columns(self, window: Int[Array, "B L W"], choice: Int[Array, "B T"]
                ) -> tuple[Int[Array, "B W"], Int[Array, "B W N"]]:
@@ -288,23 +324,24 @@ class Lookahead:
     top = choice[:, (levels - 1) * self.window:levels * self.window]  # [B, W]
     return top, jnp.concatenate([window, top[:, None]], axis=1).transpose(0, 2, 1)
 
-  def _tally(self, state: dict, best: Int[Array, "B"], winner: Int[Array, "B"]) -> dict:
+  def _tally(self, state: LookaheadState, best: Int[Array, "B"],
+             winner: Int[Array, "B"]) -> LookaheadState:
     """The stats, over the rows this pass decoded."""
-    live = ~state["buffer"].done
-    counts = jax.nn.one_hot(best, self.layout.paths.shape[1], dtype=jnp.int32) * live[:, None]
-    return dict(state, passes=state["passes"] + 1,
-                accepted=state["accepted"] + jnp.where(live, best, 0).sum(),
-                accepted_from_pool=state["accepted_from_pool"]
-                + jnp.where(live & (winner > 0), best, 0).sum(),
-                accepted_length_counts=state["accepted_length_counts"] + counts.sum(axis=0))
+    live = ~state.buffer.done
+    counts = jax.nn.one_hot(best, self.plan.paths.shape[1], dtype=jnp.int32) * live[:, None]
+    return dataclasses.replace(
+        state, passes=state.passes + 1, accepted=state.accepted + jnp.where(live, best, 0).sum(),
+        accepted_from_pool=state.accepted_from_pool
+        + jnp.where(live & (winner > 0), best, 0).sum(),
+        accepted_length_counts=state.accepted_length_counts + counts.sum(axis=0))
 
   def _verify(self, tokens: Int[Array, "B T"], choice: Int[Array, "B T"], found: Bool[Array, "B G"]
               ) -> tuple[Int[Array, "B C"], Int[Array, "B"]]:
     """Accepted guesses of every candidate, and the winner (the first longest)."""
-    paths = self.layout.paths  # [C, D + 1]
+    paths = self.plan.paths  # [C, D + 1]
     batch, (num, longest) = tokens.shape[0], paths.shape
     exists = jnp.concatenate([jnp.ones((batch, 1), jnp.bool_), found], axis=1)  # [B, C]
-    count = jnp.where(exists, jnp.asarray(self.layout.guesses), 0)  # [B, C]
+    count = jnp.where(exists, jnp.asarray(self.plan.guesses), 0)  # [B, C]
     accepted = greedy_accept(tokens[:, paths[:, 1:]].reshape(batch * num, longest - 1),
                              count.reshape(-1),
                              choice[:, paths].reshape(batch * num, longest)).reshape(batch, num)
@@ -313,7 +350,7 @@ class Lookahead:
   def _commit(self, cache: KVCache, cached: Int[Array, "B"], winner: Int[Array, "B"],
               accepted: Int[Array, "B"], done: Bool[Array, "B"]) -> KVCache:
     """Keeps c and the winner's accepted guesses, in order, right after the text."""
-    plan = self.layout
+    plan = self.plan
     keep = jnp.asarray(plan.owner)[winner]  # [B] the winner's segment joins segment 0
     segment = jnp.arange(plan.parent.size)[None, :]  # [1, S]
     cache = cache_ops.remap_segments(
@@ -321,12 +358,21 @@ class Lookahead:
     cache = cache_ops.compact(cache, cached, plan.offset.size)
     return cache_ops.rollback(cache, jnp.where(done, cached, cached + 1 + accepted))
 
-  def done(self, state: dict):
-    return state["buffer"].done
+  def result(self, state: LookaheadState):
+    buffer, stats = super().result(state)
+    counts = state.accepted_length_counts  # [D + 1] row-passes by guesses accepted
+    return buffer, stats | {
+        "accepted": state.accepted, "accepted_from_pool": state.accepted_from_pool,
+        "accepted_length_counts": counts,
+        "mean_accepted_length": state.accepted / jnp.maximum(counts.sum(), 1)}
 
-  def result(self, state: dict):
-    counts = state["accepted_length_counts"]  # [D + 1] row-passes by guesses accepted
-    return state["buffer"], {
-        "target_passes": state["passes"], "accepted": state["accepted"],
-        "accepted_from_pool": state["accepted_from_pool"], "accepted_length_counts": counts,
-        "mean_accepted_length": state["accepted"] / jnp.maximum(counts.sum(), 1)}
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Jacobi(Lookahead):
+  """Jacobi decoding: one level of W guesses refined in parallel, no pool (see the
+  module docstring); `window` is its only option."""
+
+  name: ClassVar[str] = "jacobi"
+
+  ngram: int = internal(2)
+  guess_set: int = internal(0)

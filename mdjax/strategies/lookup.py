@@ -2,8 +2,8 @@
 
 Each step, every row looks for the latest earlier occurrence of its last `n` tokens
 (n = max_ngram_size ... 1) in prompt + generated text and proposes the (up to)
-`num_tokens` tokens that followed it. The target model scores the last emitted
-token and the proposal in one `decode_step` (a chain in the row's own segment);
+`prompt_lookup_num_tokens` tokens that followed it. The target model scores the last
+emitted token and the proposal in one pass (a chain in the row's own segment);
 greedy acceptance keeps the target's argmax up to and including its first
 disagreement with the proposal, so the output is exactly greedy decoding's. The
 rejected tokens are marked dead and compacted out of the cache. Rows accept
@@ -22,6 +22,7 @@ One row, last emitted token `c` (not yet cached), proposal `d e f`::
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -29,11 +30,11 @@ from jaxtyping import Array, Bool, Int
 
 from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
-from mdjax.errors import MdjaxError
-from mdjax.models.config import ModelConfig
+from mdjax.errors import check_count
 from mdjax.sampling import greedy_accept
-from mdjax.strategies import metadata
-from mdjax.strategies.base import Limits, OutputBuffer, Prompt, decode_chains, emit, prefill
+from mdjax.strategies import layouts, metadata
+from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Strategy,
+                                   decode_chains, emit, prefill)
 
 
 def latest_ngram_continuation(history: Int[Array, "B H"], length: Int[Array, "B"], ngram: int,
@@ -92,70 +93,98 @@ def propose_by_lookup(history, length, max_ngram_size: int, num_tokens: int):
   return proposal, count
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PromptLookup:
-  config: ModelConfig
-  num_tokens: int = 10  # prompt_lookup_num_tokens
+class PromptLookupState(DecodeState):
+  """`DecodeState` (buffer rows R = B * N: row b * N + j is branch j of row b), and
+
+    history         int32[R, H]   what branch r sees, left-aligned: the context, its own
+                                  question, then its answer (`branch_histories`)
+    length          int32[R]      tokens in `history`; the last one is not yet cached
+    branch_segment  int32[R]      the segment branch r decodes in (-1: no such branch)
+    drafted         int32[]       proposed tokens over all passes, live branches only
+    accepted        int32[]       of those, the ones the target kept
+    columns_fed     int32[]       columns fed over all passes (R x the pass's width)
+    metadata        TokenMetadata [R, N]  per emitted token, with return_metadata; else None
+  """
+
+  history: Int[Array, "R H"]
+  length: Int[Array, "R"]
+  branch_segment: Int[Array, "R"]
+  drafted: Int[Array, ""]
+  accepted: Int[Array, ""]
+  columns_fed: Int[Array, ""]
+  metadata: metadata.TokenMetadata | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PromptLookup(Strategy):
+  """Proposals of up to `prompt_lookup_num_tokens` tokens, after the latest earlier
+  occurrence of the last n-gram (n = `max_ngram_size` ... 1)."""
+
+  name: ClassVar[str] = "prompt_lookup"
+  layout: ClassVar = layouts.Questions(required=False)
+
+  prompt_lookup_num_tokens: int = 10
   max_ngram_size: int = 2
   return_metadata: bool = False  # per-token metadata (`mdjax.strategies.metadata`)
-  attention: str = "block_sparse"
 
   def __post_init__(self):
-    for name in ("num_tokens", "max_ngram_size"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        option = "prompt_lookup_num_tokens" if name == "num_tokens" else name
-        raise MdjaxError(f"{option} must be an integer >= 1, got {value!r}")
+    check_count("prompt_lookup_num_tokens", self.prompt_lookup_num_tokens, 1)
+    check_count("max_ngram_size", self.max_ngram_size, 1)
 
   def cache_slots(self, prompt_len: int, capacity: int, branches: int = 1) -> int:
     """The padded prompt, every branch's generated tokens, and one proposal per branch
     before the rejected ones are compacted away."""
-    return prompt_len + (capacity + self.num_tokens + 1) * branches
+    return prompt_len + (capacity + self.prompt_lookup_num_tokens + 1) * branches
 
-  def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits, capacity: int) -> dict:
-    logits, cache, topology = prefill(params, prompt, cache, self.config, self.attention)
+  def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
+           capacity: int) -> PromptLookupState:
+    logits, cache, topology = prefill(self.model, params, prompt, cache)
     rows = prompt.branch_segment.size  # R = B * N: one output row per branch
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(rows)  # [R]
     absent = (prompt.branch_segment < 0).reshape(rows)
     buffer = dataclasses.replace(OutputBuffer.empty(rows, capacity), done=absent)
     buffer, _ = emit(buffer, first[:, None], jnp.ones_like(first), limits)
-    history, length = branch_histories(prompt, capacity + self.num_tokens + 1)
+    history, length = branch_histories(prompt, capacity + self.prompt_lookup_num_tokens + 1)
     history = history.at[jnp.arange(rows), length].set(first)
     zero = jnp.zeros((), jnp.int32)
-    state = dict(cache=cache, topology=topology, limits=limits, buffer=buffer, history=history,
-                 length=length + 1, branch_segment=prompt.branch_segment.reshape(rows),
-                 passes=zero, drafted=zero, accepted=zero, columns_fed=zero)
+    token_metadata = None
     if self.return_metadata:
-      state["metadata"] = metadata.first(capacity, jax.nn.softmax(logits, axis=-1).reshape(
+      token_metadata = metadata.first(capacity, jax.nn.softmax(logits, axis=-1).reshape(
           rows, -1), first)
-    return state
+    return PromptLookupState(
+        cache=cache, topology=topology, limits=limits, buffer=buffer, passes=zero,
+        history=history, length=length + 1, branch_segment=prompt.branch_segment.reshape(rows),
+        drafted=zero, accepted=zero, columns_fed=zero, metadata=token_metadata)
 
-  def step(self, params, state: dict) -> dict:
-    history, length, buffer = state["history"], state["length"], state["buffer"]
-    rows, width = history.shape[0], self.num_tokens + 1
-    batch = state["cache"].length.shape[0]
-    proposal, count = propose_by_lookup(history, length, self.max_ngram_size, self.num_tokens)
+  def step(self, params, state: PromptLookupState) -> PromptLookupState:
+    history, length, buffer = state.history, state.length, state.buffer
+    rows, width = history.shape[0], self.prompt_lookup_num_tokens + 1
+    batch = state.cache.length.shape[0]
+    proposal, count = propose_by_lookup(history, length, self.max_ngram_size,
+                                        self.prompt_lookup_num_tokens)
     count = jnp.where(buffer.done, 0, count)
     last = jnp.take_along_axis(history, (length - 1)[:, None], axis=1)  # [R, 1] not yet cached
     tokens = jnp.concatenate([last, proposal], axis=1)  # [R, 1 + D]
     offsets = jnp.arange(width)[None, :]
     active = (offsets <= count[:, None]) & ~buffer.done[:, None]  # [R, 1 + D]
-    segments = jnp.where(active, state["branch_segment"][:, None], -1)
-    cached = state["cache"].length
+    segments = jnp.where(active, state.branch_segment[:, None], -1)
+    cached = state.cache.length
     logits, cache, fed = decode_chains(
-        params, state["cache"], tokens.reshape(batch, -1, width),
+        self.model, params, state.cache, tokens.reshape(batch, -1, width),
         ((length - 1)[:, None] + offsets).reshape(batch, -1, width),
-        segments.reshape(batch, -1, width), state["topology"], config=self.config,
-        attention=self.attention)  # [B, N, 1 + D, V]
+        segments.reshape(batch, -1, width), state.topology)  # [B, N, 1 + D, V]
     logits = logits.reshape(rows, width, -1)
     choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, 1 + D]
     accepted = greedy_accept(proposal, count, choice)  # [R]
-    buffer, taken = emit(buffer, choice, accepted + 1, state["limits"])
+    buffer, taken = emit(buffer, choice, accepted + 1, state.limits)
+    token_metadata = state.metadata
     if self.return_metadata:
-      state = dict(state, metadata=state["metadata"].record(
-          state["buffer"].count, taken,
+      token_metadata = token_metadata.record(
+          state.buffer.count, taken,
           *metadata.verified(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), choice,
-                             proposal, count, accepted)))
+                             proposal, count, accepted))
     emitted = taken.sum(axis=1, dtype=jnp.int32)
     history = history.at[jnp.arange(rows)[:, None],
                          jnp.where(taken, length[:, None] + offsets, history.shape[1])].set(
@@ -164,17 +193,17 @@ class PromptLookup:
     rejected = active & (offsets > accepted[:, None])
     cache = cache_ops.compact(_kill_fed(cache, cached, active, rejected, batch), cached,
                               rows // batch * width)
-    live = ~state["buffer"].done
-    return dict(state, cache=cache, buffer=buffer, history=history, length=length + emitted,
-                passes=state["passes"] + 1, columns_fed=state["columns_fed"] + rows * fed,
-                drafted=state["drafted"] + jnp.where(live, count, 0).sum(),
-                accepted=state["accepted"] + jnp.where(live, accepted, 0).sum())
+    live = ~state.buffer.done
+    return dataclasses.replace(
+        state, cache=cache, buffer=buffer, history=history, length=length + emitted,
+        passes=state.passes + 1, columns_fed=state.columns_fed + rows * fed,
+        drafted=state.drafted + jnp.where(live, count, 0).sum(),
+        accepted=state.accepted + jnp.where(live, accepted, 0).sum(), metadata=token_metadata)
 
-  def done(self, state: dict):
-    return state["buffer"].done
-
-  def result(self, state: dict):
-    return state["buffer"], {"target_passes": state["passes"], "drafted": state["drafted"],
-                             "accepted": state["accepted"],
-                             "columns_fed": state["columns_fed"]} | (
-                                 {"metadata": state["metadata"]} if self.return_metadata else {})
+  def result(self, state: PromptLookupState):
+    buffer, stats = super().result(state)
+    stats |= {"drafted": state.drafted, "accepted": state.accepted,
+              "columns_fed": state.columns_fed}
+    if state.metadata is not None:
+      stats["metadata"] = state.metadata
+    return buffer, stats
