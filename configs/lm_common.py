@@ -29,12 +29,8 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.copy_min_period = 0  # > 0: copy rows repeat a prefix of this many..seq_len/2 tokens
   config.copy_shown_twice = False  # True: copy rows show chunks of that length twice each
   config.random_copy_fraction = 0.0  # share of sequences that repeat a random block of ids
-  config.random_copy_min_alphabet = 0  # > 0: random rows draw from k ids, k log-uniform a..V
   config.random_copy_common_share = 0.0  # > 0: this share of random ids from 2..8 common ones
   config.random_copy_shown_twice = False  # True: each random block shown twice, then a fresh one
-  config.random_copy_phrase_rate = 0.0  # > 0: chance a block's phrase (2..n ids) starts at an id
-  config.random_copy_phrase_longest = 4  # n: the longest phrase, in ids (2..8)
-  config.framed_copy_fraction = 0.0  # share: a prefix, a comment, the prefix again, the text on
   config.teacher = ""  # a model to distill from; "" = none
   config.distill_weight = 0.5  # with a teacher: loss = (1 - w) CE + w KL(teacher || student)
   config.distill_temperature = 1.0

@@ -60,7 +60,9 @@ code chunks shown twice each (`copy_shown_twice=True`, 50% of the rows): held-ou
 3.382, the best of this shape, but fewer exact copies (50 of 131 held-out functions
 against stage 18's 58), so it was not shipped either, nor stage 21 (stage 20 continued
 with stage 18's rows: the trainer's best greedy copy, 18 of 64, but 50 of 131 functions),
-nor stage 22 (stage 21 with 20% framed copy rows: 55 of 131, loss 3.446).
+nor stage 22 (stage 21 with 20% framed copy rows: 55 of 131, loss 3.446). The options
+of stages 13, 14, 15, 19 and 22 have since been retired from the trainer
+(`docs/shipped_models.md`, *The rows that teach copying*).
 
 6,000 steps are ~1.8 h of two CPU cores, so the run fits in one working session of the
 project's machines, whose run directories do not survive the session (a killed run

@@ -32,7 +32,7 @@ import ml_collections
 from mdjax.models import hf
 from mdjax.models.model import Model
 from mdjax.train import data, distill
-from mdjax.train.lm import Run, evaluate, evaluate_copying, evaluate_induction
+from mdjax.train.lm import Run, evaluate, evaluate_heldout
 
 
 def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.PathLike,
@@ -46,8 +46,6 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
              max_shard_bytes=int(config.export_shard_mb * 2**20) or None)
   shutil.copyfile(run_dir / "heldout_files.json", directory / "heldout_files.json")
   exported = hf.load_hf_dir(directory)
-  result = evaluate(exported.params, run.data.heldout, exported.config, config.batch_size)
-  copying = evaluate_copying(exported.params, run.data.heldout, exported.config, config.batch_size)
   device = jax.devices()[0]
   summary = {
       "command": command or shlex.join([sys.executable, *sys.argv]),
@@ -65,20 +63,14 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
       # the row mix trained on (none when no step was run)
       **(dataclasses.asdict(data.RowMix.from_config(config)) if run.step else {}),
       **continued_from(config.init_from, run.step * config.batch_size * config.seq_len),
-      **distilled_from(run, exported, config.batch_size),
+      **distilled_from(run.teacher),
       "num_params": run.model_config.num_params,
       "vocab_size": run.model_config.vocab_size,
       "weights_dtype": config.export_dtype,
       "eval_sequences": len(run.data.heldout),
-      "heldout_loss": result["loss"],
-      "heldout_accuracy": result["accuracy"],
       "heldout_bytes_per_token": run.data.heldout_bytes_per_token,
-      "heldout_nats_per_byte": result["loss"] / run.data.heldout_bytes_per_token,
-      "heldout_copy_loss": copying["loss"],
-      "heldout_copy_accuracy": copying["accuracy"],
-      "heldout_greedy_copy": copying["greedy_copy"],
-      "random_copy_accuracy": evaluate_induction(exported.params, exported.config,
-                                                 config.batch_size),
+      **evaluate_heldout(exported.params, exported.config, run.data, config.batch_size,
+                         run.teacher),
   }
   (directory / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   write_fingerprint(exported, run.data.heldout[:FINGERPRINT_SEQUENCES, :FINGERPRINT_TOKENS + 1],
@@ -111,14 +103,12 @@ def continued_from(init_from: str, tokens_seen: int) -> dict:
           **made}
 
 
-def distilled_from(run, exported: Model, batch_size: int) -> dict:
-  """The teacher, the loss mix, and the exported weights' held-out argmax agreement."""
-  if run.teacher is None:
+def distilled_from(teacher: distill.Teacher | None) -> dict:
+  """The teacher and the loss mix (its held-out agreement: `lm.evaluate_heldout`)."""
+  if teacher is None:
     return {"teacher": ""}
-  return {"teacher": run.teacher.name, "distill_weight": run.teacher.weight,
-          "distill_temperature": run.teacher.temperature,
-          "heldout_teacher_agreement": distill.agreement(exported.params, exported.config,
-                                                         run.teacher, run.data.heldout, batch_size)}
+  return {"teacher": teacher.name, "distill_weight": teacher.weight,
+          "distill_temperature": teacher.temperature}
 
 
 FINGERPRINT_SEQUENCES, FINGERPRINT_TOKENS = 4, 128
@@ -173,24 +163,12 @@ def _row_lines(summary: dict) -> list[str]:
     lines.append(f"{summary['copy_fraction']:.0%} of the sequences {repeated} "
                  "(copy rows, see `mdjax.train.data`).")
   if summary.get("random_copy_fraction"):
-    details = (f", each drawn from {summary['random_copy_min_alphabet']} or more ids "
-               "(log-uniform) rather than the whole vocabulary"
-               if summary.get("random_copy_min_alphabet") else "")
-    if summary.get("random_copy_common_share"):
-      details += (f", {summary['random_copy_common_share']:.0%} of their positions one of "
-                  "the block's 2..8 common ids")
-    if summary.get("random_copy_phrase_rate"):
-      details += (", one of the block's 1..3 phrases of 2.."
-                  f"{summary.get('random_copy_phrase_longest', 4)} ids starting at "
-                  f"{summary['random_copy_phrase_rate']:.0%} of their positions")
+    details = (f", {summary['random_copy_common_share']:.0%} of their positions one of the "
+               "block's 2..8 common ids" if summary.get("random_copy_common_share") else "")
     repeated = ("show blocks of random ids twice each" if summary.get("random_copy_shown_twice")
                 else "repeat a block of random ids")
     lines.append(f"{summary['random_copy_fraction']:.0%} of the sequences {repeated}"
                  f"{details} (random copy rows, see `mdjax.train.data`).")
-  if summary.get("framed_copy_fraction"):
-    lines.append(f"{summary['framed_copy_fraction']:.0%} of the sequences show a prefix, a "
-                 "comment announcing a repeat, then the prefix again (framed copy rows, see "
-                 "`mdjax.train.data`).")
   return lines
 
 

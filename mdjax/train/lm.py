@@ -244,13 +244,30 @@ def prepare_data(config: ml_collections.ConfigDict, corpus: data.Corpus, fast_to
                       config.seq_len)
   picked = heldout[np.unique(np.linspace(0, len(heldout) - 1, config.eval_sequences).astype(int))]
   target_bytes = tokenizer_lib.token_byte_lengths(fast_tokenizer)[picked[:, 1:]]  # [E, T]
-  frames = tuple(np.asarray(encoding.ids, np.int32) for encoding in
-                 fast_tokenizer.encode_batch(list(data.COPY_FRAMES), add_special_tokens=False))
   return Data(batches=data.Batches(data.pack(train, config.seq_len), config.batch_size,
                                    config.seed, data.RowMix.from_config(config),
-                                   fast_tokenizer.get_vocab_size(), frames),
+                                   fast_tokenizer.get_vocab_size()),
               heldout=picked, heldout_bytes_per_token=float(target_bytes.mean()),
               train_tokens=len(train))
+
+
+def evaluate_heldout(params: Params, config: ModelConfig, run_data: Data, batch_size: int,
+                     teacher: distill.Teacher | None = None) -> dict[str, float]:
+  """Every held-out number a run logs and an export records, on `run_data.heldout`:
+  loss, top-1 accuracy and nats per byte (`evaluate`), the same on its copy rows and
+  their greedy copies (`evaluate_copying`), the copying of random ids
+  (`evaluate_induction`) and, with a `teacher`, the argmax agreement with it."""
+  plain = evaluate(params, run_data.heldout, config, batch_size)
+  copying = evaluate_copying(params, run_data.heldout, config, batch_size)
+  record = {"heldout_loss": plain["loss"], "heldout_accuracy": plain["accuracy"],
+            "heldout_nats_per_byte": plain["loss"] / run_data.heldout_bytes_per_token,
+            "heldout_copy_loss": copying["loss"], "heldout_copy_accuracy": copying["accuracy"],
+            "heldout_greedy_copy": copying["greedy_copy"],
+            "random_copy_accuracy": evaluate_induction(params, config, batch_size)}
+  if teacher:
+    record["heldout_teacher_agreement"] = distill.agreement(params, config, teacher,
+                                                            run_data.heldout, batch_size)
+  return record
 
 
 def load_or_train_tokenizer(config: ml_collections.ConfigDict, corpus: data.Corpus,
@@ -315,14 +332,14 @@ class Run:
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
-  """Rejects values the loop cannot run with, naming them."""
+  """Rejects values the loop cannot run with, naming them, before any data is read."""
   if not config.run_dir:
     raise MdjaxError("config.run_dir is required (where checkpoints and metrics go)")
   for name in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "checkpoint_every",
                "keep_checkpoints", "eval_sequences"):
     if config[name] < 1:
       raise MdjaxError(f"config.{name} must be >= 1, got {config[name]}")
-  data.RowMix.from_config(config)  # a bad row mix fails here, before any data is read
+  data.RowMix.from_config(config).check(config.seq_len + 1)
   if config.export_shard_mb < 0:
     raise MdjaxError(f"config.export_shard_mb must be >= 0 (0: one file), got "
                      f"{config.export_shard_mb}")
@@ -338,71 +355,98 @@ def train(config: ml_collections.ConfigDict, *, progress: bool = True,
   """
   validate(config)
   run_dir = pathlib.Path(config.run_dir)
-  run_dir.mkdir(parents=True, exist_ok=True)
-  corpus = data.load_corpus(config.data_dir, config.data_pattern, config.heldout_fraction)
-  _write_run_files(config, corpus, run_dir)
-  tokenizer = load_or_train_tokenizer(config, corpus, run_dir)
-  fast = tokenizer.backend_tokenizer
-  cfg = model_config(config, fast.get_vocab_size())
-  run_data = prepare_data(config, corpus, fast)
+  corpus, tokenizer, run_data = _prepare_run(config, run_dir)
+  cfg = model_config(config, tokenizer.backend_tokenizer.get_vocab_size())
   optimizer = make_optimizer(config)
-  params = initial_params(config, cfg)
-  state = {"params": params, "opt_state": optimizer.init(params)}
-
   manager = _checkpoint_manager(config, run_dir)
-  start = manager.latest_step() or 0
-  if start:
-    state = manager.restore(start, args=ocp.args.StandardRestore(state))
-  log = MetricsLog(run_dir / "metrics.jsonl")
-  log.truncate_after(start)
-  previous = [r["wall_s"] for r in log.records() if "wall_s" in r]
-  wall_offset = previous[-1] if previous else 0.0
-  teacher = distill.load_teacher(config, cfg)
-  train_step = make_train_step(cfg, optimizer, teacher)
-  tokens_per_step = config.batch_size * config.seq_len
-  lr = lr_schedule(config)
-
+  start, state = _restore(config, cfg, optimizer, manager)
   end = start if restore_only else config.steps
   if restore_only and not start and not config.init_from:
     raise MdjaxError(f"no checkpoint to export in {str(run_dir / 'checkpoints')!r} and no "
                      "init_from")
-  bar = tqdm(total=end, initial=start, disable=not progress, dynamic_ncols=True,
-             desc=run_dir.name)
-  session_start = last_time = time.perf_counter()
-  last_step, loss_sum = start, 0.0
+  log = MetricsLog(run_dir / "metrics.jsonl")
+  log.truncate_after(start)
+  teacher = distill.load_teacher(config, cfg)
+  train_step = make_train_step(cfg, optimizer, teacher)
+  losses = _LossLog(config, log, start, end, progress, run_dir.name)
   for step in range(start + 1, end + 1):
     state, metrics = train_step(state, jnp.asarray(run_data.batches.batch(step - 1)),
                                 teacher and teacher.params)
-    loss_sum = loss_sum + metrics["loss"]  # on device: no host sync between logs
-    if step % config.log_every == 0 or step == end:
-      now = time.perf_counter()
-      loss = float(loss_sum) / (step - last_step)
-      rate = tokens_per_step * (step - last_step) / (now - last_time)
-      log.write({"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
-                 "lr": float(lr(step - 1)), "tokens_per_s": rate,
-                 "tokens_seen": step * tokens_per_step,
-                 "wall_s": wall_offset + now - session_start})
-      bar.update(step - last_step)
-      bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
-      last_time, last_step, loss_sum = now, step, 0.0
-    if step % config.eval_every == 0 or step == end:
-      result = evaluate(state["params"], run_data.heldout, cfg, config.batch_size)
-      copying = evaluate_copying(state["params"], run_data.heldout, cfg, config.batch_size)
-      record = {"step": step, "heldout_loss": result["loss"],
-                "heldout_accuracy": result["accuracy"],
-                "heldout_nats_per_byte": result["loss"] / run_data.heldout_bytes_per_token,
-                "heldout_copy_loss": copying["loss"], "heldout_copy_accuracy": copying["accuracy"],
-                "heldout_greedy_copy": copying["greedy_copy"],
-                "random_copy_accuracy": evaluate_induction(state["params"], cfg, config.batch_size)}
-      if teacher:
-        record["heldout_teacher_agreement"] = distill.agreement(
-            state["params"], cfg, teacher, run_data.heldout, config.batch_size)
-      log.write(record)
+    losses.add(step, metrics)
+    if _due(step, config.eval_every, end):
+      log.write({"step": step, **evaluate_heldout(state["params"], cfg, run_data,
+                                                  config.batch_size, teacher)})
       plot_losses(log.records(), run_dir / "loss.png", run_dir.name)
-    if step % config.checkpoint_every == 0 or step == end:
+    if _due(step, config.checkpoint_every, end):
       manager.save(step, args=ocp.args.StandardSave(state), force=True)
-  bar.close()
+  losses.close()
   manager.wait_until_finished()
   return Run(params=state["params"], model_config=cfg, tokenizer=tokenizer, corpus=corpus,
              data=run_data, step=max(start, end), teacher=teacher)
 
+
+def _prepare_run(config: ml_collections.ConfigDict,
+                 run_dir: pathlib.Path) -> tuple[data.Corpus, object, Data]:
+  """Creates `run_dir` and its run files; loads the corpus, the tokenizer and the data."""
+  run_dir.mkdir(parents=True, exist_ok=True)
+  corpus = data.load_corpus(config.data_dir, config.data_pattern, config.heldout_fraction)
+  _write_run_files(config, corpus, run_dir)
+  tokenizer = load_or_train_tokenizer(config, corpus, run_dir)
+  return corpus, tokenizer, prepare_data(config, corpus, tokenizer.backend_tokenizer)
+
+
+def _restore(config: ml_collections.ConfigDict, cfg: ModelConfig,
+             optimizer: optax.GradientTransformation,
+             manager: ocp.CheckpointManager) -> tuple[int, dict]:
+  """(step, state) of the latest checkpoint, or (0, the initial state) before any.
+
+  state: {"params", "opt_state"}; the initial one is also the template restored into.
+  """
+  params = initial_params(config, cfg)
+  state = {"params": params, "opt_state": optimizer.init(params)}
+  start = manager.latest_step() or 0
+  if start:
+    state = manager.restore(start, args=ocp.args.StandardRestore(state))
+  return start, state
+
+
+def _due(step: int, every: int, end: int) -> bool:
+  """Is a periodic action (log, evaluation, checkpoint) due after `step`? Every `every`
+  steps and after the last."""
+  return step % every == 0 or step == end
+
+
+class _LossLog:
+  """The train-loss records of a session (`log_every` steps apart and at `end`) and its
+  progress bar. Each record holds the mean loss since the previous one, summed on the
+  device so that no step waits for the host in between."""
+
+  def __init__(self, config: ml_collections.ConfigDict, log: MetricsLog, start: int, end: int,
+               progress: bool, name: str):
+    previous = [r["wall_s"] for r in log.records() if "wall_s" in r]
+    self.wall_offset = previous[-1] if previous else 0.0  # the interrupted sessions' time
+    self.log, self.every, self.end = log, config.log_every, end
+    self.tokens_per_step = config.batch_size * config.seq_len
+    self.lr = lr_schedule(config)
+    self.bar = tqdm(total=end, initial=start, disable=not progress, dynamic_ncols=True,
+                    desc=name)
+    self.session_start = self.last_time = time.perf_counter()
+    self.last_step, self.loss_sum = start, 0.0
+
+  def add(self, step: int, metrics: dict[str, jax.Array]) -> None:
+    self.loss_sum = self.loss_sum + metrics["loss"]
+    if not _due(step, self.every, self.end):
+      return
+    now = time.perf_counter()
+    loss = float(self.loss_sum) / (step - self.last_step)
+    rate = self.tokens_per_step * (step - self.last_step) / (now - self.last_time)
+    self.log.write({"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+                    "lr": float(self.lr(step - 1)), "tokens_per_s": rate,
+                    "tokens_seen": step * self.tokens_per_step,
+                    "wall_s": self.wall_offset + now - self.session_start})
+    self.bar.update(step - self.last_step)
+    self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
+    self.last_time, self.last_step, self.loss_sum = now, step, 0.0
+
+  def close(self) -> None:
+    self.bar.close()
