@@ -10,8 +10,10 @@ import shutil
 import huggingface_hub
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
+import safetensors.numpy
 import tokenizers
 import torch
 import transformers
@@ -342,10 +344,19 @@ def test_unsupported_rope_type(broken):
 ])
 def test_missing_tensor(broken, tensor, match):
   file = broken / hf.WEIGHTS_FILE
-  tensors = {name: hf._read_tensor(file, info) for name, info in hf._read_header(file).items()}
+  tensors = safetensors.numpy.load_file(file)
   del tensors[tensor]
-  hf._write_safetensors(file, tensors)
+  safetensors.numpy.save_file(tensors, file)
   with pytest.raises(CheckpointError, match=match):
+    hf.load_hf_dir(broken)
+
+
+def test_tensor_dtype_numpy_cannot_hold(broken):
+  file = broken / hf.WEIGHTS_FILE
+  tensors = safetensors.numpy.load_file(file)
+  tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(ml_dtypes.float8_e4m3fn)
+  safetensors.numpy.save_file(tensors, file)
+  with pytest.raises(CheckpointError, match=r"model\.norm\.weight.*F8_E4M3.*model\.safetensors"):
     hf.load_hf_dir(broken)
 
 
@@ -355,6 +366,14 @@ def test_missing_tensor_in_shard_index(tmp_path):
   del index["weight_map"]["model.norm.weight"]
   (tmp_path / hf.INDEX_FILE).write_text(json.dumps(index))
   with pytest.raises(CheckpointError, match=r"model\.norm\.weight.*index"):
+    hf.load_hf_dir(tmp_path)
+
+
+def test_missing_shard_file(tmp_path):
+  write_tiny_checkpoint(tmp_path, "llama", seed=3, max_shard_size="20KB")
+  shard = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+  shard.unlink()
+  with pytest.raises(CheckpointError, match=rf"missing safetensors shard .*{shard.name}.*index"):
     hf.load_hf_dir(tmp_path)
 
 

@@ -15,16 +15,15 @@ fused, transposed layout of `mdjax.models.transformer`::
     model.layers.{i}.mlp.down_proj.weight        [D, F]     -> layers[i].w_down [F, D]
     lm_head.weight                               [V, D]     -> lm_head     [D, V]
 
-(biases, norms and q/k norms map the same way without the transpose). Safetensors
-files are parsed here (8-byte little-endian header size, JSON header, raw data), so a
-truncated or corrupt file is reported by name before any tensor is read.
+(biases, norms and q/k norms map the same way without the transpose). Every
+safetensors file's header is checked before any tensor is read, so a truncated or
+corrupt file is reported by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import pathlib
 import re
@@ -33,8 +32,10 @@ import tempfile
 from typing import Any
 
 import jax.numpy as jnp
-import ml_dtypes
+import ml_dtypes  # noqa: F401 -- registers bfloat16 with numpy, which BF16 tensors need
 import numpy as np
+import safetensors
+import safetensors.numpy
 
 from mdjax.errors import CheckpointError, MdjaxError
 from mdjax.models.config import ModelConfig, RopeScaling, weight_dtype
@@ -51,13 +52,8 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
-# safetensors dtype names <-> numpy dtypes
-_ST_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32),
-              "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
-              "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16),
-              "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_)}
-_ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
-_MAX_HEADER_BYTES = 100 * 2**20
+# the header metadata transformers writes into its own checkpoints
+WEIGHTS_METADATA = {"format": "pt"}
 
 
 # --------------------------------------------------------------------------- config
@@ -214,85 +210,13 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, RopeScaling]:
 # --------------------------------------------------------------------------- safetensors
 
 
-@dataclasses.dataclass(frozen=True)
-class _TensorInfo:
-  dtype: np.dtype
-  shape: tuple[int, ...]
-  start: int  # absolute byte offset in the file
-  end: int
-
-
-def _read_header(file: pathlib.Path) -> dict[str, _TensorInfo]:
-  """Parses and validates a safetensors header; raises `CheckpointError` naming `file`."""
-  size = file.stat().st_size
-  with open(file, "rb") as f:
-    prefix = f.read(8)
-    if len(prefix) < 8:
-      raise CheckpointError(f"corrupt safetensors file {file}: only {size} bytes")
-    header_len = int.from_bytes(prefix, "little")
-    if header_len > min(size - 8, _MAX_HEADER_BYTES):
-      raise CheckpointError(f"corrupt safetensors file {file}: header length {header_len} "
-                            f"does not fit in {size} bytes")
-    try:
-      header = json.loads(f.read(header_len))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-      raise CheckpointError(f"corrupt safetensors file {file}: header is not JSON ({e})") from None
-  if not isinstance(header, dict):
-    raise CheckpointError(f"corrupt safetensors file {file}: header is not a JSON object")
-  base = 8 + header_len
-  infos, data_end = {}, 0
-  for name, entry in header.items():
-    if name == "__metadata__":
-      continue
-    try:
-      dtype = _ST_DTYPES[entry["dtype"]]
-      shape = tuple(int(d) for d in entry["shape"])
-      start, end = (int(o) for o in entry["data_offsets"])
-    except (KeyError, TypeError, ValueError):
-      raise CheckpointError(
-          f"corrupt safetensors file {file}: bad header entry for {name!r}: {entry!r}") from None
-    if end - start != math.prod(shape) * dtype.itemsize or start < 0:
-      raise CheckpointError(f"corrupt safetensors file {file}: {name!r} has offsets {start}..{end} "
-                            f"for shape {list(shape)} {entry['dtype']}")
-    infos[name] = _TensorInfo(dtype, shape, base + start, base + end)
-    data_end = max(data_end, end)
-  if base + data_end != size:
-    raise CheckpointError(f"corrupt safetensors file {file}: header describes {base + data_end} "
-                          f"bytes, file has {size} (truncated?)")
-  return infos
-
-
-def _read_tensor(file: pathlib.Path, info: _TensorInfo) -> np.ndarray:
-  """A fresh in-memory array: not a memory map, which would fault if the file changed."""
-  count = math.prod(info.shape)
-  return np.fromfile(file, dtype=info.dtype, count=count, offset=info.start).reshape(info.shape)
-
-
-def _write_safetensors(file: pathlib.Path, tensors: dict[str, np.ndarray]) -> None:
-  """Writes `tensors` (name -> numpy array) in the safetensors format."""
-  header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-  offset = 0
-  for name, array in tensors.items():
-    nbytes = array.size * array.dtype.itemsize
-    header[name] = {"dtype": _ST_NAMES[array.dtype], "shape": list(array.shape),
-                    "data_offsets": [offset, offset + nbytes]}
-    offset += nbytes
-  encoded = json.dumps(header, separators=(",", ":")).encode()
-  encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned
-  with open(file, "wb") as f:
-    f.write(len(encoded).to_bytes(8, "little"))
-    f.write(encoded)
-    for array in tensors.values():
-      f.write(np.ascontiguousarray(array).tobytes())
-
-
 def _write_weights(directory: pathlib.Path, tensors: dict[str, np.ndarray],
                    max_shard_bytes: int | None) -> None:
   """One `model.safetensors`, or shards of at most `max_shard_bytes` (a tensor larger
   than that gets a shard of its own) plus `model.safetensors.index.json`."""
   total = sum(a.nbytes for a in tensors.values())
   if max_shard_bytes is None or total <= max_shard_bytes:
-    _write_safetensors(directory / WEIGHTS_FILE, tensors)
+    safetensors.numpy.save_file(tensors, directory / WEIGHTS_FILE, metadata=WEIGHTS_METADATA)
     return
   shards: list[dict[str, np.ndarray]] = [{}]
   for name, array in tensors.items():
@@ -302,7 +226,7 @@ def _write_weights(directory: pathlib.Path, tensors: dict[str, np.ndarray],
   weight_map = {}
   for i, shard in enumerate(shards, start=1):
     file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-    _write_safetensors(directory / file, shard)
+    safetensors.numpy.save_file(shard, directory / file, metadata=WEIGHTS_METADATA)
     weight_map.update(dict.fromkeys(shard, file))
   index = {"metadata": {"total_size": total}, "weight_map": weight_map}
   (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
@@ -325,32 +249,43 @@ class _Weights:
       self.files = None
     else:
       raise CheckpointError(f"no weights in {directory}: neither {WEIGHTS_FILE} nor {INDEX_FILE}")
-    self._headers: dict[pathlib.Path, dict[str, _TensorInfo]] = {}
+    self._open: dict[pathlib.Path, safetensors.safe_open] = {}
 
-  def _header(self, file: pathlib.Path) -> dict[str, _TensorInfo]:
-    if file not in self._headers:
+  def _file(self, file: pathlib.Path) -> safetensors.safe_open:
+    """`file` opened with its header checked; raises `CheckpointError` naming it."""
+    if file not in self._open:
       if not file.is_file():
         raise CheckpointError(f"missing safetensors shard {file} (listed in {self.source})")
-      self._headers[file] = _read_header(file)
-    return self._headers[file]
+      try:
+        # pread, not a memory map: a file changed under a map faults (SIGBUS) when read
+        self._open[file] = safetensors.safe_open(file, framework="np", backend="pread")
+      except safetensors.SafetensorError as e:
+        raise CheckpointError(f"corrupt safetensors file {file} ({file.stat().st_size} bytes, "
+                              f"truncated or not safetensors): {e}") from None
+    return self._open[file]
 
   def validate(self) -> None:
-    """Parses every file's header, so corruption is reported before any tensor is read."""
+    """Checks every file's header, so corruption is reported before any tensor is read."""
     for file in [self.source] if self.files is None else sorted(set(self.files.values())):
-      self._header(file)
+      self._file(file)
 
   def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """Tensor `name`, checked to have `shape`."""
+    """Tensor `name`, checked to have `shape`: a fresh in-memory array."""
     if self.files is not None and name not in self.files:
       raise CheckpointError(f"missing tensor {name!r} in {self.source}")
     file = self.source if self.files is None else self.files[name]
-    info = self._header(file).get(name)
-    if info is None:
+    opened = self._file(file)
+    if name not in opened.keys():
       raise CheckpointError(f"missing tensor {name!r} in {file}")
-    if info.shape != shape:
+    found = opened.get_slice(name)
+    if tuple(found.get_shape()) != shape:
       raise CheckpointError(
-          f"tensor {name!r} in {file} has shape {list(info.shape)}, expected {list(shape)}")
-    return _read_tensor(file, info)
+          f"tensor {name!r} in {file} has shape {found.get_shape()}, expected {list(shape)}")
+    try:
+      return opened.get_tensor(name)
+    except (safetensors.SafetensorError, AttributeError) as e:  # AttributeError: no numpy dtype
+      raise CheckpointError(
+          f"cannot read tensor {name!r} ({found.get_dtype()}) from {file}: {e}") from None
 
 
 # --------------------------------------------------------------------------- params
