@@ -5,7 +5,7 @@ from configs import common
 
 
 def get_config():
-  """The shared fields with strategy "margins": the prompt is the long context."""
+  """The shared fields with pipeline "margins": the prompt is the long context."""
   config = common.get_base_config("margins")
   config.prompt = common.HELDOUT_FUNCTION
   config.question = "What does token_hex return?"

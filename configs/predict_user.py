@@ -5,7 +5,7 @@ from configs import common
 
 
 def get_config():
-  """The shared fields with strategy "predict_user"; the prompt is the transcript."""
+  """The shared fields with pipeline "predict_user"; the prompt is the transcript."""
   config = common.get_base_config("predict_user")
   config.prompt = "# User: how do I read a file?\n# Assistant: use open(path).read()\n"
   config.user_prefix = "# User:"

@@ -5,7 +5,7 @@ from configs import common
 
 
 def get_config():
-  """The shared fields with strategy "reasoning" (the kv join is experimental)."""
+  """The shared fields with pipeline "reasoning" (the kv join is experimental)."""
   config = common.get_base_config("reasoning")
   config.num_branches = 4
   config.branch_tokens = 48

@@ -1,4 +1,4 @@
-"""Decode one prompt with any strategy and print the text and a JSON summary.
+"""Decode one prompt with any strategy or pipeline and print the text and a JSON summary.
 
     python -m experiments.decode --config=configs/greedy.py
     python -m experiments.decode --config=configs/sample.py --config.temperature=0.7 \
@@ -22,7 +22,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import mdjax
-from mdjax import strategies
+from mdjax import pipelines, strategies
 from mdjax.strategies import skeleton
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Decode config, e.g. configs/greedy.py.")
@@ -84,8 +84,11 @@ def _eos(text: str) -> list[int] | None:
 
 
 def decode(config) -> dict:
-  """Loads the model, decodes, prints the text; returns the JSON summary."""
-  options = {k: config[k] for k in strategies.option_names(config.strategy) if k in config}
+  """Loads the model, decodes, prints the text; returns the JSON summary. `config.strategy`
+  names a strategy (one `mdjax.generate` call) or a pipeline (`mdjax.pipelines.run`)."""
+  pipeline = config.strategy in pipelines.PIPELINES
+  names = (pipelines if pipeline else strategies).option_names(config.strategy)
+  options = {k: config[k] for k in names if k in config}
   if "questions" in options:
     options["questions"] = list(options["questions"])
   model = mdjax.load(config.model, dtype=config.dtype)
@@ -95,10 +98,12 @@ def decode(config) -> dict:
     print("draft: " + options["draft"].description)
   prompt = config.prompt or _ids("prompt_ids", config.prompt_ids)
   (prompt_ids,) = mdjax.encode_prompts(model, [prompt])
-  out = mdjax.generate(model, [prompt], strategy=config.strategy,
-                       max_new_tokens=config.max_new_tokens,
-                       eos_token_id=_eos(config.eos_token_id),
-                       seed=config.seed, **options)
+  common = dict(max_new_tokens=config.max_new_tokens, eos_token_id=_eos(config.eos_token_id),
+                seed=config.seed)
+  if pipeline:
+    out = pipelines.run(config.strategy, model, [prompt], **common, **options)
+  else:
+    out = mdjax.generate(model, [prompt], strategy=config.strategy, **common, **options)
   if config.strategy == "skeleton_fill" and out.texts:  # the source with its bodies filled in
     print(skeleton.assemble(config.prompt, out.texts))
   for i, sequence in enumerate(out.sequences if config.strategy != "skeleton_fill" else []):

@@ -35,7 +35,7 @@ class GenerationOutput:
   # return_metadata=True (speculative family): per output row, per token target_prob,
   # drafted, rejected, and accepted_per_step (see `mdjax.strategies.metadata`)
   metadata: list[dict] | None = None
-  # multi-phase strategies ("margins"): per prompt, what the phases produced
+  # pipelines (`mdjax.pipelines`): per prompt, what their phases produced
   intermediate: list[dict] | None = None
 
 

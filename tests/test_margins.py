@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import mdjax
-from mdjax.strategies import margins
+from mdjax.pipelines import margins
 from mdjax.train import data
 from tests.helpers import random_model
 
@@ -36,8 +36,9 @@ def test_pipeline_phases_equal_their_sequential_counterparts(code_model):
   model = code_model
   context = data.recorded_heldout_texts(model.path)[0][:1500]
   question = "What does the code return?"
-  out = mdjax.generate(model, context, strategy="margins", question=question, chunk_tokens=120,
-                       note_tokens=10, classify_tokens=2, keep_pattern=r"(?s).", max_new_tokens=12)
+  out = mdjax.pipelines.run("margins", model, context, question=question, chunk_tokens=120,
+                            note_tokens=10, classify_tokens=2, keep_pattern=r"(?s).",
+                            max_new_tokens=12)
   (steps,) = out.intermediate
   (ids,) = mdjax.encode_prompts(model, [context])
   chunks = margins.chunk_ids(ids, 120)
@@ -62,4 +63,4 @@ def test_pipeline_phases_equal_their_sequential_counterparts(code_model):
 ])
 def test_bad_options(code_model, kwargs, match):
   with pytest.raises(mdjax.MdjaxError, match=match):
-    mdjax.generate(code_model, "x = 1\n", strategy="margins", **kwargs)
+    mdjax.pipelines.run("margins", code_model, "x = 1\n", **kwargs)

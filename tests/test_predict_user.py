@@ -16,14 +16,14 @@ def model():
 def test_replies_equal_greedy_after_each_candidate(model):
   kwargs = dict(num_candidates=3, candidate_tokens=10, user_prefix="# User:",
                 assistant_prefix="# Assistant:", max_new_tokens=8, seed=4)
-  out = mdjax.generate(model, TRANSCRIPT, strategy="predict_user", **kwargs)
+  out = mdjax.pipelines.run("predict_user", model, TRANSCRIPT, **kwargs)
   (step,) = out.intermediate
   assert len(step["candidates"]) == 3 and len(set(step["candidates"])) > 1
   (transcript,) = mdjax.encode_prompts(model, [TRANSCRIPT])
   for candidate, reply in zip(step["candidates"], step["replies"]):
     turn = model.tokenizer.encode("# User:" + candidate + "\n# Assistant:", add_special_tokens=False)
     assert reply == mdjax.generate(model, [transcript + turn], max_new_tokens=8).texts[0]
-  alone = mdjax.generate(model, TRANSCRIPT, strategy="predict_user", reply=False, **kwargs)
+  alone = mdjax.pipelines.run("predict_user", model, TRANSCRIPT, reply=False, **kwargs)
   assert alone.texts == step["candidates"]  # the same samples (same seed) without replies
 
 
@@ -34,4 +34,4 @@ def test_replies_equal_greedy_after_each_candidate(model):
 ])
 def test_bad_options(model, kwargs, match):
   with pytest.raises(mdjax.MdjaxError, match=match):
-    mdjax.generate(model, TRANSCRIPT, strategy="predict_user", **kwargs)
+    mdjax.pipelines.run("predict_user", model, TRANSCRIPT, **kwargs)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import mdjax
-from mdjax.strategies import reasoning
+from mdjax.pipelines import reasoning
 from mdjax.topology import Topology, visibility_limits, visible
 
 PROMPT = 'def add(a, b):\n    """Return the sum of a and b."""\n'
@@ -40,8 +40,8 @@ def test_join_sees_every_branch_it_joins():
 
 
 def test_exact_join_is_greedy_on_the_joined_text(model):
-  out = mdjax.generate(model, PROMPT, strategy="reasoning", num_branches=3, branch_tokens=16,
-                       max_new_tokens=10, seed=2)
+  out = mdjax.pipelines.run("reasoning", model, PROMPT, num_branches=3, branch_tokens=16,
+                            max_new_tokens=10, seed=2)
   (step,) = out.intermediate
   assert len(step["branches"]) == 3 and len(set(step["branches"])) > 1
   assert out.sequences == mdjax.generate(model, [step["joined_tokens"]], max_new_tokens=10).sequences
@@ -49,8 +49,8 @@ def test_exact_join_is_greedy_on_the_joined_text(model):
 
 
 def test_kv_join_equals_exact_join_where_the_layouts_coincide(model):
-  out = mdjax.generate(model, PROMPT, strategy="reasoning", num_branches=1, branch_tokens=12,
-                       max_new_tokens=8, join="kv", seed=1)
+  out = mdjax.pipelines.run("reasoning", model, PROMPT, num_branches=1, branch_tokens=12,
+                            max_new_tokens=8, join="kv", seed=1)
   distance = out.intermediate[0]["kv_join_distance"]
   assert distance["max_abs_logprob_diff"] < 1e-3 and distance["argmax_agreement"] == 1.0
   exact = mdjax.generate(model, [out.intermediate[0]["joined_tokens"]], max_new_tokens=8)
@@ -58,8 +58,8 @@ def test_kv_join_equals_exact_join_where_the_layouts_coincide(model):
 
 
 def test_kv_join_with_several_branches_is_measured(model):
-  out = mdjax.generate(model, PROMPT, strategy="reasoning", num_branches=3, branch_tokens=12,
-                       max_new_tokens=6, join="kv", position_gap=4, seed=1)
+  out = mdjax.pipelines.run("reasoning", model, PROMPT, num_branches=3, branch_tokens=12,
+                            max_new_tokens=6, join="kv", position_gap=4, seed=1)
   distance = out.intermediate[0]["kv_join_distance"]
   assert distance["max_abs_logprob_diff"] > 1e-3  # the layouts differ: so do the logits
   assert 0 <= distance["argmax_agreement"] <= 1 and distance["mean_kl"] >= 0
@@ -73,4 +73,4 @@ def test_kv_join_with_several_branches_is_measured(model):
 ])
 def test_bad_options(model, kwargs, match):
   with pytest.raises(mdjax.MdjaxError, match=match):
-    mdjax.generate(model, PROMPT, strategy="reasoning", **kwargs)
+    mdjax.pipelines.run("reasoning", model, PROMPT, **kwargs)

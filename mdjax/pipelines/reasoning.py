@@ -25,21 +25,20 @@ The join needs branch texts, so the model needs a tokenizer. `out.sequences` /
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mdjax.cache import KVCache
+import mdjax
 from mdjax.errors import MdjaxError, check_count
-from mdjax.step import decode_step
-from mdjax.topology import Topology
+from mdjax.pipelines.base import Sampled, add_stats, regex
 
 BRANCH_HEADER = "\n# Attempt {index}:\n"
 JOIN_PROMPT = "\n# Combining the attempts above:\n"
-OPTIONS = ("num_branches", "branch_tokens", "answer_pattern", "join", "branch_header",
-           "join_prompt", "position_gap", "temperature", "top_k", "top_p", "min_p")
 
 
 def vote(texts: list[str], pattern: re.Pattern) -> tuple[list[str | None], str | None]:
@@ -81,12 +80,13 @@ def kv_join_logits(model, prompt: list[int], pieces: list[list[int]], tail: list
   fork = np.array([[0] + [p] * (k + 1)], np.int32)
   joins = np.zeros((1, k + 2, k + 2), bool)
   joins[0, join, 1:join] = True
-  topology = Topology(parent=jnp.asarray(parent), fork=jnp.asarray(fork), joins=jnp.asarray(joins))
-  cache = KVCache.create(model.config, 1, len(tokens), model.params["embed"].dtype)
+  topology = mdjax.Topology(parent=jnp.asarray(parent), fork=jnp.asarray(fork),
+                            joins=jnp.asarray(joins))
+  cache = mdjax.KVCache.create(model.config, 1, len(tokens), model.params["embed"].dtype)
   at = jnp.arange(len(tokens) - len(tail), len(tokens))[None]
-  logits, _, _ = decode_step(model.params, cache, jnp.asarray([tokens]), jnp.asarray([positions]),
-                             jnp.asarray([segments]), topology, config=model.config,
-                             logits_at=at)
+  logits, _, _ = mdjax.decode_step(model.params, cache, jnp.asarray([tokens]),
+                                   jnp.asarray([positions]), jnp.asarray([segments]), topology,
+                                   config=model.config, logits_at=at)
   return np.asarray(logits[0]), start
 
 
@@ -99,49 +99,58 @@ def distance(exact: np.ndarray, kv: np.ndarray) -> dict:
               argmax_agreement=float((exact.argmax(-1) == kv.argmax(-1)).mean()))
 
 
-def run(generate, encode, model, prompts, *, max_new_tokens: int, eos_token_id, seed: int,
-        num_branches: int = 4, branch_tokens: int = 64, answer_pattern: str = r"return (\S+)",
-        join: str = "exact", branch_header: str = BRANCH_HEADER, join_prompt: str = JOIN_PROMPT,
-        position_gap: int = 0, **sampling):
-  """The three phases for every prompt (see the module docstring)."""
-  if model.tokenizer is None:
-    raise MdjaxError("strategy 'reasoning' joins branch texts: the model needs a tokenizer")
-  check_count("num_branches", num_branches, 1)
-  check_count("branch_tokens", branch_tokens, 1)
-  if join not in ("exact", "kv"):
-    raise MdjaxError(f"join must be 'exact' or 'kv', got {join!r}")
-  if not isinstance(position_gap, int) or isinstance(position_gap, bool) or position_gap < 0:
-    raise MdjaxError(f"position_gap must be an integer >= 0, got {position_gap!r}")
-  try:
-    pattern = re.compile(answer_pattern)
-  except re.error as e:
-    raise MdjaxError(f"answer_pattern {answer_pattern!r} is not a regular expression: {e}") from None
-  ids = encode(model, prompts)
-  branches = generate(model, ids, strategy="parallel_sample", num_samples=num_branches,
-                      max_new_tokens=branch_tokens, eos_token_id=eos_token_id, seed=seed,
-                      **({"temperature": 1.0} | sampling))
-  steps, joined = [], []
-  for i, prompt in enumerate(ids):
-    texts = branches.texts[i * num_branches:(i + 1) * num_branches]
-    answers, majority = vote(texts, pattern)
-    sequence, pieces, tail = joined_ids(model.tokenizer, prompt,
-                                        branches.sequences[i * num_branches:(i + 1) * num_branches],
-                                        branch_header, join_prompt)
-    steps.append(dict(branches=texts, answers=answers, vote=majority, joined_tokens=sequence))
-    joined.append((sequence, pieces, tail))
-  out = generate(model, [j[0] for j in joined], max_new_tokens=max_new_tokens,
-                 eos_token_id=eos_token_id, seed=seed)
-  if join == "kv":
-    out = _kv_join(model, ids, joined, out, position_gap, steps)
-  for key in ("target_passes", "generated_tokens", "prompt_tokens", "wall_s", "compile_s"):
-    out.stats[key] += branches.stats[key]
-  out.intermediate = steps
-  return out
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Reasoning(Sampled):
+  """The three phases for every prompt: see the module docstring. The sampling options
+  are the branches' (temperature 1 unless set); the join is greedy."""
+
+  name: ClassVar[str] = "reasoning"
+  num_branches: int = 4
+  branch_tokens: int = 64
+  answer_pattern: str = r"return (\S+)"
+  join: str = "exact"
+  branch_header: str = BRANCH_HEADER
+  join_prompt: str = JOIN_PROMPT
+  position_gap: int = 0
+
+  def __post_init__(self):
+    check_count("num_branches", self.num_branches, 1)
+    check_count("branch_tokens", self.branch_tokens, 1)
+    if self.join not in ("exact", "kv"):
+      raise MdjaxError(f"join must be 'exact' or 'kv', got {self.join!r}")
+    check_count("position_gap", self.position_gap, 0)
+    regex("answer_pattern", self.answer_pattern)
+
+  def run(self, model: mdjax.Model, prompts, *, max_new_tokens: int, eos_token_id,
+          seed: int) -> mdjax.GenerationOutput:
+    if model.tokenizer is None:
+      raise MdjaxError("strategy 'reasoning' joins branch texts: the model needs a tokenizer")
+    k = self.num_branches
+    ids = mdjax.encode_prompts(model, prompts)
+    branches = mdjax.generate(model, ids, strategy="parallel_sample", num_samples=k,
+                              max_new_tokens=self.branch_tokens, eos_token_id=eos_token_id,
+                              seed=seed, **({"temperature": 1.0} | self.sampling))
+    pattern = regex("answer_pattern", self.answer_pattern)
+    steps, joined = [], []
+    for i, prompt in enumerate(ids):
+      texts = branches.texts[i * k:(i + 1) * k]
+      answers, majority = vote(texts, pattern)
+      sequence, pieces, tail = joined_ids(model.tokenizer, prompt,
+                                          branches.sequences[i * k:(i + 1) * k],
+                                          self.branch_header, self.join_prompt)
+      steps.append(dict(branches=texts, answers=answers, vote=majority, joined_tokens=sequence))
+      joined.append((sequence, pieces, tail))
+    out = mdjax.generate(model, [j[0] for j in joined], max_new_tokens=max_new_tokens,
+                         eos_token_id=eos_token_id, seed=seed)
+    if self.join == "kv":
+      out = _kv_join(model, ids, joined, out, self.position_gap, steps)
+    add_stats(out, branches)
+    out.intermediate = steps
+    return out
 
 
 def _kv_join(model, ids, joined, exact, position_gap: int, steps: list[dict]):
   """The kv join's greedy answers (replacing the exact ones) and its distance to them."""
-  import mdjax  # noqa: PLC0415 -- mdjax imports this module
   sequences = []
   for prompt, (sequence, pieces, tail), answer, step in zip(ids, joined, exact.sequences, steps):
     forced = tail + answer[:-1]  # the join prompt and the exact answer, teacher-forced
