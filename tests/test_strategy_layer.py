@@ -21,13 +21,16 @@ from mdjax import strategies
 from mdjax.errors import MdjaxError, check_count
 from mdjax.strategies import layouts
 from mdjax.strategies.base import DecodeState, OutputBuffer, Strategy, emit, prefill
+from mdjax.topology import Topology
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunnerUpState(DecodeState):
-  """`DecodeState` and `next_pos` int32[B]: the position of the token fed next."""
+  """`DecodeState`, its `topology` [B, 1] and `next_pos` int32[B]: the position of
+  the token fed next."""
 
+  topology: Topology
   next_pos: Int[Array, "B"]
 
 

@@ -10,6 +10,7 @@ import pytest
 import mdjax
 from mdjax.models.model import Model
 from mdjax.sampling import tree_accept
+from mdjax.strategies.base import ModelFn
 from mdjax.strategies.speculative_tree import SpeculativeTree, Tree
 from tests.helpers import chi_square_p_value, random_model, target_law
 
@@ -188,8 +189,8 @@ def test_acceptance_rule_emits_the_target_law():
 def test_kept_nodes_form_a_tree_despite_ties(targets):
   """Children scoring as much as their parents (probability 1): ties keep the
   shallower node, so no kept node misses its parent."""
-  strategy = SpeculativeTree(config=targets[0].config, draft_config=targets[0].config,
-                             tree_depth=2, tree_top_k=2, tree_budget=3)
+  target = ModelFn(config=targets[0].config)
+  strategy = SpeculativeTree(model=target, draft=target, tree_depth=2, tree_top_k=2, tree_budget=3)
   drafted = Tree(tokens=jnp.arange(6)[None], parent=jnp.asarray([[-1, -1, 1, 1, 0, 0]]),
                  depth=jnp.asarray([[1, 1, 2, 2, 2, 2]]))
   tree, kept = strategy._keep(drafted, jnp.asarray([[-1.0, 0, 0, -2, -1, -3]]))

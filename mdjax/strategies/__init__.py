@@ -1,68 +1,13 @@
 """Decoding strategies, by the name `mdjax.generate` knows them.
 
-Each strategy declares its name, layout and options in its own dataclass
-(`mdjax.strategies.base`); registering it is one line here, or `register(cls)`
-from outside the package.
+Adding a strategy is one new module whose class is decorated with
+`@registry.register` (the class declares its name, layout and options itself:
+`mdjax.strategies.base`), plus its name in the import below.
 """
 
-from __future__ import annotations
+# Importing a strategy module registers the strategies it defines.
+from mdjax.strategies import (autoregressive, beam, entropy, lookahead, lookup,  # noqa: F401
+                              self_speculative, speculative, speculative_tree)
+from mdjax.strategies.registry import STRATEGIES, check_options, get, option_names, register
 
-from mdjax.errors import MdjaxError
-from mdjax.strategies.autoregressive import (Greedy, MarginNotes, MultiQuestion, ParallelSample,
-                                             Sample, SkeletonFill)
-from mdjax.strategies.base import Strategy
-STRATEGIES: dict[str, type[Strategy]] = {}
-
-
-def register(cls: type[Strategy]) -> type[Strategy]:
-  """Makes `cls` known to `generate` by its `name` (usable as a class decorator)."""
-  declared = isinstance(cls, type) and "__dataclass_params__" in vars(cls)  # not only inherited
-  if not (declared and issubclass(cls, Strategy) and cls.__dataclass_params__.frozen):
-    raise MdjaxError(f"{getattr(cls, '__name__', cls)} is not a frozen dataclass subclassing "
-                     "mdjax.strategies.base.Strategy")
-  for attribute in ("name", "layout"):
-    if not hasattr(cls, attribute):
-      raise MdjaxError(f"strategy class {cls.__name__} does not declare its {attribute}")
-  STRATEGIES[cls.name] = cls
-  return cls
-
-
-for _cls in (Greedy, Sample, MultiQuestion, ParallelSample, SkeletonFill, MarginNotes):
-  register(_cls)
-
-# TEMPORARY (being converted in parallel): modules register when they import.
-import importlib as _importlib
-for _module, _names in (("beam", ("Beam",)), ("entropy", ("EntropyBranching",)),
-                        ("lookup", ("PromptLookup",)), ("lookahead", ("Lookahead", "Jacobi")),
-                        ("speculative", ("Speculative",)),
-                        ("speculative_tree", ("SpeculativeTree",)),
-                        ("self_speculative", ("SelfSpeculative",))):
-  try:
-    _m = _importlib.import_module(f"mdjax.strategies.{_module}")
-    for _n in _names:
-      register(getattr(_m, _n))
-  except Exception:  # noqa
-    pass
-
-
-def get(name: str) -> type[Strategy]:
-  """The strategy class registered as `name`."""
-  if not isinstance(name, str) or name not in STRATEGIES:
-    raise MdjaxError(f"unknown strategy {name!r}; valid strategies: {', '.join(STRATEGIES)}; "
-                     "pipelines of several generate calls (margins, reasoning, predict_user) "
-                     "are run with mdjax.pipelines.run")
-  return STRATEGIES[name]
-
-
-def option_names(name: str) -> tuple[str, ...]:
-  """The options (keyword arguments of `mdjax.generate`) strategy `name` takes."""
-  return get(name).options()
-
-
-def check_options(name: str, options: dict) -> None:
-  """Rejects an option that strategy `name` does not take, naming the valid ones."""
-  allowed = option_names(name)
-  for option in options:
-    if option not in allowed:
-      raise MdjaxError(f"unknown option {option!r} for strategy {name!r}; "
-                       f"valid options: {', '.join(allowed)}")
+__all__ = ["STRATEGIES", "check_options", "get", "option_names", "register"]

@@ -39,6 +39,8 @@ from mdjax.strategies import layouts
 from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Sampled,
                                    branch_token_counts, emit, internal, prefill,
                                    region_prompt_slots, region_slot_base, run_narrowest)
+from mdjax.strategies.registry import register
+from mdjax.topology import Topology
 
 
 @jax.tree_util.register_dataclass
@@ -46,6 +48,7 @@ from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Sa
 class AutoregressiveState(DecodeState):
   """`DecodeState` (buffer rows R = B * N: row b * N + j is branch j of row b), and
 
+    topology        Topology [B, G]  the prompt's segment tree (`Prompt.topology`)
     branch_segment  int32[B, N]   the segment branch j decodes in (-1: no such branch)
     next_pos        int32[B, N]   the position of the token branch j feeds next
     last            int32[B, N]   branch j's last chosen token: what it feeds next
@@ -54,6 +57,7 @@ class AutoregressiveState(DecodeState):
     columns_fed     int32[]       columns fed over all passes (B x the pass's width)
   """
 
+  topology: Topology
   branch_segment: Int[Array, "B N"]
   next_pos: Int[Array, "B N"]
   last: Int[Array, "B N"]
@@ -146,6 +150,7 @@ class Autoregressive(Sampled):
     return state.buffer, {"target_passes": state.passes, "columns_fed": state.columns_fed}
 
 
+@register
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Greedy(Autoregressive):
   """The argmax token every pass."""
@@ -157,6 +162,7 @@ class Greedy(Autoregressive):
   min_p: float | None = internal()
 
 
+@register
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sample(Autoregressive):
   """Sampling, at temperature 1 unless set."""
@@ -165,6 +171,7 @@ class Sample(Autoregressive):
   temperature: float | None = 1.0
 
 
+@register
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MultiQuestion(Autoregressive):
   """Every question a branch over the shared context; answer j is what greedy (or
@@ -174,6 +181,7 @@ class MultiQuestion(Autoregressive):
   layout: ClassVar = layouts.Questions()
 
 
+@register
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelSample(Sample):
   """`num_samples` samples per prompt, all over the prompt's one cached copy."""
@@ -182,6 +190,7 @@ class ParallelSample(Sample):
   layout: ClassVar = layouts.Samples()
 
 
+@register
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SkeletonFill(Autoregressive):
   """A branch fills each stub of a Python skeleton, seeing the source up to its stub."""
@@ -190,6 +199,7 @@ class SkeletonFill(Autoregressive):
   layout: ClassVar = layouts.Chains()
 
 
+@register
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MarginNotes(Autoregressive):
   """A note after every chunk of a context (`instruction`, then the note), each

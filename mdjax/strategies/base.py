@@ -3,18 +3,19 @@ prompt batch, run limits, the output buffer and the loop state's common fields.
 
 A strategy is a frozen dataclass whose init fields are its options (hashable: it
 is a static jit argument and the key of the compiled-program cache). It declares
-itself once::
+itself once, in its own module::
 
+    @register                                   # mdjax.strategies.registry
     @dataclasses.dataclass(frozen=True, kw_only=True)
     class MyStrategy(Strategy):
       name: ClassVar[str] = "my_strategy"       # what `generate(strategy=...)` calls it
       layout: ClassVar = layouts.Plain()        # how prompts become rows and branches
       width: int = 4                            # an option: validated in __post_init__
 
-and one registry line (`mdjax.strategies.STRATEGIES`). `generate` validates a call's
-options against the init fields (`Strategy.options`), builds the strategy with the
-model callback `model` (`ModelFn`: the step bound to the model's config and the
-attention choice; strategies never call `decode_step` themselves), then runs
+and `mdjax.strategies` imports the module. `generate` validates a call's options
+against the init fields (`Strategy.options`), builds the strategy with the model
+callback `model` (`ModelFn`: the step bound to the model's config and the attention
+choice; strategies never call `decode_step` themselves), then runs
 
     cache_slots(prompt_len, capacity, branches) -> int     (static: the cache it needs)
     init(params, prompt, cache, limits, capacity) -> state (prefill + first tokens)
@@ -94,9 +95,10 @@ class Strategy:
   @classmethod
   def options(cls) -> tuple[str, ...]:
     """The keyword arguments `generate` accepts for this strategy."""
-    fields = tuple(f.name for f in dataclasses.fields(cls)
-                   if f.init and f.metadata.get("option", True))
-    return fields + ((cls.layout.option,) if cls.layout.option else ()) + ("attention",)
+    fields = [f.name for f in dataclasses.fields(cls) if f.init and f.metadata.get("option", True)]
+    own = tuple(name for name in fields if name not in SAMPLING_OPTIONS)
+    sampling = tuple(name for name in fields if name in SAMPLING_OPTIONS)
+    return own + sampling + ((cls.layout.option,) if cls.layout.option else ()) + ("attention",)
 
   @classmethod
   def build(cls, model, options: dict) -> tuple["Strategy", Any]:
@@ -216,14 +218,12 @@ class DecodeState:
   state subclasses it (and is registered as a pytree too).
 
     cache     KVCache             the target's cache (the loop's largest carry)
-    topology  Topology  [B, G]    the segment tree of the target's cache
     limits    Limits              max_new_tokens, EOS ids, the run's PRNG key
     buffer    OutputBuffer [R]    generated tokens per output row
     passes    int32[]             target passes after prefill
   """
 
   cache: KVCache
-  topology: Topology
   limits: Limits
   buffer: OutputBuffer
   passes: Int[Array, ""]

@@ -46,6 +46,7 @@ from mdjax.cache import KVCache, gather_slots
 from mdjax.errors import MdjaxError, check_count, check_real
 from mdjax.strategies import layouts
 from mdjax.strategies.base import Limits, OutputBuffer, Prompt, Strategy, prefill
+from mdjax.strategies.registry import register
 from mdjax.topology import Topology
 
 
@@ -105,6 +106,7 @@ class BeamState:
   passes: Int[Array, ""]
 
 
+@register
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Beam(Strategy):
   """Beam search; the options mean what they mean in transformers' `generate`."""

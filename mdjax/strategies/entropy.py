@@ -33,7 +33,9 @@ from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
 from mdjax.errors import check_count, check_real
 from mdjax.strategies import layouts
-from mdjax.strategies.base import Limits, OutputBuffer, Prompt, Strategy, emit, prefill
+from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Strategy, emit,
+                                   prefill)
+from mdjax.strategies.registry import register
 from mdjax.topology import Topology
 
 
@@ -48,14 +50,11 @@ def entropy_varentropy(logits: Float[Array, "... V"]) -> tuple[Float[Array, "...
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class EntropyState:
-  """The loop state; k = num_branches, m = branch_tokens. No topology is carried: each
-  pass derives it from `next_pos` (the fork position of an exploring row).
+class EntropyState(DecodeState):
+  """`DecodeState` (its cache: the text as segment 0, then an exploration's branches;
+  buffer rows R = B) with k = num_branches, m = branch_tokens. No topology is carried:
+  each pass derives it from `next_pos` (the fork position of an exploring row).
 
-    cache          KVCache          the text (segment 0), then an exploration's branches
-    limits         Limits           max_new_tokens, EOS ids, the run's PRNG key
-    buffer         OutputBuffer [B] the committed tokens
-    passes         int32[]          passes after prefill
     last           int32[B]         a linear row's last committed token: what it feeds next
     next_pos       int32[B]         the position `last` is fed at; of an exploring row, the
                                     fork position (its branches' first tokens)
@@ -67,10 +66,6 @@ class EntropyState:
     forks          int32[]          explorations started, over all rows
   """
 
-  cache: KVCache
-  limits: Limits
-  buffer: OutputBuffer
-  passes: Int[Array, ""]
   last: Int[Array, "B"]
   next_pos: Int[Array, "B"]
   exploring: Int[Array, "B"]
@@ -81,6 +76,7 @@ class EntropyState:
   forks: Int[Array, ""]
 
 
+@register
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EntropyBranching(Strategy):
   """Greedy, with a `num_branches`-way exploration of `branch_tokens` tokens wherever

@@ -89,8 +89,9 @@ from mdjax.cache import KVCache
 from mdjax.errors import check_count
 from mdjax.sampling import greedy_accept
 from mdjax.strategies import layouts
-from mdjax.strategies.base import (Limits, OutputBuffer, Prompt, Strategy, emit, internal,
-                                   prefill)
+from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Strategy, emit,
+                                   internal, prefill)
+from mdjax.strategies.registry import register
 from mdjax.topology import Topology
 
 
@@ -215,10 +216,9 @@ def slide(window: Int[Array, "B L W"], top: Int[Array, "B W"], shift: Int[Array,
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LookaheadState:
-  """The loop state (one branch per row). `cache`, `limits`, `buffer` [B] and
-  `passes` as in `DecodeState`, without its topology: every pass builds its own
-  (`FeedLayout.place`). L = N - 1 levels, W = `window`:
+class LookaheadState(DecodeState):
+  """`DecodeState` (buffer rows R = B: one branch per row); no topology is carried:
+  every pass builds its own (`FeedLayout.place`). L = N - 1 levels, W = `window`:
 
     last                    int32[B]         c: the last emitted token, not yet cached
     next_pos                int32[B]         c's position p
@@ -230,10 +230,6 @@ class LookaheadState:
     accepted_length_counts  int32[D + 1]     live row-passes by guesses accepted
   """
 
-  cache: KVCache
-  limits: Limits
-  buffer: OutputBuffer
-  passes: Int[Array, ""]
   last: Int[Array, "B"]
   next_pos: Int[Array, "B"]
   window: Int[Array, "B L W"]
@@ -243,6 +239,7 @@ class LookaheadState:
   accepted_length_counts: Int[Array, "D+1"]
 
 
+@register
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Lookahead(Strategy):
   """W = `window` columns (tokens per level, c included), N = `ngram`,
@@ -367,6 +364,7 @@ class Lookahead(Strategy):
         "mean_accepted_length": state.accepted / jnp.maximum(counts.sum(), 1)}
 
 
+@register
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Jacobi(Lookahead):
   """Jacobi decoding: one level of W guesses refined in parallel, no pool (see the

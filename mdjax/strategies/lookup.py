@@ -35,6 +35,8 @@ from mdjax.sampling import greedy_accept
 from mdjax.strategies import layouts, metadata
 from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Strategy,
                                    decode_chains, emit, prefill)
+from mdjax.strategies.registry import register
+from mdjax.topology import Topology
 
 
 def latest_ngram_continuation(history: Int[Array, "B H"], length: Int[Array, "B"], ngram: int,
@@ -98,6 +100,7 @@ def propose_by_lookup(history, length, max_ngram_size: int, num_tokens: int):
 class PromptLookupState(DecodeState):
   """`DecodeState` (buffer rows R = B * N: row b * N + j is branch j of row b), and
 
+    topology        Topology [B, G]  the prompt's segment tree
     history         int32[R, H]   what branch r sees, left-aligned: the context, its own
                                   question, then its answer (`branch_histories`)
     length          int32[R]      tokens in `history`; the last one is not yet cached
@@ -108,6 +111,7 @@ class PromptLookupState(DecodeState):
     metadata        TokenMetadata [R, N]  per emitted token, with return_metadata; else None
   """
 
+  topology: Topology
   history: Int[Array, "R H"]
   length: Int[Array, "R"]
   branch_segment: Int[Array, "R"]
@@ -117,6 +121,7 @@ class PromptLookupState(DecodeState):
   metadata: metadata.TokenMetadata | None
 
 
+@register
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PromptLookup(Strategy):
   """Proposals of up to `prompt_lookup_num_tokens` tokens, after the latest earlier

@@ -14,14 +14,14 @@ verify pass writes all layers for the same tokens::
     verify pass      all layers write c d0 d1 d2, keep the accepted prefix
 
 Everything else (greedy or sampling acceptance, schedules, statistics) is
-`Speculative`'s.
+`speculative`'s, from `mdjax.strategies.drafting`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 
 from mdjax import cache as cache_ops
@@ -29,9 +29,10 @@ from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
 from mdjax.models.config import ModelConfig
 from mdjax.models.transformer import Params
-from mdjax.step import decode_step
-from mdjax.strategies.base import Limits, Prompt
-from mdjax.strategies.speculative import Speculative
+from mdjax.strategies import drafting, layouts
+from mdjax.strategies.base import Limits, ModelFn, Prompt, internal
+from mdjax.strategies.drafting import ChainState
+from mdjax.strategies.registry import register
 
 
 def draft_config(config: ModelConfig, draft_layers) -> ModelConfig:
@@ -40,7 +41,8 @@ def draft_config(config: ModelConfig, draft_layers) -> ModelConfig:
       or not 1 <= draft_layers < config.num_layers):
     raise MdjaxError(f"draft_layers must be an integer in [1, {config.num_layers - 1}] "
                      f"(the target has {config.num_layers} layers), got {draft_layers!r}")
-  return dataclasses.replace(config, num_layers=draft_layers)
+  layer_types = None if config.layer_types is None else config.layer_types[:draft_layers]
+  return dataclasses.replace(config, num_layers=draft_layers, layer_types=layer_types)
 
 
 def draft_params(params: Params, draft_layers: int) -> Params:
@@ -48,22 +50,52 @@ def draft_params(params: Params, draft_layers: int) -> Params:
   return dict(params, layers=params["layers"][:draft_layers])
 
 
+@register
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SelfSpeculative(Speculative):
+class SelfSpeculative(drafting.ChainDrafter):
+  """A chain drafted by the target's first `draft_layers` layers on its own cache."""
 
-  def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits, capacity: int) -> dict:
-    return self._start_target(params["target"], prompt, cache, limits, capacity)
+  name: ClassVar[str] = "self_speculative"
+  layout: ClassVar = layouts.Plain()
 
-  def _propose(self, params, state: dict, keys: jax.Array):
-    """The chain from the first layers, drafted on the target's cache, then rolled back."""
-    cache, done = state["cache"], state["buffer"].done
-    logits, _, drafting = decode_step(
-        params["draft"], cache, state["last"][:, None], state["next_pos"][:, None],
-        jnp.where(done, -1, 0)[:, None], state["topology"], config=self.draft_config,
-        attention=self.attention)  # [B, 1, V]
-    chain, length, q, drafting, passes = self._chain(params["draft"], state, keys, logits[:, 0],
-                                                     drafting)
-    return chain, length, q, dict(state, cache=cache_ops.rollback(drafting, cache.length)), passes
+  draft_layers: int | None = None
+  num_draft_tokens: int = 4
+  draft_schedule: str = "constant"
+  max_draft_tokens: int = 0  # 0: num_draft_tokens (constant) or twice it (heuristic)
+  confidence_threshold: float = 0.0
+  return_metadata: bool = False  # per-token metadata (`mdjax.strategies.metadata`)
+  draft: ModelFn | None = internal()  # the target cut after `draft_layers` (set by `build`)
 
-  def _after_verify(self, before: dict, state: dict, chain, length, accepted) -> dict:
-    return state
+  @classmethod
+  def build(cls, model, options: dict) -> tuple["SelfSpeculative", dict]:
+    """The target, and the draft cut from it: `{"target": ..., "draft": ...}` share
+    their first `draft_layers` layers' weights."""
+    options = dict(options)
+    target = ModelFn(config=model.config, attention=options.pop("attention", "block_sparse"))
+    layers = options.get("draft_layers")
+    if layers is None:
+      raise MdjaxError("strategy 'self_speculative' needs draft_layers=<how many of the target's "
+                       f"{model.config.num_layers} layers draft>")
+    draft = ModelFn(config=draft_config(model.config, layers), attention=target.attention)
+    return (cls(model=target, draft=draft, **options),
+            {"target": model.params, "draft": draft_params(model.params, layers)})
+
+  def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
+           capacity: int) -> ChainState:
+    return drafting.start_chain(self.model, None, params, prompt, cache, limits, capacity,
+                                self.sampling, self.schedule, self.return_metadata)
+
+  def step(self, params, state: ChainState) -> ChainState:
+    """The chain from the first layers, drafted on the target's cache, rolled back,
+    then verified by the whole target."""
+    keys = drafting.step_keys(state)
+    logits, _, cache = self.draft(params["draft"], state.cache, state.last[:, None],
+                                  state.next_pos[:, None],
+                                  jnp.where(state.buffer.done, -1, 0)[:, None],
+                                  state.topology)  # [B, 1, V]
+    chain = drafting.draft_chain(self.draft, params["draft"], cache, logits[:, 0], keys, state,
+                                 self.schedule, self.sampling)
+    verified, _ = drafting.verify_chain(
+        self.model, params["target"], state, cache_ops.rollback(chain.cache, state.cache.length),
+        keys, chain, self.schedule, self.sampling)
+    return verified

@@ -5,9 +5,9 @@ Options: `tree_depth` D (levels drafted), `tree_top_k` K (children per expanded
 node, and nodes expanded per level), `tree_budget` M (nodes the target verifies, at
 most the K + (D - 1) K² drafted), plus the sampling options and `return_metadata`.
 
-Drafting, on the draft's own cache after it caught up on `pending` (as in
-`Speculative`): level 1 is the K most likely tokens after the last emitted token
-`c`. For each further level, the K nodes of the level above with the highest
+Drafting, on the draft's own cache after it caught up on `pending`
+(`drafting.catch_up`): level 1 is the K most likely tokens after the last emitted
+token `c`. For each further level, the K nodes of the level above with the highest
 cumulative log-probability (the frontier) are fed in one draft pass, each its own
 segment seeing the committed text and its ancestors only, and each yields its K
 most likely children. All drafted nodes are then ranked by cumulative
@@ -56,6 +56,7 @@ at a correction, `rejected` is the first child tried where the walk stopped.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -65,11 +66,11 @@ from jaxtyping import Array, Bool, Float, Int
 from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError, check_count
-from mdjax.sampling import process_logits, row_keys, tree_accept
-from mdjax.step import decode_step
-from mdjax.strategies import metadata
-from mdjax.strategies.base import emit
-from mdjax.strategies.speculative import ACCEPT_KEY, Speculative
+from mdjax.sampling import process_logits, tree_accept
+from mdjax.strategies import drafting, layouts, metadata
+from mdjax.strategies.base import Limits, ModelFn, Prompt, Sampled
+from mdjax.strategies.drafting import DraftModelState, DraftState
+from mdjax.strategies.registry import register
 from mdjax.topology import Topology
 
 SLOT_MULTIPLE = 8  # attention's key blocks must divide the slot count: keep it composite
@@ -91,26 +92,62 @@ class Tree:
                     fork=jnp.pad(next_pos[:, None] + self.depth, ((0, 0), (1, 0))))
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SpeculativeTree(Speculative):
-  """`Speculative` with a draft tree; of the chain's options only the draft, the
-  sampling options, `return_metadata` and `attention` apply."""
+class TreeDraft:
+  """The tree drafting loop's carry (N = num_drafted, F = num_fed, K = tree_top_k).
 
+    cache         KVCache        the draft's cache, holding the nodes fed so far
+    tokens        int32[B, N]    every drafted node by level then rank (0 past the
+                                 levels drafted so far)
+    score         float32[B, N]  its cumulative log-probability (-inf past them)
+    parent        int32[B, N]    drafted index of its parent (-1: a child of `c`)
+    front         int32[B, K]    drafted index of the frontier: the nodes fed next
+    front_parent  int32[B, K]    fed index of each frontier node's parent (-1: level 1)
+    fed           int32[B, F]    drafted index of every node fed so far, by level
+    fed_parent    int32[B, F]    fed index of its parent (-1: level 1)
+  """
+
+  cache: KVCache
+  tokens: Int[Array, "B N"]
+  score: Float[Array, "B N"]
+  parent: Int[Array, "B N"]
+  front: Int[Array, "B K"]
+  front_parent: Int[Array, "B K"]
+  fed: Int[Array, "B F"]
+  fed_parent: Int[Array, "B F"]
+
+
+@register
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculativeTree(Sampled):
+  """A draft model's token tree of `tree_budget` nodes, verified in one target pass."""
+
+  name: ClassVar[str] = "speculative_tree"
+  layout: ClassVar = layouts.Plain()
+
+  draft: ModelFn | None = None  # `build` turns the user's mdjax Model into its ModelFn
   tree_depth: int = 4
   tree_top_k: int = 4
   tree_budget: int = 16
+  return_metadata: bool = False  # per-token metadata (`mdjax.strategies.metadata`)
 
   def __post_init__(self):
     super().__post_init__()
+    drafting.check_vocabulary(self.model, self.draft)
     for name in ("tree_depth", "tree_top_k", "tree_budget"):
       check_count(name, getattr(self, name), 1)
-    if self.tree_top_k > self.config.vocab_size:
+    if self.tree_top_k > self.model.vocab_size:
       raise MdjaxError(f"tree_top_k ({self.tree_top_k}) exceeds the vocabulary "
-                       f"({self.config.vocab_size} tokens)")
+                       f"({self.model.vocab_size} tokens)")
     if self.tree_budget > self.num_drafted:
       raise MdjaxError(f"tree_budget ({self.tree_budget}) exceeds the {self.num_drafted} nodes "
                        f"drafted with tree_depth {self.tree_depth} and tree_top_k "
                        f"{self.tree_top_k} (K + (D - 1) K²)")
+
+  @classmethod
+  def build(cls, model, options: dict) -> tuple["SpeculativeTree", dict]:
+    return drafting.build_with_draft_model(cls, model, options)
 
   @property
   def num_drafted(self) -> int:
@@ -121,67 +158,67 @@ class SpeculativeTree(Speculative):
     """Nodes fed to the draft: the frontier of every level but the last."""
     return (self.tree_depth - 1) * self.tree_top_k
 
-  @property
-  def longest_chain(self) -> int:
-    """The longest accepted path (sizes the per-depth statistics)."""
-    return self.tree_depth
-
   def cache_slots(self, prompt_len: int, capacity: int, branches: int = 1) -> int:
     """The padded prompt, the generated tokens, and room for one tree in either cache."""
     slots = prompt_len + capacity + 1 + max(self.tree_budget, self.num_fed)
     return -(-slots // SLOT_MULTIPLE) * SLOT_MULTIPLE
 
+  def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
+           capacity: int) -> DraftState:
+    return drafting.start(DraftState, self.model, self.draft, params, prompt, cache, limits,
+                          capacity, self.sampling, positions=self.tree_depth,
+                          return_metadata=self.return_metadata)
+
   def _log_probs(self, logits: Float[Array, "... V"]) -> Float[Array, "... V"]:
     return jax.nn.log_softmax(process_logits(logits, self.sampling), axis=-1)
 
-  def _draft_tree(self, params, state: dict, logits: Float[Array, "B V"], draft_cache: KVCache
-                  ) -> tuple[Tree, Float[Array, "B N"], Int[Array, "B F"], KVCache]:
-    """Every drafted node (`Tree`, N = num_drafted, by level then rank) and its
-    cumulative log-probability, which of them were fed (F = num_fed, by level) and the
-    draft cache holding them. Level d + 1 comes from one draft pass over level d's
-    frontier, each node its own segment (`Tree.topology` over the fed nodes)."""
-    k, done, next_pos = self.tree_top_k, state["buffer"].done, state["next_pos"]
+  def _draft_tree(self, params, state: DraftState, logits: Float[Array, "B V"],
+                  draft_cache: KVCache) -> tuple[Tree, TreeDraft]:
+    """Every drafted node (`Tree`, N = num_drafted, by level then rank), and the loop's
+    last carry: their cumulative log-probabilities, which of them were fed (by level)
+    and the draft cache holding those. Level d + 1 comes from one draft pass over
+    level d's frontier, each node its own segment (`Tree.topology` over the fed nodes)."""
+    k, done, next_pos = self.tree_top_k, state.buffer.done, state.next_pos
     batch, num_drafted, num_fed = done.shape[0], self.num_drafted, self.num_fed
     score, token = jax.lax.top_k(self._log_probs(logits), k)  # [B, K]: level 1
     pad = lambda x, value: jnp.pad(x, ((0, 0), (0, num_drafted - k)), constant_values=value)
     fed_depth = jnp.broadcast_to(jnp.arange(num_fed) // k + 1, (batch, num_fed))
     take = lambda x, i: jnp.take_along_axis(x, i, axis=1)
 
-    def expand(level, carry):
-      front = carry["front"]  # [B, K] drafted index of the nodes fed now
-      fed = jax.lax.dynamic_update_slice_in_dim(carry["fed"], front, level * k, axis=1)
-      fed_parent = jax.lax.dynamic_update_slice_in_dim(carry["fed_parent"],
-                                                       carry["front_parent"], level * k, axis=1)
+    def expand(level, carry: TreeDraft) -> TreeDraft:
+      front = carry.front  # [B, K] drafted index of the nodes fed now
+      fed = jax.lax.dynamic_update_slice_in_dim(carry.fed, front, level * k, axis=1)
+      fed_parent = jax.lax.dynamic_update_slice_in_dim(carry.fed_parent, carry.front_parent,
+                                                       level * k, axis=1)
       segments = 1 + level * k + jnp.arange(k)[None, :]  # [1, K]
-      logits, _, cache = decode_step(
-          params, carry["cache"], take(carry["token"], front),
+      logits, _, cache = self.draft(
+          params, carry.cache, take(carry.tokens, front),
           jnp.broadcast_to((next_pos + level + 1)[:, None], front.shape),
           jnp.where(done[:, None], -1, segments),
-          Tree(tokens=fed, parent=fed_parent, depth=fed_depth).topology(next_pos),
-          config=self.draft_config, attention=self.attention)  # [B, K, V]
+          Tree(tokens=fed, parent=fed_parent, depth=fed_depth).topology(next_pos))  # [B, K, V]
       child_score, child = jax.lax.top_k(self._log_probs(logits), k)  # [B, K, K]
-      score = (take(carry["score"], front)[..., None] + child_score).reshape(batch, k * k)
+      score = (take(carry.score, front)[..., None] + child_score).reshape(batch, k * k)
       start = k + level * k * k  # drafted index of the new level
       put = lambda x, new: jax.lax.dynamic_update_slice_in_dim(x, new, start, axis=1)
       _, best = jax.lax.top_k(score, k)  # [B, K] the next frontier, within the new level
-      return dict(carry, cache=cache, fed=fed, fed_parent=fed_parent, front=start + best,
-                  front_parent=level * k + best // k,
-                  token=put(carry["token"], child.reshape(batch, k * k)),
-                  score=put(carry["score"], score),
-                  parent=put(carry["parent"], jnp.repeat(front, k, axis=1)))
+      return TreeDraft(cache=cache, tokens=put(carry.tokens, child.reshape(batch, k * k)),
+                       score=put(carry.score, score),
+                       parent=put(carry.parent, jnp.repeat(front, k, axis=1)),
+                       front=start + best, front_parent=level * k + best // k,
+                       fed=fed, fed_parent=fed_parent)
 
-    carry = dict(cache=draft_cache, token=pad(token, 0), score=pad(score, -jnp.inf),
-                 parent=jnp.full((batch, num_drafted), -1, jnp.int32),
-                 front=jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k)),
-                 front_parent=jnp.full((batch, k), -1, jnp.int32),
-                 fed=jnp.zeros((batch, num_fed), jnp.int32),
-                 fed_parent=jnp.full((batch, num_fed), -1, jnp.int32))
+    carry = TreeDraft(cache=draft_cache, tokens=pad(token, 0), score=pad(score, -jnp.inf),
+                      parent=jnp.full((batch, num_drafted), -1, jnp.int32),
+                      front=jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k)),
+                      front_parent=jnp.full((batch, k), -1, jnp.int32),
+                      fed=jnp.zeros((batch, num_fed), jnp.int32),
+                      fed_parent=jnp.full((batch, num_fed), -1, jnp.int32))
     if self.tree_depth > 1:  # (a zero-trip loop would still trace `expand` on empty arrays)
       carry = jax.lax.fori_loop(0, self.tree_depth - 1, expand, carry)
     depth = np.repeat(np.arange(1, self.tree_depth + 1), [k] + [k * k] * (self.tree_depth - 1))
-    tree = Tree(tokens=carry["token"], parent=carry["parent"],
+    tree = Tree(tokens=carry.tokens, parent=carry.parent,
                 depth=jnp.broadcast_to(jnp.asarray(depth, jnp.int32), (batch, num_drafted)))
-    return tree, carry["score"], carry["fed"], carry["cache"]
+    return tree, carry
 
   def _keep(self, drafted: Tree, score: Float[Array, "B N"]) -> tuple[Tree, Int[Array, "B M"]]:
     """The `tree_budget` best-scored nodes, still in drafting order, and their drafted
@@ -201,29 +238,27 @@ class SpeculativeTree(Speculative):
     if self.sampling.greedy:
       p = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
     else:
-      p = self._target_probs(logits)
-    accept_keys = jax.vmap(lambda key: jax.random.fold_in(key, ACCEPT_KEY))(keys)
-    return tree_accept(accept_keys, tree.tokens, tree.parent, p, self.tree_depth)
+      p = drafting.probs(logits, self.sampling)
+    return tree_accept(drafting.fold_in(keys, drafting.ACCEPT_KEY), tree.tokens, tree.parent, p,
+                       self.tree_depth)
 
-  def _verify_tree(self, params, state: dict, tree: Tree
+  def _verify_tree(self, params, state: DraftState, tree: Tree
                    ) -> tuple[Float[Array, "B M+1 V"], KVCache]:
     """One target pass over the last emitted token (segment 0) and the tree."""
-    next_pos, done = state["next_pos"], state["buffer"].done
     segments = jnp.arange(self.tree_budget + 1)[None, :]  # [1, 1 + M]
-    logits, _, cache = decode_step(
-        params, state["cache"], jnp.concatenate([state["last"][:, None], tree.tokens], axis=1),
-        next_pos[:, None] + jnp.pad(tree.depth, ((0, 0), (1, 0))),
-        jnp.where(done[:, None], -1, segments), tree.topology(next_pos), config=self.config,
-        attention=self.attention)  # [B, 1 + M, V]
+    logits, _, cache = self.model(
+        params, state.cache, jnp.concatenate([state.last[:, None], tree.tokens], axis=1),
+        state.next_pos[:, None] + jnp.pad(tree.depth, ((0, 0), (1, 0))),
+        jnp.where(state.buffer.done[:, None], -1, segments),
+        tree.topology(state.next_pos))  # [B, 1 + M, V]
     return logits, cache
 
-  def step(self, params, state: dict) -> dict:
-    buffer, done, next_pos = state["buffer"], state["buffer"].done, state["next_pos"]
-    batch, depth = done.shape[0], self.tree_depth
-    keys = row_keys(state["limits"].key, jnp.arange(batch), buffer.count)  # fresh every step
-    logits, draft_cache = self._catch_up(params["draft"], state)
-    drafted, score, fed, drafting = self._draft_tree(params["draft"], state, logits, draft_cache)
-    tree, kept = self._keep(drafted, score)
+  def step(self, params, state: DraftState) -> DraftState:
+    done, depth = state.buffer.done, self.tree_depth
+    keys = drafting.step_keys(state)
+    logits, draft_cache = drafting.catch_up(self.draft, params["draft"], state)
+    drafted, drafting_carry = self._draft_tree(params["draft"], state, logits, draft_cache)
+    tree, kept = self._keep(drafted, drafting_carry.score)
     logits, cache = self._verify_tree(params["target"], state, tree)  # [B, 1 + M, V]
     path, next_token = self._accept(keys, tree, logits)  # [B, D], [B]
     accepted = (path >= 0).sum(axis=1, dtype=jnp.int32)  # [B]
@@ -233,37 +268,30 @@ class SpeculativeTree(Speculative):
     on_path = (path[:, :, None] == jnp.arange(self.tree_budget)).any(axis=1)  # [B, M]
     path_drafted = jnp.where(path >= 0, jnp.take_along_axis(kept, jnp.maximum(path, 0), axis=1),
                              -1)  # [B, D]
-    emitted_buffer, taken = emit(buffer, emitted, accepted + 1, state["limits"])
     live = ~done[:, None]
-    verified = dict(
-        state, buffer=emitted_buffer, last=next_token, next_pos=next_pos + accepted + 1,
-        cache=cache_ops.compact(_keep_segments(cache, on_path), state["cache"].length,
-                                self.tree_budget + 1),
-        passes=state["passes"] + 1, draft_passes=state["draft_passes"] + depth,
-        drafted_at=state["drafted_at"] + (live[..., None] & (
-            tree.depth[..., None] == jnp.arange(1, depth + 1))).sum(axis=(0, 1), dtype=jnp.int32),
-        accepted_at=state["accepted_at"] + (live & (path >= 0)).sum(axis=0, dtype=jnp.int32),
-        **self._commit_draft(drafting, draft_cache.length, fed, path_drafted, path_tokens,
-                             next_token))
-    if self.return_metadata:
-      verified["metadata"] = state["metadata"].record(
-          buffer.count, taken, *self._path_metadata(logits, tree, path, emitted))
-    return verified
+    verified = drafting.commit(
+        state, cache=cache_ops.compact(_keep_segments(cache, on_path), state.cache.length,
+                                       self.tree_budget + 1),
+        emitted=emitted, accepted=accepted, next_token=next_token, draft_passes=depth,
+        drafted=(live[..., None] & (tree.depth[..., None] == jnp.arange(1, depth + 1))).sum(
+            axis=1, dtype=jnp.int32),  # [B, D] nodes per depth
+        accepted_at=live & (path >= 0),
+        token_metadata=lambda: self._path_metadata(logits, tree, path, emitted))
+    return dataclasses.replace(verified, draft=self._draft_after(
+        drafting_carry, draft_cache.length, path_drafted, path_tokens, next_token))
 
-  def _commit_draft(self, drafting: KVCache, caught_up: Int[Array, "B"], fed: Int[Array, "B F"],
-                    path: Int[Array, "B D"], path_tokens: Int[Array, "B D"],
-                    next_token: Int[Array, "B"]) -> dict:
+  def _draft_after(self, drafted: TreeDraft, caught_up: Int[Array, "B"], path: Int[Array, "B D"],
+                   path_tokens: Int[Array, "B D"], next_token: Int[Array, "B"]) -> DraftModelState:
     """The draft cache keeps the accepted nodes it was fed (`path`: drafted indices,
     -1 past the accepted ones): every one but the last, which had children. The
     last accepted node and the target's token are what it has not seen (`pending`)."""
     accepted = (path >= 0).sum(axis=1, dtype=jnp.int32)  # [B]
     level = np.arange(self.num_fed) // self.tree_top_k  # [F] depth - 1 of each fed node
-    kept = (path[:, level] == fed) & (level[None, :] + 1 < accepted[:, None])  # [B, F]
+    kept = (path[:, level] == drafted.fed) & (level[None, :] + 1 < accepted[:, None])  # [B, F]
     last = jnp.take_along_axis(path_tokens, jnp.maximum(accepted - 1, 0)[:, None], axis=1)[:, 0]
-    return dict(draft_cache=cache_ops.compact(_keep_segments(drafting, kept), caught_up,
-                                              self.num_fed),
-                pending=jnp.stack([jnp.where(accepted > 0, last, next_token), next_token], 1),
-                pending_count=jnp.where(accepted > 0, 2, 1))
+    return DraftModelState.behind(
+        cache_ops.compact(_keep_segments(drafted.cache, kept), caught_up, self.num_fed),
+        accepted > 0, last, next_token)
 
   def _path_metadata(self, logits: Float[Array, "B M+1 V"], tree: Tree, path: Int[Array, "B D"],
                      emitted: Int[Array, "B D+1"]):
@@ -277,18 +305,14 @@ class SpeculativeTree(Speculative):
     tried = jnp.take_along_axis(tree.tokens, jnp.argmax(child, axis=1)[:, None], axis=1)  # [B, 1]
     proposal = jnp.where(jnp.arange(self.tree_depth) == accepted[:, None], tried,
                          emitted[:, :-1])  # [B, D]
-    return metadata.verified(self._target_probs(logits[rows, before]), emitted, proposal,
-                             accepted + child.any(axis=1), accepted)
+    return metadata.verified(drafting.probs(logits[rows, before], self.sampling), emitted,
+                             proposal, accepted + child.any(axis=1), accepted)
 
-  def result(self, state: dict):
-    drafted, accepted = state["drafted_at"], state["accepted_at"]
-    return state["buffer"], {
-        "target_passes": state["passes"], "draft_passes": state["draft_passes"],
-        "drafted": drafted.sum(), "accepted": accepted.sum(),
-        "drafted_at": drafted, "accepted_at": accepted,  # per depth
-        # every verify of a live row drafts exactly tree_budget nodes
-        "mean_accepted_length": accepted.sum() * self.tree_budget / jnp.maximum(drafted.sum(), 1)
-    } | ({"metadata": state["metadata"]} if self.return_metadata else {})
+  def result(self, state: DraftState):
+    drafted, accepted = state.drafted_at, state.accepted_at
+    # every verify of a live row drafts exactly tree_budget nodes
+    return state.buffer, drafting.stats(
+        state, accepted.sum() * self.tree_budget / jnp.maximum(drafted.sum(), 1))
 
 
 def _keep_segments(cache: KVCache, keep: Bool[Array, "B N"]) -> KVCache:
