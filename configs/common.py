@@ -43,4 +43,8 @@ def get_base_config(strategy: str) -> ml_collections.ConfigDict:
   config.max_new_tokens = 48
   config.eos_token_id = ""
   config.seed = 0  # seeds sampling; a random model always has its canonical (seed 0) weights
+  config.chat = False  # apply the model's chat template to the prompt (and each question)
+  config.system = ""  # with chat: a system message ("" = none)
+  config.question_separator = "\n\n"  # with chat: between the prompt and each question
+  config.compare_sequential = False  # multi_question: also answer each question alone, timed
   return config

@@ -22,7 +22,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import mdjax
-from mdjax import pipelines, strategies
+from mdjax import chat, pipelines, strategies
+from mdjax.prompts import encode_continuation
 from mdjax.strategies import skeleton
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Decode config, e.g. configs/greedy.py.")
@@ -83,6 +84,34 @@ def _eos(text: str) -> list[int] | None:
   return [] if text.strip().lower() == "none" else _ids("eos_token_id", text)
 
 
+def _chat(model: mdjax.Model, config, prompt, options: dict):
+  """With `config.chat`: the prompt (and each question) as the model's chat template
+  renders them (`mdjax.chat`); else unchanged."""
+  if not config.chat:
+    return prompt, options
+  if not isinstance(prompt, str):
+    raise mdjax.MdjaxError("chat=True needs a text prompt, not prompt_ids")
+  system = config.system or None
+  if "questions" in options:
+    context, questions = chat.chat_questions(model, prompt, options["questions"], system,
+                                             config.question_separator)
+    return context, dict(options, questions=questions)
+  return chat.chat_ids(model, prompt, system), options
+
+
+def _one_after_another(model: mdjax.Model, prompt_ids: list[int], questions: list[list[int]],
+                       common: dict, out) -> dict:
+  """Each question answered alone (its own prefill of the context), as a check that
+  the shared answers are exactly these and as the timing to beat."""
+  alone = [mdjax.generate(model, [prompt_ids + q], **common) for q in questions]
+  wall_s = sum(a.stats["wall_s"] for a in alone)
+  same = [a.sequences[0] for a in alone] == out.sequences
+  print(f"--- shared cache: {out.stats['wall_s']:.2f} s for {len(questions)} answers; one after "
+        f"another: {wall_s:.2f} s ({wall_s / out.stats['wall_s']:.2f}x); same answers: {same}")
+  return dict(wall_s=wall_s, same_answers=same,
+              speedup=wall_s / out.stats["wall_s"])
+
+
 def decode(config) -> dict:
   """Loads the model, decodes, prints the text; returns the JSON summary. `config.strategy`
   names a strategy (one `mdjax.generate` call) or a pipeline (`mdjax.pipelines.run`)."""
@@ -96,7 +125,8 @@ def decode(config) -> dict:
   if "draft" in options:  # a model name or directory in the config
     options["draft"] = mdjax.load(options["draft"], dtype=config.dtype)
     print("draft: " + options["draft"].description)
-  prompt = config.prompt or _ids("prompt_ids", config.prompt_ids)
+  prompt, options = _chat(model, config, config.prompt or _ids("prompt_ids", config.prompt_ids),
+                          options)
   (prompt_ids,) = mdjax.encode_prompts(model, [prompt])
   common = dict(max_new_tokens=config.max_new_tokens, eos_token_id=_eos(config.eos_token_id),
                 seed=config.seed)
@@ -104,14 +134,25 @@ def decode(config) -> dict:
     out = pipelines.run(config.strategy, model, [prompt], **common, **options)
   else:
     out = mdjax.generate(model, [prompt], strategy=config.strategy, **common, **options)
+  summary = dict(model=config.model, strategy=config.strategy, prompt_tokens=prompt_ids,
+                 sequences=out.sequences, texts=out.texts, stats=out.stats)
   if config.strategy == "skeleton_fill" and out.texts:  # the source with its bodies filled in
     print(skeleton.assemble(config.prompt, out.texts))
-  for i, sequence in enumerate(out.sequences if config.strategy != "skeleton_fill" else []):
-    if len(out.sequences) > 1:
-      print(f"--- branch {i}")
-    print(out.texts[i] if out.texts else " ".join(map(str, sequence)))
-  return dict(model=config.model, strategy=config.strategy, prompt_tokens=prompt_ids,
-              sequences=out.sequences, texts=out.texts, stats=out.stats)
+  elif config.strategy == "multi_question":
+    print(config.prompt)
+    for i, question in enumerate(config.questions):
+      answer = out.texts[i] if out.texts else " ".join(map(str, out.sequences[i]))
+      print(f"--- Q{i + 1}: {question}\n{answer}")
+    if config.compare_sequential:
+      questions = [encode_continuation(model, q) for q in options["questions"]]
+      summary["one_after_another"] = _one_after_another(model, prompt_ids, questions, common,
+                                                        out)
+  else:
+    for i, sequence in enumerate(out.sequences):
+      if len(out.sequences) > 1:
+        print(f"--- branch {i}")
+      print(out.texts[i] if out.texts else " ".join(map(str, sequence)))
+  return summary
 
 
 def main(argv):

@@ -22,9 +22,9 @@ from mdjax.prompts import bucket, check_context, encode_prompts
 from mdjax.step import decode_step
 from mdjax.topology import Topology
 
-from mdjax import pipelines  # after generate: pipelines are a layer above it
+from mdjax import chat, pipelines  # noqa: E402 -- after generate: pipelines are above it
 
-__all__ = ["load", "forward_logits", "generate", "stream", "pipelines", "clear_compiled",
+__all__ = ["load", "forward_logits", "generate", "stream", "chat", "pipelines", "clear_compiled",
            "compiled_programs", "Model", "ModelConfig", "RopeScaling",
            "KVCache", "Topology", "decode_step", "GenerationOutput", "MdjaxError",
            "CheckpointError"]
