@@ -47,4 +47,4 @@ def decode_step(params: Params, cache: KVCache, tokens: Int[Array, "B T"],
                           regions=regions)
   picked = hidden if logits_at is None else jnp.take_along_axis(
       hidden, logits_at[..., None], axis=1)  # [B, R, D]
-  return lm_head(params, picked), hidden, cache
+  return lm_head(params, picked, config=config), hidden, cache

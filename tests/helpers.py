@@ -1,4 +1,5 @@
-"""Shared test helpers: tiny random Hugging Face checkpoints and mdjax logits."""
+"""Shared test helpers: tiny random Hugging Face checkpoints, mdjax logits, greedy
+comparison with transformers."""
 
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ from mdjax.models.random_init import init_params
 from mdjax.models.transformer import causal_logits
 from mdjax.step import decode_step
 from mdjax.topology import Topology
+
+NEAR_TIE = 1e-5  # ARCHITECTURE §4: a divergence is allowed only at such a near-tie
+# gemma3 layers 0..2 of `random_model("gemma3", layers=3, ...)`: sliding, full, sliding
+GEMMA3_MIXED = dict(layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+                    sliding_window=4, sliding_rope_theta=100.0, query_pre_attn_scalar=12)
 
 TINY_CONFIG = dict(vocab_size=192, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -63,6 +69,28 @@ def torch_logits(torch_model, ids) -> np.ndarray:
   return out.logits[0].float().numpy()
 
 
+def hf_greedy(torch_model, prompt, max_new_tokens, eos_token_id):
+  """transformers' greedy continuation of `prompt` (generated ids only)."""
+  with torch.no_grad():
+    out = torch_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                               do_sample=False, max_new_tokens=max_new_tokens,
+                               eos_token_id=eos_token_id, pad_token_id=0)
+  return out[0, len(prompt):].tolist()
+
+
+def assert_same_greedy(ours, theirs, torch_model, prompt):
+  """Token-equal, except that a divergence is tolerated at a genuine near-tie of
+  the reference (top-2 logits within NEAR_TIE), after which nothing is compared."""
+  for i, (a, b) in enumerate(zip(ours, theirs)):
+    if a != b:
+      with torch.no_grad():
+        logits = torch_model(torch.tensor([prompt + theirs[:i]])).logits[0, -1]
+      top2 = torch.topk(logits, 2).values
+      assert float(top2[0] - top2[1]) < NEAR_TIE, f"diverged at token {i}: {a} != {b}"
+      return
+  assert len(ours) == len(theirs)
+
+
 def mdjax_logits(model: Model, ids, attention: str = "block_sparse") -> np.ndarray:
   """Plain causal forward of `ids` in one `decode_step` over an empty cache: `[T, V]`."""
   ids = np.asarray(ids)
@@ -84,7 +112,7 @@ def random_model(family: str = "llama", seed: int = 0, *, vocab_size: int = 64, 
   config = ModelConfig(family=family, vocab_size=vocab_size, hidden_size=hidden,
                        intermediate_size=48, num_layers=layers, num_heads=heads,
                        num_kv_heads=kv_heads, head_dim=8, max_position_embeddings=256,
-                       qk_norm=family == "qwen3", **extra)
+                       qk_norm=family in ("qwen3", "gemma3"), **extra)
   return Model(config=config, params=init_params(config, seed=seed, std=std),
                name=f"random-{family}-{seed}")
 

@@ -2,12 +2,10 @@
 
 import numpy as np
 import pytest
-import torch
 
 import mdjax
-from tests.helpers import chi_square_p_value, expected_first_token_law, write_tiny_checkpoint
-
-NEAR_TIE = 1e-5  # ARCHITECTURE §4: a divergence is allowed only at such a near-tie
+from tests.helpers import (assert_same_greedy, chi_square_p_value, expected_first_token_law,
+                           hf_greedy, write_tiny_checkpoint)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -15,27 +13,6 @@ def pair(request, tmp_path_factory):
   path = tmp_path_factory.mktemp(request.param)
   torch_model = write_tiny_checkpoint(path, family=request.param, seed=3)
   return mdjax.load(str(path)), torch_model
-
-
-def hf_greedy(torch_model, prompt, max_new_tokens, eos_token_id):
-  with torch.no_grad():
-    out = torch_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
-                               do_sample=False, max_new_tokens=max_new_tokens,
-                               eos_token_id=eos_token_id, pad_token_id=0)
-  return out[0, len(prompt):].tolist()
-
-
-def assert_same_greedy(ours, theirs, torch_model, prompt):
-  """Token-equal, except that a divergence is tolerated at a genuine near-tie of
-  the reference (top-2 logits within NEAR_TIE), after which nothing is compared."""
-  for i, (a, b) in enumerate(zip(ours, theirs)):
-    if a != b:
-      with torch.no_grad():
-        logits = torch_model(torch.tensor([prompt + theirs[:i]])).logits[0, -1]
-      top2 = torch.topk(logits, 2).values
-      assert float(top2[0] - top2[1]) < NEAR_TIE, f"diverged at token {i}: {a} != {b}"
-      return
-  assert len(ours) == len(theirs)
 
 
 def test_greedy_matches_transformers(pair):

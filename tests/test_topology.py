@@ -39,6 +39,14 @@ CONFIGS = {
                                   intermediate_size=48, num_layers=2, num_heads=4,
                                   num_kv_heads=4, head_dim=8, sliding_window=5,
                                   max_position_embeddings=256),
+    # the window on layers 0 and 2 only, each kind of layer with its own RoPE
+    "gemma3-mixed": ModelConfig(family="gemma3", vocab_size=97, hidden_size=32,
+                                intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
+                                head_dim=8, qk_norm=True, sliding_window=5,
+                                layer_types=("sliding_attention", "full_attention",
+                                             "sliding_attention"),
+                                sliding_rope_theta=100.0, query_pre_attn_scalar=12,
+                                max_position_embeddings=256),
 }
 
 

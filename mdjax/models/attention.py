@@ -18,6 +18,9 @@ summation order:
   query; a region is read by one, so a step's attention work is N x (prefix + own
   tokens), not N x (prefix + all N branches').
 
+Each takes the layer's static `LayerAttention` (its sliding window, score scale and
+soft-cap), so layers of one model may differ (gemma3 mixes sliding and full ones).
+
 Einsum letters: B batch, T queries, S keys, K kv heads, R query heads per kv head
 (N = K * R), H head dim.
 """
@@ -47,15 +50,29 @@ class Queries:
   limit: Int[Array, "B G G"]  # mdjax.topology.visibility_limits
 
 
-def _grouped(q: Float[Array, "B T N H"], num_kv_heads: int) -> Float[Array, "B T K R H"]:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerAttention:
+  """One layer's static attention settings (hashable: part of the compiled program)."""
+
+  sliding_window: int | None = None  # a query at position p sees keys with p - pos < window
+  scale: float  # q . k is multiplied by it
+  softcap: float | None = None  # scores -> softcap * tanh(scores / softcap), before the mask
+
+
+def _grouped(q: Float[Array, "B T N H"], num_kv_heads: int,
+             scale: float) -> Float[Array, "B T K R H"]:
   b, t, n, h = q.shape
-  scaled = q.astype(jnp.float32) * (h**-0.5)
+  scaled = q.astype(jnp.float32) * scale
   return scaled.reshape(b, t, num_kv_heads, n // num_kv_heads, h)
 
 
-def _scores(qg, keys, mask):
+def _capped(scores: Float[Array, "..."], softcap: float | None) -> Float[Array, "..."]:
+  return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
+
+
+def _scores(qg, keys, mask, softcap: float | None):
   s = jnp.einsum("btkrh,bskh->bkrts", qg, keys.astype(jnp.float32))  # [B, K, R, T, S]
-  return jnp.where(mask[:, None, None], s, -jnp.inf)
+  return jnp.where(mask[:, None, None], _capped(s, softcap), -jnp.inf)
 
 
 def _weigh(weights: Float[Array, "B K R T S"], values: Float[Array, "B S K H"]
@@ -71,21 +88,22 @@ def _finish(acc, total, dtype) -> Float[Array, "B T N H"]:
 
 
 def masked_attention(q: Float[Array, "B T N H"], keys: Float[Array, "B S K H"],
-                     values: Float[Array, "B S K H"],
-                     mask: Bool[Array, "B T S"]) -> Float[Array, "B T N H"]:
+                     values: Float[Array, "B S K H"], mask: Bool[Array, "B T S"], *,
+                     scale: float, softcap: float | None = None) -> Float[Array, "B T N H"]:
   """One masked softmax of the queries over `keys` (also the cache-free training path)."""
-  scores = _scores(_grouped(q, keys.shape[2]), keys, mask)  # [B, K, R, T, S]
+  scores = _scores(_grouped(q, keys.shape[2], scale), keys, mask, softcap)  # [B, K, R, T, S]
   peak = jnp.max(scores, axis=-1, keepdims=True)
   weights = jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0))
   return _finish(_weigh(weights, values), weights.sum(-1), q.dtype)
 
 
-def dense_attention(queries: Queries, cache: KVCache, layer: int, *,
-                    sliding_window: int | None) -> Float[Array, "B T N H"]:
+def dense_attention(queries: Queries, cache: KVCache, layer: int,
+                    spec: LayerAttention) -> Float[Array, "B T N H"]:
   """Reference: every slot of `layer`, one masked softmax."""
   mask = visible(queries.limit, queries.segments, queries.positions, cache.seg, cache.pos,
-                 sliding_window)  # [B, T, S]
-  return masked_attention(queries.q, cache.k[layer], cache.v[layer], mask)
+                 spec.sliding_window)  # [B, T, S]
+  return masked_attention(queries.q, cache.k[layer], cache.v[layer], mask, scale=spec.scale,
+                          softcap=spec.softcap)
 
 
 def _absorb(carry, scores: Float[Array, "B K R T S"], weigh):
@@ -105,8 +123,8 @@ def _no_keys(qg: Float[Array, "B T K R H"]):
   return jnp.full((b, k, r, t), -jnp.inf), jnp.zeros((b, k, r, t)), jnp.zeros((b, k, r, t, h))
 
 
-def _visit_blocks(qg: Float[Array, "B T K R H"], queries: Queries, cache: KVCache, layer: int, *,
-                  sliding_window: int | None, block_size: int):
+def _visit_blocks(qg: Float[Array, "B T K R H"], queries: Queries, cache: KVCache, layer: int,
+                  spec: LayerAttention, *, block_size: int):
   """The online-softmax carry of the queries over the visible key blocks of `layer`.
 
   Blocks past the fullest row's `length` are not visited; a visited block's K/V
@@ -121,33 +139,32 @@ def _visit_blocks(qg: Float[Array, "B T K R H"], queries: Queries, cache: KVCach
     k_pos = jax.lax.dynamic_slice_in_dim(cache.pos, start, block_size, axis=1)  # [B, Bk]
     k_seg = jax.lax.dynamic_slice_in_dim(cache.seg, start, block_size, axis=1)
     mask = visible(queries.limit, queries.segments, queries.positions, k_seg, k_pos,
-                   sliding_window)  # [B, T, Bk]
+                   spec.sliding_window)  # [B, T, Bk]
 
     def read_block(carry):
       index = (layer, 0, start, 0, 0)
       size = (1, b, block_size, k, h)
       keys = jax.lax.dynamic_slice(cache.k, index, size)[0]  # [B, Bk, K, H]
       values = jax.lax.dynamic_slice(cache.v, index, size)[0]
-      return _absorb(carry, _scores(qg, keys, mask), functools.partial(_weigh, values=values))
+      return _absorb(carry, _scores(qg, keys, mask, spec.softcap),
+                     functools.partial(_weigh, values=values))
 
     return jax.lax.cond(mask.any(), read_block, lambda c: c, carry)
 
   return jax.lax.fori_loop(0, (filled + block_size - 1) // block_size, visit, _no_keys(qg))
 
 
-def block_sparse_attention(queries: Queries, cache: KVCache, layer: int, *,
-                           sliding_window: int | None,
+def block_sparse_attention(queries: Queries, cache: KVCache, layer: int, spec: LayerAttention, *,
                            block_size: int) -> Float[Array, "B T N H"]:
-  """Online-softmax attention over the visible key blocks of `layer` only.
+  """Online-softmax attention over the visible key blocks of `layer` only (a sliding
+  window makes the blocks wholly behind every query's window invisible too).
   `block_size` must divide the slot count."""
-  qg = _grouped(queries.q, cache.k.shape[3])  # [B, T, K, R, H]
-  _, total, acc = _visit_blocks(qg, queries, cache, layer, sliding_window=sliding_window,
-                                block_size=block_size)
+  qg = _grouped(queries.q, cache.k.shape[3], spec.scale)  # [B, T, K, R, H]
+  _, total, acc = _visit_blocks(qg, queries, cache, layer, spec, block_size=block_size)
   return _finish(acc, total, queries.q.dtype)
 
 
-def cascade_attention(queries: Queries, cache: KVCache, layer: int, *,
-                      sliding_window: int | None,
+def cascade_attention(queries: Queries, cache: KVCache, layer: int, spec: LayerAttention, *,
                       regions: CacheRegions) -> Float[Array, "B T N H"]:
   """Attention over a cache of `regions = (shared, size, in_order)`: slots `[0, shared)`
   hold what several branches see, then region j (`size` slots from `shared + j * size`)
@@ -164,18 +181,18 @@ def cascade_attention(queries: Queries, cache: KVCache, layer: int, *,
   are their regions' newest tokens (the strategy's layout guarantees both; the mask
   still decides within them).
   """
-  qg = _grouped(queries.q, cache.k.shape[3])  # [B, T, K, R, H]
+  qg = _grouped(queries.q, cache.k.shape[3], spec.scale)  # [B, T, K, R, H]
   shared = slice(0, regions.shared)
   mask = visible(queries.limit, queries.segments, queries.positions, cache.seg[:, shared],
-                 cache.pos[:, shared], sliding_window)  # [B, T, shared]
-  carry = _absorb(_no_keys(qg), _scores(qg, cache.k[layer, :, shared], mask),
+                 cache.pos[:, shared], spec.sliding_window)  # [B, T, shared]
+  carry = _absorb(_no_keys(qg), _scores(qg, cache.k[layer, :, shared], mask, spec.softcap),
                   functools.partial(_weigh, values=cache.v[layer, :, shared]))
-  _, total, acc = _absorb_own_regions(carry, qg, queries, cache, layer, regions, sliding_window)
+  _, total, acc = _absorb_own_regions(carry, qg, queries, cache, layer, regions, spec)
   return _finish(acc, total, queries.q.dtype)
 
 
 def _absorb_own_regions(carry, qg: Float[Array, "B T K R H"], queries: Queries, cache: KVCache,
-                        layer: int, regions: CacheRegions, sliding_window: int | None,
+                        layer: int, regions: CacheRegions, spec: LayerAttention,
                         max_chunk: int = 16):
   """Folds each query's own region into the online-softmax `carry`, chunk by chunk
   of at most `max_chunk` slots, only as far as the fullest region is filled (a region
@@ -192,8 +209,9 @@ def _absorb_own_regions(carry, qg: Float[Array, "B T K R H"], queries: Queries, 
 
   def absorb(keys, values, k_seg, k_pos, carry):  # [B, T, C, K, H] x2, [B, T, C] x2
     mask = visible(queries.limit, queries.segments, queries.positions, k_seg, k_pos,
-                   sliding_window) & own[..., None]  # [B, T, C]
-    scores = jnp.einsum("btkrh,btskh->bkrts", qg, keys.astype(jnp.float32))
+                   spec.sliding_window) & own[..., None]  # [B, T, C]
+    scores = _capped(jnp.einsum("btkrh,btskh->bkrts", qg, keys.astype(jnp.float32)),
+                     spec.softcap)
 
     def weigh(weights):  # XLA:CPU runs this 5x faster with the batch dims (b, t, k) leading
       return jnp.einsum("btkrs,btskh->btkrh", weights.transpose(0, 3, 1, 2, 4),

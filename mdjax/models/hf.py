@@ -15,9 +15,16 @@ fused, transposed layout of `mdjax.models.transformer`::
     model.layers.{i}.mlp.down_proj.weight        [D, F]     -> layers[i].w_down [F, D]
     lm_head.weight                               [V, D]     -> lm_head     [D, V]
 
-(biases, norms and q/k norms map the same way without the transpose). Every
-safetensors file's header is checked before any tensor is read, so a truncated or
-corrupt file is reported by name.
+(biases, norms and q/k norms map the same way without the transpose). Gemma3
+(model_type `gemma3_text`) has four norms per layer::
+
+    model.layers.{i}.input_layernorm.weight             -> layers[i].attn_norm
+    model.layers.{i}.post_attention_layernorm.weight    -> layers[i].post_attn_norm
+    model.layers.{i}.pre_feedforward_layernorm.weight   -> layers[i].mlp_norm
+    model.layers.{i}.post_feedforward_layernorm.weight  -> layers[i].post_mlp_norm
+
+Every safetensors file's header is checked before any tensor is read, so a truncated
+or corrupt file is reported by name.
 """
 
 from __future__ import annotations
@@ -38,14 +45,25 @@ import safetensors
 import safetensors.numpy
 
 from mdjax.errors import CheckpointError, MdjaxError
-from mdjax.models.config import ModelConfig, RopeScaling, weight_dtype
+from mdjax.models.config import LAYER_TYPES, ModelConfig, RopeScaling, weight_dtype
 from mdjax.models.model import Model
 from mdjax.models.registry import RANDOM_MODELS
 from mdjax.models.transformer import Params
 
 ASSETS_DIR = pathlib.Path(__file__).resolve().parent.parent / "assets"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM"}
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+               "gemma3": "gemma3_text"}  # family -> config.json model_type
+# config.json key and the one value supported of each family's MLP activation
+ACTIVATIONS = {"gemma3": ("hidden_activation", "gelu_pytorch_tanh")}
+DEFAULT_ACTIVATION = ("hidden_act", "silu")
+# what transformers' Gemma3TextConfig assumes for keys a config.json leaves out
+GEMMA3_DEFAULTS = dict(head_dim=256, num_key_value_heads=4, max_position_embeddings=131_072,
+                       tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+                       sliding_window=4096, query_pre_attn_scalar=256)
+GEMMA3_ROPE_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model"]
 
 WEIGHTS_FILE = "model.safetensors"
@@ -60,18 +78,26 @@ WEIGHTS_METADATA = {"format": "pt"}
 
 
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
-  """A `ModelConfig` from a parsed config.json (llama, mistral, qwen2, qwen3).
+  """A `ModelConfig` from a parsed config.json (llama, mistral, qwen2, qwen3, gemma3_text).
 
-  Accepts the current layout (`rope_parameters: {rope_type, rope_theta, ...}`) and
-  the older one (top-level `rope_theta` + `rope_scaling: {type | rope_type, ...}`).
+  Accepts the current layout (`rope_parameters: {rope_type, rope_theta, ...}`, for
+  gemma3 one such dict per layer type) and the older one (top-level `rope_theta` +
+  `rope_scaling: {type | rope_type, ...}`; gemma3 adds `rope_local_base_freq`).
   """
-  family = cfg.get("model_type")
-  if family not in ARCHITECTURES:
-    raise CheckpointError(
-        f"unsupported model_type {family!r}; supported: {', '.join(ARCHITECTURES)}")
-  act = cfg.get("hidden_act", "silu")
-  if act != "silu":
-    raise CheckpointError(f"unsupported hidden_act {act!r} for {family}; only 'silu' is supported")
+  model_type = cfg.get("model_type")
+  family = {t: f for f, t in MODEL_TYPES.items()}.get(model_type)
+  if family is None:
+    hint = (" (a multimodal Gemma3ForConditionalGeneration checkpoint; only text-only "
+            "gemma3_text ones load)" if model_type == "gemma3" else "")
+    raise CheckpointError(f"unsupported model_type {model_type!r}{hint}; supported: "
+                          f"{', '.join(MODEL_TYPES.values())}")
+  if family == "gemma3":
+    cfg = {**GEMMA3_DEFAULTS, **cfg}
+  act_key, act_supported = ACTIVATIONS.get(family, DEFAULT_ACTIVATION)
+  act = cfg.get(act_key, act_supported)
+  if act != act_supported:
+    raise CheckpointError(f"unsupported {act_key} {act!r} for {family}; only {act_supported!r} "
+                          "is supported")
   if family in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
     raise CheckpointError(
         f"{family} with use_sliding_window=true is unsupported (sliding window on only some "
@@ -83,7 +109,6 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     # transformers' Qwen3Config defaults a missing head_dim to 128, the others derive it
     head_dim = 128 if family == "qwen3" and "head_dim" not in cfg else hidden // heads
   attention_bias = bool(cfg.get("attention_bias", False))
-  rope_theta, rope_scaling = _rope_from_hf(cfg)
   kwargs = dict(
       family=family,
       vocab_size=_int(cfg, "vocab_size"),
@@ -93,8 +118,6 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
       num_heads=heads,
       num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
       head_dim=int(head_dim),
-      rope_theta=rope_theta,
-      rope_scaling=rope_scaling,
       rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
       tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
       bos_token_id=cfg.get("bos_token_id"),
@@ -103,6 +126,11 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
   )
   if cfg.get("max_position_embeddings") is not None:
     kwargs["max_position_embeddings"] = int(cfg["max_position_embeddings"])
+  if family == "gemma3":
+    kwargs.update(_gemma3_from_hf(cfg), qk_norm=True, qkv_bias=attention_bias,
+                  o_bias=attention_bias)
+  else:
+    kwargs["rope_theta"], kwargs["rope_scaling"] = _rope_from_hf(cfg)
   if family == "llama":
     kwargs.update(qkv_bias=attention_bias, o_bias=attention_bias,
                   mlp_bias=bool(cfg.get("mlp_bias", False)))
@@ -111,7 +139,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     kwargs.update(sliding_window=None if window is None else int(window))
   elif family == "qwen2":
     kwargs.update(qkv_bias=True)
-  else:  # qwen3
+  elif family == "qwen3":
     kwargs.update(qk_norm=True, qkv_bias=attention_bias, o_bias=attention_bias)
   try:
     return ModelConfig(**kwargs)
@@ -126,17 +154,11 @@ def config_to_hf(config: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
   q/k/v bias but no output bias), naming the fields that would not round-trip.
   """
   c = config
-  rope = {"rope_type": c.rope_scaling.rope_type, "rope_theta": c.rope_theta}
-  if c.rope_scaling.rope_type != "default":
-    rope["factor"] = c.rope_scaling.factor
-  if c.rope_scaling.rope_type == "llama3":
-    rope.update(low_freq_factor=c.rope_scaling.low_freq_factor,
-                high_freq_factor=c.rope_scaling.high_freq_factor,
-                original_max_position_embeddings=c.rope_scaling.original_max_position_embeddings)
+  rope = _rope_to_hf(c.rope_theta, c.rope_scaling)
   eos = list(c.eos_token_id)
   cfg = {
       "architectures": [ARCHITECTURES[c.family]],
-      "model_type": c.family,
+      "model_type": MODEL_TYPES[c.family],
       "vocab_size": c.vocab_size,
       "hidden_size": c.hidden_size,
       "intermediate_size": c.intermediate_size,
@@ -162,12 +184,32 @@ def config_to_hf(config: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     cfg["sliding_window"] = c.sliding_window
   if c.family in ("qwen2", "qwen3"):
     cfg["use_sliding_window"] = False
+  if c.family == "gemma3":
+    del cfg["hidden_act"]
+    sliding_rope = (rope if c.sliding_rope_theta is None
+                    else _rope_to_hf(c.sliding_rope_theta, c.sliding_rope_scaling))
+    cfg.update(hidden_activation=ACTIVATIONS["gemma3"][1], attention_bias=c.qkv_bias,
+               rope_parameters={"full_attention": rope, "sliding_attention": sliding_rope},
+               layer_types=None if c.layer_types is None else list(c.layer_types),
+               sliding_window=c.sliding_window, query_pre_attn_scalar=c.query_pre_attn_scalar,
+               attn_logit_softcapping=c.attn_logit_softcapping,
+               final_logit_softcapping=c.final_logit_softcapping)
   back = config_from_hf(cfg)
   lost = [f.name for f in dataclasses.fields(c) if getattr(back, f.name) != getattr(c, f.name)]
   if lost:
     raise MdjaxError(f"a {c.family} Hugging Face config cannot express this model: "
                      + ", ".join(f"{n}={getattr(c, n)!r}" for n in lost))
   return cfg
+
+
+def _rope_to_hf(theta: float, scaling: RopeScaling) -> dict[str, Any]:
+  rope = {"rope_type": scaling.rope_type, "rope_theta": theta}
+  if scaling.rope_type != "default":
+    rope["factor"] = scaling.factor
+  if scaling.rope_type == "llama3":
+    rope.update(low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor,
+                original_max_position_embeddings=scaling.original_max_position_embeddings)
+  return rope
 
 
 def _int(cfg: dict[str, Any], key: str) -> int:
@@ -188,7 +230,61 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, RopeScaling]:
   params = cfg.get("rope_parameters")
   if params is None:
     params = cfg.get("rope_scaling") or {}
-  theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+  return _rope(params, cfg.get("rope_theta", 10000.0))
+
+
+def _gemma3_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+  """The gemma3-only `ModelConfig` fields: per-layer attention kinds, each kind's RoPE,
+  the query scale and soft-caps. Like transformers, the older layout's `rope_theta`,
+  `rope_local_base_freq` and `rope_scaling` (full-attention layers only) fill what
+  `rope_parameters` leaves out."""
+  if cfg.get("use_bidirectional_attention"):
+    raise CheckpointError("gemma3 with use_bidirectional_attention=true is unsupported "
+                          "(only causal attention is)")
+  if cfg.get("attn_logit_softcapping") is not None:
+    # transformers' Gemma3 reads it but never applies it (Gemma 2 does): either choice
+    # would silently disagree with one of them
+    raise CheckpointError(f"gemma3 with attn_logit_softcapping={cfg['attn_logit_softcapping']!r} "
+                          "is unsupported: transformers' Gemma3 ignores it, Gemma 2 applies it; "
+                          "Gemma 3 checkpoints leave it null")
+  layer_types = cfg.get("layer_types")
+  if layer_types is None:  # older configs: every `sliding_window_pattern`-th layer is full
+    pattern = cfg.get("sliding_window_pattern", 6)
+    if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
+      raise CheckpointError(f"config.json: sliding_window_pattern must be an integer >= 1, "
+                            f"got {pattern!r}")
+    layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                   for i in range(_int(cfg, "num_hidden_layers"))]
+  unknown = [t for t in layer_types if t not in LAYER_TYPES]
+  if unknown:
+    raise CheckpointError(f"unsupported layer type {unknown[0]!r} in layer_types; supported: "
+                          f"{', '.join(LAYER_TYPES)}")
+  params = cfg.get("rope_parameters") or {}
+  stray = sorted(set(params) - set(LAYER_TYPES))
+  if stray:
+    raise CheckpointError(f"gemma3 rope_parameters must be keyed by layer type "
+                          f"({', '.join(LAYER_TYPES)}), got keys {stray}")
+  full = {**(params.get("full_attention") or {}), **(cfg.get("rope_scaling") or {})}
+  rope_theta, rope_scaling = _rope(
+      full, cfg.get("rope_theta", GEMMA3_ROPE_THETA["full_attention"]), "full_attention layers")
+  sliding_theta, sliding_scaling = _rope(
+      params.get("sliding_attention") or {},
+      cfg.get("rope_local_base_freq", GEMMA3_ROPE_THETA["sliding_attention"]),
+      "sliding_attention layers")
+  window = cfg.get("sliding_window")
+  return dict(layer_types=tuple(layer_types),
+              sliding_window=None if window is None else int(window),
+              rope_theta=rope_theta, rope_scaling=rope_scaling, sliding_rope_theta=sliding_theta,
+              sliding_rope_scaling=sliding_scaling,
+              query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+              final_logit_softcapping=cfg.get("final_logit_softcapping"))
+
+
+def _rope(params: dict[str, Any], theta, where: str = "") -> tuple[float, RopeScaling]:
+  """(rope_theta, RopeScaling) of one rope dict (`rope_type` or `type`, `factor`, ...;
+  `theta` where it has no `rope_theta`); `where` names the layers it is for in errors."""
+  where = f" for {where}" if where else ""
+  theta = float(params.get("rope_theta", theta))
   rope_type = params.get("rope_type", params.get("type", "default"))
   if rope_type == "default":
     return theta, RopeScaling()
@@ -197,10 +293,11 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, RopeScaling]:
                        "original_max_position_embeddings")}.get(rope_type)
   if needed is None:
     raise CheckpointError(
-        f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
+        f"unsupported rope_type {rope_type!r}{where}; supported: default, linear, llama3")
   missing = [k for k in needed if params.get(k) is None]
   if missing:
-    raise CheckpointError(f"rope_type {rope_type!r} needs {', '.join(missing)} in the rope config")
+    raise CheckpointError(
+        f"rope_type {rope_type!r}{where} needs {', '.join(missing)} in the rope config")
   values = {k: float(params[k]) for k in needed}
   if rope_type == "llama3":
     values["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
@@ -291,6 +388,15 @@ class _Weights:
 # --------------------------------------------------------------------------- params
 
 
+def _norms_after_attention(config: ModelConfig) -> dict[str, str]:
+  """A layer's norms besides `attn_norm` (HF's input_layernorm): mdjax param name ->
+  HF name after `model.layers.{i}.`."""
+  if config.gemma_norms:
+    return {"post_attn_norm": "post_attention_layernorm", "mlp_norm": "pre_feedforward_layernorm",
+            "post_mlp_norm": "post_feedforward_layernorm"}
+  return {"mlp_norm": "post_attention_layernorm"}
+
+
 def _params_from_hf(config: ModelConfig, weights: _Weights, dtype) -> Params:
   """HF tensors -> the per-layer, fused, transposed params of `transformer`."""
   c = config
@@ -307,7 +413,7 @@ def _params_from_hf(config: ModelConfig, weights: _Weights, dtype) -> Params:
             [get(f"{p}self_attn.{x}_proj.weight", n, d).T for x, n in zip("qkv", qkv_sizes)],
             axis=1),  # [D, (N + 2K) * H]
         "wo": get(p + "self_attn.o_proj.weight", d, c.num_heads * h).T,
-        "mlp_norm": get(p + "post_attention_layernorm.weight", d),
+        **{name: get(f"{p}{hf}.weight", d) for name, hf in _norms_after_attention(c).items()},
         "w_gate_up": np.concatenate(
             [get(f"{p}mlp.{x}_proj.weight", f, d).T for x in ("gate", "up")], axis=1),  # [D, 2F]
         "w_down": get(p + "mlp.down_proj.weight", d, f).T,
@@ -355,7 +461,8 @@ def _params_to_hf(config: ModelConfig, params: Params, dtype) -> dict[str, np.nd
     out[p + "self_attn.o_proj.weight"] = lp["wo"].T
     if c.o_bias:
       out[p + "self_attn.o_proj.bias"] = lp["bo"]
-    out[p + "post_attention_layernorm.weight"] = lp["mlp_norm"]
+    for name, hf_name in _norms_after_attention(c).items():
+      out[f"{p}{hf_name}.weight"] = lp[name]
     for x, w in zip(("gate", "up"), np.split(lp["w_gate_up"], 2, axis=1)):
       out[f"{p}mlp.{x}_proj.weight"] = w.T
     if c.mlp_bias:

@@ -2,22 +2,34 @@
 
 Params::
 
-    embed        [V, D]
-    layers       a list of L per-layer dicts:
-      attn_norm  [D]
-      wqkv       [D, (N + 2K) * H]   q, k, v projections fused (one matmul)
-      bqkv       [(N + 2K) * H]      qwen2 / llama attention_bias only
-      q_norm     [H]                 qwen3 only (RMSNorm per head, before RoPE)
-      k_norm     [H]                 qwen3 only
-      wo         [N * H, D]
-      bo         [D]                 llama attention_bias only
-      mlp_norm   [D]
-      w_gate_up  [D, 2F]             gate and up fused
-      b_gate_up  [2F]                mlp_bias only
-      w_down     [F, D]
-      b_down     [D]                 mlp_bias only
-    final_norm   [D]
-    lm_head      [D, V]              absent when the embedding is tied
+    embed          [V, D]
+    layers         a list of L per-layer dicts:
+      attn_norm      [D]
+      wqkv           [D, (N + 2K) * H]   q, k, v projections fused (one matmul)
+      bqkv           [(N + 2K) * H]      qwen2 / llama attention_bias only
+      q_norm         [H]                 qwen3, gemma3 only (RMSNorm per head, before RoPE)
+      k_norm         [H]                 qwen3, gemma3 only
+      wo             [N * H, D]
+      bo             [D]                 llama attention_bias only
+      post_attn_norm [D]                 gemma3 only (on the attention output)
+      mlp_norm       [D]
+      w_gate_up      [D, 2F]             gate and up fused
+      b_gate_up      [2F]                mlp_bias only
+      w_down         [F, D]
+      b_down         [D]                 mlp_bias only
+      post_mlp_norm  [D]                 gemma3 only (on the MLP output)
+    final_norm     [D]
+    lm_head        [D, V]              absent when the embedding is tied
+
+Norm weights are stored as checkpoints hold them: gemma3's RMSNorms scale by
+`1 + weight`, the others by `weight`. One gemma3 layer::
+
+    x ─┬─ attn_norm ─ attention ─ post_attn_norm ─(+)─┬─ mlp_norm ─ GeGLU ─ post_mlp_norm ─(+)─>
+       └───────────────────────────────────────────┘  └─────────────────────────────────────┘
+
+Gemma3 also scales the embeddings by sqrt(D) (rounded to the weights' dtype), and its
+layers mix sliding-window and full attention, each kind with its own RoPE
+(`ModelConfig.layer_window`, `ModelConfig.inv_freq(layer)`).
 
 Layers are a list walked by a Python loop, not arrays stacked for `lax.scan`:
 XLA on CPU copies a dynamic slice of stacked weights before every matmul, which
@@ -35,21 +47,31 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from mdjax import cache as cache_ops
 from mdjax.cache import CacheRegions, KVCache
-from mdjax.models.attention import Queries, attention_fn, masked_attention
+from mdjax.models.attention import LayerAttention, Queries, attention_fn, masked_attention
 from mdjax.models.config import ModelConfig
 from mdjax.topology import Topology, visibility_limits, visible
 
 Params = dict
 
 
-def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float) -> Float[Array, "... D"]:
+def rms_norm(x: Float[Array, "... D"], weight: Float[Array, "D"], eps: float,
+             plus_one: bool = False) -> Float[Array, "... D"]:
+  """RMSNorm over the last axis. `plus_one` (gemma): scales by `1 + weight`, in float32
+  before the cast back (llama casts first, then scales by `weight`)."""
   x32 = x.astype(jnp.float32)
   normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  if plus_one:
+    return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
   return weight * normed.astype(x.dtype)
+
+
+def _norm(config: ModelConfig, x: Float[Array, "... D"], weight: Float[Array, "D"]):
+  return rms_norm(x, weight, config.rms_norm_eps, plus_one=config.gemma_norms)
 
 
 def apply_rope(x: Float[Array, "B T N H"], positions: Int[Array, "B T"],
@@ -62,7 +84,8 @@ def apply_rope(x: Float[Array, "B T N H"], positions: Int[Array, "B T"],
   return (x * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
 
 
-def _project_qkv(config: ModelConfig, lp: Params, h: Float[Array, "B T D"], positions):
+def _project_qkv(config: ModelConfig, lp: Params, h: Float[Array, "B T D"], positions,
+                 layer: int):
   n, k, hd = config.num_heads, config.num_kv_heads, config.head_dim
   qkv = h @ lp["wqkv"]  # [B, T, (N + 2K) * H]
   if config.qkv_bias:
@@ -72,9 +95,9 @@ def _project_qkv(config: ModelConfig, lp: Params, h: Float[Array, "B T D"], posi
   key = qkv[..., n * hd:(n + k) * hd].reshape(b, t, k, hd)
   value = qkv[..., (n + k) * hd:].reshape(b, t, k, hd)
   if config.qk_norm:
-    q = rms_norm(q, lp["q_norm"], config.rms_norm_eps)
-    key = rms_norm(key, lp["k_norm"], config.rms_norm_eps)
-  inv_freq = jnp.asarray(config.inv_freq())
+    q = _norm(config, q, lp["q_norm"])
+    key = _norm(config, key, lp["k_norm"])
+  inv_freq = jnp.asarray(config.inv_freq(layer))
   return apply_rope(q, positions, inv_freq), apply_rope(key, positions, inv_freq), value
 
 
@@ -83,7 +106,9 @@ def _mlp(config: ModelConfig, lp: Params, h: Float[Array, "B T D"]) -> Float[Arr
   if config.mlp_bias:
     gate_up = gate_up + lp["b_gate_up"]
   gate, up = jnp.split(gate_up, 2, axis=-1)
-  out = (jax.nn.silu(gate) * up) @ lp["w_down"]
+  # gemma3: GeGLU with the tanh-approximated GELU (HF's gelu_pytorch_tanh)
+  act = jax.nn.gelu(gate, approximate=True) if config.family == "gemma3" else jax.nn.silu(gate)
+  out = (act * up) @ lp["w_down"]
   return out + lp["b_down"] if config.mlp_bias else out
 
 
@@ -97,15 +122,34 @@ def _layers(config: ModelConfig, params: Params, x: Float[Array, "B T D"],
   final-norm hidden states `[B, T, D]` and the last carry.
   """
   for index, lp in enumerate(params["layers"]):
-    h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
-    q, k, v = _project_qkv(config, lp, h, positions)
+    q, k, v = _project_qkv(config, lp, _norm(config, x, lp["attn_norm"]), positions, index)
     out, carry = attend(q, k, v, index, carry)  # [B, T, N, H]
     out = out.reshape(*out.shape[:2], -1) @ lp["wo"]
     if config.o_bias:
       out = out + lp["bo"]
+    if config.gemma_norms:
+      out = _norm(config, out, lp["post_attn_norm"])
     x = x + out
-    x = x + _mlp(config, lp, rms_norm(x, lp["mlp_norm"], config.rms_norm_eps))
-  return rms_norm(x, params["final_norm"], config.rms_norm_eps), carry
+    out = _mlp(config, lp, _norm(config, x, lp["mlp_norm"]))
+    if config.gemma_norms:
+      out = _norm(config, out, lp["post_mlp_norm"])
+    x = x + out
+  return _norm(config, x, params["final_norm"]), carry
+
+
+def embed(config: ModelConfig, params: Params, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+  """The tokens' embeddings; gemma3 scales them by sqrt(D), a float32 rounded to the
+  embedding's dtype as transformers does (in bfloat16, sqrt(640) = 25.298 becomes 25.25)."""
+  x = params["embed"][tokens]  # [B, T, D]
+  if config.family != "gemma3":
+    return x
+  return x * jnp.asarray(np.float32(config.hidden_size**0.5), x.dtype)
+
+
+def layer_attention(config: ModelConfig, layer: int) -> LayerAttention:
+  """`layer`'s static attention settings: its sliding window, score scale, soft-cap."""
+  return LayerAttention(sliding_window=config.layer_window(layer), scale=config.attention_scale,
+                        softcap=config.attn_logit_softcapping)
 
 
 def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
@@ -127,10 +171,10 @@ def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"], positions
 
   def attend(q, k, v, index, cache):
     cache = cache_ops.write_layer(cache, index, slot, k, v)
-    out = attention_impl(Queries(q=q, **meta), cache, index, sliding_window=config.sliding_window)
+    out = attention_impl(Queries(q=q, **meta), cache, index, layer_attention(config, index))
     return out, cache
 
-  return _layers(config, params, params["embed"][tokens], positions, attend, cache)
+  return _layers(config, params, embed(config, params, tokens), positions, attend, cache)
 
 
 def forward_causal(params: Params, tokens: Int[Array, "B T"], *,
@@ -143,14 +187,16 @@ def forward_causal(params: Params, tokens: Int[Array, "B T"], *,
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
   segments = jnp.zeros((b, t), jnp.int32)  # [B, T]
-  mask = visible(visibility_limits(Topology.causal(b)), segments, positions, segments, positions,
-                 config.sliding_window)  # [B, T, T]
+  limits = visibility_limits(Topology.causal(b))
+  masks = {window: visible(limits, segments, positions, segments, positions, window)
+           for window in {config.layer_window(i) for i in range(config.num_layers)}}  # [B, T, T]
 
-  def attend(q, k, v, index, carry):
-    del index  # no cache: the keys are the sequence itself
-    return masked_attention(q, k, v, mask), carry
+  def attend(q, k, v, index, carry):  # no cache: the keys are the sequence itself
+    spec = layer_attention(config, index)
+    return masked_attention(q, k, v, masks[spec.sliding_window], scale=spec.scale,
+                            softcap=spec.softcap), carry
 
-  hidden, _ = _layers(config, params, params["embed"][tokens], positions, attend, None)
+  hidden, _ = _layers(config, params, embed(config, params, tokens), positions, attend, None)
   return hidden
 
 
@@ -158,10 +204,14 @@ def causal_logits(params: Params, tokens: Int[Array, "B T"], *,
                   config: ModelConfig) -> Float[Array, "B T V"]:
   """Next-token logits (float32) at every position of whole sequences: `forward_causal`
   then `lm_head`."""
-  return lm_head(params, forward_causal(params, tokens, config=config))
+  return lm_head(params, forward_causal(params, tokens, config=config), config=config)
 
 
-def lm_head(params: Params, hidden: Float[Array, "... D"]) -> Float[Array, "... V"]:
-  """Logits in float32; the tied head reuses the embedding."""
+def lm_head(params: Params, hidden: Float[Array, "... D"], *,
+            config: ModelConfig) -> Float[Array, "... V"]:
+  """Logits in float32, soft-capped when the config says so; the tied head reuses the
+  (unscaled) embedding."""
   weight = params["lm_head"] if "lm_head" in params else params["embed"].T
-  return jnp.matmul(hidden, weight, preferred_element_type=jnp.float32)
+  logits = jnp.matmul(hidden, weight, preferred_element_type=jnp.float32)
+  cap = config.final_logit_softcapping
+  return logits if cap is None else cap * jnp.tanh(logits / cap)
