@@ -22,7 +22,8 @@ import mdjax
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TINY = "random-llama-tiny"  # vocab 256, max_position_embeddings 512, EOS 2
 # The default model and prompt are the shipped code model's; the tiny one has no tokenizer.
-TINY_ARGS = [f"--config.model={TINY}", "--config.prompt=", "--config.prompt_ids=1,15,27,100,7,42"]
+TINY_ARGS = [f"--config.model={TINY}", "--config.prompt=", "--config.prompt_ids=1,15,27,100,7,42",
+             "--config.chat=False", "--config.compare_sequential=False"]
 CLI_WORKERS = 3
 CLI_TIMEOUT_S = 300
 HAPPY_NEW_TOKENS = 8
@@ -135,6 +136,8 @@ CLI_CASES = {  # name: (arguments after the module, regex the one stderr line mu
                                     r"draft's vocabulary \(4096 tokens\) .* target's \(256"),
     "draft schedule": (["--config=configs/speculative.py", f"--config.draft={TINY}",
                         "--config.draft_schedule=fast"], r"draft_schedule .* got 'fast'"),
+    "chat without a template": (["--config.chat=True", "--config.prompt=hello"],
+                                r"chat=True needs a chat template.*'random-llama-tiny'"),
     "question text, no tokenizer": (["--config=configs/multi_question.py", "--config.questions=('a',)"],
                        r"has no tokenizer"),
 }
