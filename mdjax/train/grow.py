@@ -19,6 +19,16 @@ continues from its quality with more capacity (Net2Net-style, for the llama layo
 
       L = 6, L' = 8:  old0 old1 NEW old2 old3 NEW old4 old5
 
+  gemma3 norms each block's output before the residual add, and an RMSNorm of zero
+  has a gradient of 1 / sqrt(eps) (~1000): the first step would jump a zeroed block's
+  output to full size. So there the projections stay random and the two output norms
+  scale by zero instead (`1 + weight` with weight -1), which grows smoothly from 0.
+  Models with per-layer attention kinds (`layer_types`: gemma3's sliding and full
+  layers) keep every old layer's kind; a new layer takes the kind of the old layer
+  before it (the first old layer's, when placed first):
+
+      S S S S S F  ->  S S [S] S S [S] S F      (L = 6 -> 8)
+
 Everything else (embeddings, head, norms, old layers) is copied unchanged.
 """
 
@@ -41,12 +51,19 @@ def grow(params: Params, config: ModelConfig, *, num_kv_heads: int | None = None
   num_kv_heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
   num_layers = config.num_layers if num_layers is None else num_layers
   _check(config, num_kv_heads, num_layers)
-  grown = dataclasses.replace(config, num_kv_heads=num_kv_heads, num_layers=num_layers)
-  layers = [_more_kv_heads(lp, config, num_kv_heads) for lp in params["layers"]]
   added = num_layers - config.num_layers
+  after = _places(config.num_layers, added)  # new layer j follows old layer after[j]
+  layer_types = config.layer_types
+  if layer_types is not None:
+    new_types = [layer_types[max(a - 1, 0)] for a in after]
+    layer_types = tuple(_interleave(list(layer_types), new_types, after))
+  grown = dataclasses.replace(config, num_kv_heads=num_kv_heads, num_layers=num_layers,
+                              layer_types=layer_types)
+  layers = [_more_kv_heads(lp, config, num_kv_heads) for lp in params["layers"]]
   if added:
-    new_layers = init_params(dataclasses.replace(grown, num_layers=added), seed)["layers"]
-    layers = _interleave(layers, [_silent(lp) for lp in new_layers])
+    new_layers = init_params(dataclasses.replace(grown, num_layers=added, layer_types=None),
+                             seed)["layers"]
+    layers = _interleave(layers, [_silent(lp, config) for lp in new_layers], after)
   return {**params, "layers": layers}, grown
 
 
@@ -82,20 +99,28 @@ def _more_kv_heads(layer: dict, config: ModelConfig, num_kv_heads: int) -> dict:
                       if name in layer}}
 
 
-def _silent(layer: dict) -> dict:
-  """A layer that adds zero to the residual stream: zero output projections (and biases)."""
-  zeroed = {name: jnp.zeros_like(w) for name, w in layer.items()
-            if name in ("wo", "w_down", "bo", "b_down")}
+def _silent(layer: dict, config: ModelConfig) -> dict:
+  """A layer that adds zero to the residual stream: zero output projections (and
+  biases), or, where the outputs are normed (gemma3), output norms that scale by zero."""
+  if config.gemma_norms:
+    zeroed = {name: jnp.full_like(layer[name], -1.0)
+              for name in ("post_attn_norm", "post_mlp_norm")}
+  else:
+    zeroed = {name: jnp.zeros_like(w) for name, w in layer.items()
+              if name in ("wo", "w_down", "bo", "b_down")}
   return {**layer, **zeroed}
 
 
-def _interleave(old: list, new: list) -> list:
-  """`new` spread evenly among `old`: the j-th new layer follows old layer
-  round((j + 1) * len(old) / (len(new) + 1))."""
-  after = [int(np.round((j + 1) * len(old) / (len(new) + 1))) for j in range(len(new))]
-  layers = []
-  for i, layer in enumerate(old):
-    layers.append(layer)
-    layers.extend(n for n, a in zip(new, after) if a == i + 1)
-  layers[:0] = [n for n, a in zip(new, after) if a == 0]
-  return layers
+def _places(old: int, new: int) -> list[int]:
+  """Where `new` layers spread evenly among `old` go: the j-th follows old layer
+  round((j + 1) * old / (new + 1)) (counting from 1; 0: before them all)."""
+  return [int(np.round((j + 1) * old / (new + 1))) for j in range(new)]
+
+
+def _interleave(old: list, new: list, after: list[int]) -> list:
+  """`old` with `new[j]` inserted after its `after[j]`-th item."""
+  items = [n for n, a in zip(new, after) if a == 0]
+  for i, item in enumerate(old):
+    items.append(item)
+    items.extend(n for n, a in zip(new, after) if a == i + 1)
+  return items
