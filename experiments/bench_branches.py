@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import pathlib
 import statistics
 import tempfile
@@ -40,10 +39,12 @@ import tqdm
 import transformers
 
 import mdjax
-from experiments.benchlib import load_pair, machine_info, machine_line, memory_bandwidth, plt, save_figure, write_results
+from experiments.benchlib import (load_pair, machine_info, machine_line, memory_bandwidth, plt,
+                                  save_figure, write_json, write_results)
 
 
-_MODEL = flags.DEFINE_string("model", "random-llama", "Model name (random or shipped) or directory.")
+_MODEL = flags.DEFINE_string("model", "random-llama", "Anything `mdjax.load` takes: a random, "
+                             "shipped or GGUF model name (smollm2-135m-instruct), a directory.")
 _NS = flags.DEFINE_list("ns", ["1", "2", "4", "8", "16", "32"], "Numbers of questions.")
 _CONTEXTS = flags.DEFINE_list("contexts", ["256", "1024"], "Context lengths (tokens).")
 _NEW_TOKENS = flags.DEFINE_list("new_tokens", ["16", "128"], "New tokens per answer.")
@@ -149,7 +150,7 @@ def run(settings: Settings, partial: pathlib.Path | None = None) -> dict:
     cell = bench_point(model, reference, n, context_len, new_tokens, settings)
     results["points"].append(dict(n=n, context=context_len, new_tokens=new_tokens, **cell))
     if partial is not None:
-      partial.write_text(json.dumps(results, indent=2) + "\n")
+      write_json(partial, results)
   return results
 
 

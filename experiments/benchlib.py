@@ -19,7 +19,6 @@ import transformers
 
 import mdjax
 from mdjax.models import hf
-from mdjax.models.registry import RANDOM_MODELS
 
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # noqa: E402 -- after choosing the headless backend
@@ -49,14 +48,16 @@ def memory_bandwidth(mib: int, trials: int = 5) -> dict:
 
 
 def load_pair(name: str, seed: int, scratch: pathlib.Path):
-  """The model in mdjax and in transformers with identical float32 weights."""
-  if name in RANDOM_MODELS:
-    model = mdjax.load(name, seed=seed)
+  """The model in mdjax and in transformers with identical float32 weights: anything
+  `mdjax.load` takes. What it read from a Hugging Face directory (a shipped model, a
+  hub id, a GGUF's converted copy such as `smollm2-135m-instruct`'s) transformers reads
+  from the same directory (`model.path`); a random model is exported with `save_hf`
+  into `scratch` first."""
+  model = mdjax.load(name, seed=seed)
+  directory = model.path
+  if directory is None:
     directory = scratch / name
     hf.save_hf(model, directory)
-  else:
-    directory = hf.resolve(name)
-    model = hf.load_hf_dir(directory, name=name)
   reference = transformers.AutoModelForCausalLM.from_pretrained(str(directory),
                                                                 dtype=torch.float32).eval()
   # No EOS: every row runs the full budget in both libraries and the logits are untouched.
@@ -103,12 +104,22 @@ def save_figure(fig, path: pathlib.Path, title: str) -> None:
   plt.close(fig)
 
 
+def write_json(path: pathlib.Path, results: dict) -> None:
+  """`results` as JSON at `path`, written beside it and renamed into place, so a reader
+  (or a run stopped mid-write) never sees half a file."""
+  partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+  partial.write_text(json.dumps(results, indent=2) + "\n")
+  os.replace(partial, path)
+
+
 def write_results(results: dict, out_dir: str, stem: str, plot, table) -> None:
-  """`out_dir/stem.json` and `out_dir/stem.png` (drawn by `plot(results, path)`), then
-  the table printed."""
+  """`out_dir/stem.json` and `out_dir/stem.png` (drawn by `plot(results, path)`), each
+  written atomically, then the table printed."""
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
-  plot(results, out_dir / f"{stem}.png")
+  write_json(out_dir / f"{stem}.json", results)
+  partial = out_dir / f".{stem}.{os.getpid()}.partial.png"  # matplotlib picks PNG by the suffix
+  plot(results, partial)
+  os.replace(partial, out_dir / f"{stem}.png")
   print(table(results))
   print(f"wrote {out_dir / (stem + '.json')} and {out_dir / (stem + '.png')}")

@@ -73,3 +73,21 @@ def test_bench_branches_quick(tmp_path):
     assert point["same_tokens"]["batched"] and point["same_tokens"]["sequential"]
     assert {"batched", "hf", "sequential"} <= set(point["speedup"])
     assert point["kv_bytes"]["shared"] <= point["kv_bytes"]["batched"] * 2
+
+
+def test_reproduce_multidecode_quick(tmp_path):
+  """Every point of the grid is there; the mdjax modes give the same answers; the
+  sequential baseline timed on fewer questions than N is marked as estimated."""
+  results = run_quick("reproduce_multidecode", tmp_path)
+  settings = results["settings"]
+  assert ([(p["new_tokens"], p["n"]) for p in results["points"]]
+          == [(t, n) for t in settings["new_tokens"] for n in sorted(settings["ns"])])
+  for point in results["points"]:
+    assert point["same_tokens"] == {"sequential": True, "batching": True}
+    assert set(point["speedup"]) == {"sequential", "batching", "hf"} and not point["skipped"]
+    assert point["context_tokens"] == settings["context_tokens"]
+    agreement = point["hf_agreement"]
+    assert agreement["total_tokens"] == point["n"] * point["new_tokens"]
+    assert 0 <= agreement["identical_answers"] <= point["n"]
+    assert ("sequential" in point["estimated"]) == (point["n"] > settings["sequential_questions"])
+  assert len(results["goals"]["versus_reference"]) == 3
