@@ -3,6 +3,7 @@ comparison with transformers."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import jax
@@ -166,3 +167,10 @@ def chi_square_p_value(samples, law: np.ndarray, min_expected: float = 5.0) -> f
   keep = expected > 0
   assert observed[~keep].sum() == 0, "sampled a token of probability 0"
   return float(scipy_stats.chisquare(observed[keep], expected[keep]).pvalue)
+
+
+def edit_config(path, edit):
+  """Applies `edit` (a function of the dict) to the checkpoint's config.json in place."""
+  config = json.loads((path / "config.json").read_text())
+  edit(config)
+  (path / "config.json").write_text(json.dumps(config))

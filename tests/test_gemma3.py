@@ -6,7 +6,6 @@ on a gemma3 == its greedy decoding."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 
 import numpy as np
@@ -21,8 +20,8 @@ from mdjax.errors import CheckpointError, MdjaxError
 from mdjax.models import hf
 from mdjax.models.config import ModelConfig, RopeScaling
 from mdjax.models.model import Model
-from tests.helpers import (GEMMA3_MIXED, assert_same_greedy, hf_greedy, mdjax_logits,
-                           random_model, torch_logits, write_tiny_checkpoint)
+from tests.helpers import (GEMMA3_MIXED, assert_same_greedy, edit_config, hf_greedy,
+                           mdjax_logits, random_model, torch_logits, write_tiny_checkpoint)
 
 torch.set_grad_enabled(False)
 
@@ -69,12 +68,6 @@ def assert_parity(model, torch_model, ids=IDS):
   assert all(g.shape == expected.shape for g in got)
   diff = max(float(np.abs(g - expected).max()) for g in got)
   assert diff < max(ATOL, REL_TOL * np.abs(expected).max()), diff
-
-
-def edit_config(path, edit):
-  config = json.loads((path / "config.json").read_text())
-  edit(config)
-  (path / "config.json").write_text(json.dumps(config))
 
 
 # ------------------------------------------------------------------ parity

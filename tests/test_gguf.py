@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import pathlib
 import shutil
 import time
@@ -649,26 +648,31 @@ def test_gemma3_package_assembles_its_file(tmp_path):
 SMOLLM2 = "smollm2-135m-instruct"
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-  """(mdjax model, transformers' GGUF model, transformers' GGUF tokenizer), loaded
-  once, offline, converting into a fresh cache."""
+def load_real(name: str, cache, packages: str = ""):
+  """(mdjax model, transformers' GGUF model of the same file, transformers' GGUF
+  tokenizer) of the packaged model `name`, loaded offline, converting into the fresh
+  cache directory `cache` (its packages, if assembled, under `cache / packages`)."""
   with pytest.MonkeyPatch.context() as patch:
     patch.setenv("HF_HUB_OFFLINE", "1")
     patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import
-    patch.setenv("MDJAX_CACHE", str(tmp_path_factory.mktemp("smollm2-cache")))
+    patch.setenv("MDJAX_CACHE", str(cache))
     start = time.perf_counter()
-    model = mdjax.load(SMOLLM2)
+    model = mdjax.load(name)
     first_s = time.perf_counter() - start
     start = time.perf_counter()
-    again = mdjax.load(SMOLLM2)
+    again = mdjax.load(name)
     cached_s = time.perf_counter() - start
-    file = GGUF_MODELS[SMOLLM2].locate(pathlib.Path(os.environ["MDJAX_CACHE"]))
+    file = GGUF_MODELS[name].locate(pathlib.Path(cache) / packages)
     oracle = transformers_gguf(file)
     tokenizer = transformers.AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
-  print(f"{SMOLLM2}: first load {first_s:.1f} s, cached {cached_s:.1f} s")
+  print(f"{name}: first load {first_s:.1f} s, cached {cached_s:.1f} s")
   assert again.path == model.path
   return model, oracle, tokenizer
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+  return load_real(SMOLLM2, tmp_path_factory.mktemp("smollm2-cache"))
 
 
 def test_smollm2_config(smollm2):
@@ -736,24 +740,7 @@ GEMMA3 = "gemma3-270m"
 
 @pytest.fixture(scope="module")
 def gemma3_270m(tmp_path_factory):
-  """(mdjax model, transformers' GGUF model of the same file, transformers' GGUF
-  tokenizer), loaded once, offline, converting into a fresh cache."""
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setenv("HF_HUB_OFFLINE", "1")
-    patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import
-    patch.setenv("MDJAX_CACHE", str(tmp_path_factory.mktemp("gemma3-cache")))
-    start = time.perf_counter()
-    model = mdjax.load(GEMMA3)
-    first_s = time.perf_counter() - start
-    start = time.perf_counter()
-    again = mdjax.load(GEMMA3)
-    cached_s = time.perf_counter() - start
-    file = GGUF_MODELS[GEMMA3].locate(pathlib.Path(os.environ["MDJAX_CACHE"]) / "packages")
-    oracle = transformers_gguf(file)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
-  print(f"{GEMMA3}: first load {first_s:.1f} s, cached {cached_s:.1f} s")
-  assert again.path == model.path
-  return model, oracle, tokenizer
+  return load_real(GEMMA3, tmp_path_factory.mktemp("gemma3-cache"), "packages")
 
 
 def test_gemma3_270m_logits_match_transformers(gemma3_270m):

@@ -18,7 +18,7 @@ import tokenizers
 import torch
 import transformers
 
-from helpers import mdjax_logits, torch_logits, write_tiny_checkpoint
+from helpers import edit_config, mdjax_logits, torch_logits, write_tiny_checkpoint
 from mdjax.errors import CheckpointError, MdjaxError
 from mdjax.models import hf
 from mdjax.models.config import RopeScaling
@@ -76,12 +76,6 @@ def assert_parity(model, torch_model, ids=IDS):
     got = mdjax_logits(model, ids, attention)
     assert got.shape == expected.shape
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0, err_msg=attention)
-
-
-def edit_config(path, edit):
-  config = json.loads((path / "config.json").read_text())
-  edit(config)
-  (path / "config.json").write_text(json.dumps(config))
 
 
 # ------------------------------------------------------------------ parity
