@@ -34,6 +34,25 @@ def test_multi_question_answers_equal_greedy_on_context_plus_question(models, at
     assert out.stats["target_passes"] == 13  # all branches advance together
 
 
+def test_a_prefill_of_several_query_tiles_equals_each_branch_alone(models):
+  """Prompts longer than `attention.QUERY_BLOCK` are attended tile by tile, each tile
+  skipping the key blocks it cannot see: ragged rows of a 150-token context with 12
+  questions (prefill ~300 tokens: three tiles, questions in several key blocks) give
+  each answer of greedy on context + question alone."""
+  from mdjax.models import attention
+  model = models[0]
+  rng = np.random.default_rng(1)
+  vocab = model.config.vocab_size
+  contexts = [rng.integers(3, vocab, n).tolist() for n in (150, 90)]
+  questions = [[rng.integers(3, vocab, 8 + i % 5).tolist() for i in range(n)] for n in (12, 5)]
+  assert sum(len(q) for q in questions[0]) + 150 > 2 * attention.QUERY_BLOCK
+  out = mdjax.generate(model, contexts, strategy="multi_question", questions=questions,
+                       max_new_tokens=6, eos_token_id=[])
+  expected = [a for c, qs in zip(contexts, questions)
+              for a in sequential(model, c, qs, max_new_tokens=6, eos_token_id=[])]
+  assert out.sequences == expected
+
+
 def test_multi_question_branches_stop_at_their_own_eos(models):
   model = models[0]
   context, questions = [5, 6, 7, 8], [[20, 21], [22], [23, 24, 25]]

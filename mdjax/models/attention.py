@@ -154,14 +154,45 @@ def _visit_blocks(qg: Float[Array, "B T K R H"], queries: Queries, cache: KVCach
   return jax.lax.fori_loop(0, (filled + block_size - 1) // block_size, visit, _no_keys(qg))
 
 
+QUERY_BLOCK = 128  # queries per tile of a long feed (prefill), each skipping its own blocks
+
+
 def block_sparse_attention(queries: Queries, cache: KVCache, layer: int, spec: LayerAttention, *,
                            block_size: int) -> Float[Array, "B T N H"]:
   """Online-softmax attention over the visible key blocks of `layer` only (a sliding
   window makes the blocks wholly behind every query's window invisible too).
-  `block_size` must divide the slot count."""
+  `block_size` must divide the slot count.
+
+  More than `QUERY_BLOCK` queries (a prefill) are cut into tiles of that many, and each
+  tile visits only the key blocks *it* can see: a prefill of N questions over one
+  context reads, per tile, the context and its own questions' blocks, not all N
+  questions' (with one tile, every question block is visible to some query, so the
+  prefill's attention grew as N^2)::
+
+      key blocks      ctx ctx | q0-q3 | q4-q7 | ...
+      query tile 0    ctx ctx | q0-q3                 (q4... never read by tile 0)
+  """
   qg = _grouped(queries.q, cache.k.shape[3], spec.scale)  # [B, T, K, R, H]
-  _, total, acc = _visit_blocks(qg, queries, cache, layer, spec, block_size=block_size)
-  return _finish(acc, total, queries.q.dtype)
+  b, t = queries.segments.shape
+  if t <= QUERY_BLOCK:
+    _, total, acc = _visit_blocks(qg, queries, cache, layer, spec, block_size=block_size)
+    return _finish(acc, total, queries.q.dtype)
+  tiles = -(-t // QUERY_BLOCK)
+
+  def tiled(x, fill):  # [B, T, ...] -> [tiles, B, Q, ...], padded with `fill`
+    x = jnp.pad(x, [(0, 0), (0, tiles * QUERY_BLOCK - t)] + [(0, 0)] * (x.ndim - 2),
+                constant_values=fill)
+    return jnp.moveaxis(x.reshape(b, tiles, QUERY_BLOCK, *x.shape[2:]), 1, 0)
+
+  def one_tile(tile):
+    qg_tile, positions, segments = tile  # padding queries: segment -1, they see nothing
+    part = dataclasses.replace(queries, positions=positions, segments=segments)
+    _, total, acc = _visit_blocks(qg_tile, part, cache, layer, spec, block_size=block_size)
+    return _finish(acc, total, queries.q.dtype)  # [B, Q, N, H]
+
+  out = jax.lax.map(one_tile, (tiled(qg, 0), tiled(queries.positions, 0),
+                               tiled(queries.segments, -1)))  # [tiles, B, Q, N, H]
+  return jnp.moveaxis(out, 0, 1).reshape(b, tiles * QUERY_BLOCK, *out.shape[3:])[:, :t]
 
 
 def cascade_attention(queries: Queries, cache: KVCache, layer: int, spec: LayerAttention, *,
