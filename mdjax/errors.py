@@ -18,6 +18,15 @@ class CheckpointError(MdjaxError):
   """A checkpoint directory is missing, incomplete, corrupt or unsupported."""
 
 
+def check_options(kind: str, name: str, options, allowed: tuple[str, ...]) -> None:
+  """Raises `MdjaxError` for the first of `options` not in `allowed`, naming it, the
+  strategy (or pipeline) `name` and the valid ones."""
+  for option in options:
+    if option not in allowed:
+      raise MdjaxError(f"unknown option {option!r} for {kind} {name!r}; "
+                       f"valid options: {', '.join(allowed)}")
+
+
 def check_count(name: str, value, minimum: int) -> None:
   """Raises `MdjaxError` naming option `name` and its `value` unless it is an integer
   >= `minimum` (a bool is not a count)."""

@@ -125,13 +125,26 @@ def test_only_declared_strategy_dataclasses_register():
   assert "undecorated" not in strategies.STRATEGIES
 
 
-def test_every_registered_strategy_declares_its_options_once():
-  """The options `generate` accepts are the class's init fields (+ layout option and
-  attention): no second table to keep in step."""
-  for name, cls in strategies.STRATEGIES.items():
-    assert cls.name == name
-    fields = {f.name for f in dataclasses.fields(cls) if f.init}
-    assert set(cls.options()) - fields <= {cls.layout.option, "attention"}, name
+# The options the public API contract names (../shared/ARCHITECTURE.md, section 3).
+CONTRACT_OPTIONS = {
+    "sample": {"temperature", "top_k", "top_p", "min_p"},
+    "beam": {"num_beams", "length_penalty", "early_stopping"},
+    "multi_question": {"questions", "temperature", "top_k", "top_p", "min_p"},
+    "parallel_sample": {"num_samples", "temperature", "top_k", "top_p", "min_p"},
+    "speculative": {"draft", "num_draft_tokens", "temperature", "top_k", "top_p", "min_p",
+                    "confidence_threshold", "draft_schedule"},
+    "prompt_lookup": {"prompt_lookup_num_tokens", "max_ngram_size"},
+    "lookahead": {"window", "ngram", "guess_set"},
+    "self_speculative": {"draft_layers"},
+}
+
+
+def test_the_contract_options_are_declared_by_their_strategies():
+  """Options come from each class's fields alone, so a renamed or dropped field
+  silently changes the public API: the contract's names must all still be there."""
+  for name, options in CONTRACT_OPTIONS.items():
+    assert options <= set(strategies.option_names(name)), name
+  assert set(strategies.option_names("greedy")) == {"attention"}
 
 
 def test_sample_samples_and_greedy_is_greedy(model):

@@ -151,13 +151,18 @@ class ModelConfig:
     if (layer is not None and self.layer_types is not None
         and self.layer_types[layer] == "sliding_attention" and self.sliding_rope_theta is not None):
       theta, scaling = self.sliding_rope_theta, self.sliding_rope_scaling
-    exponents = np.arange(0, self.head_dim, 2, dtype=np.float32) / self.head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    if scaling.rope_type == "linear":
-      inv_freq = inv_freq / scaling.factor
-    elif scaling.rope_type == "llama3":
-      inv_freq = _llama3_scaled(inv_freq, scaling)
-    return inv_freq.astype(np.float32)
+    return rope_inv_freq(theta, self.head_dim, scaling)
+
+
+def rope_inv_freq(theta: float, head_dim: int, scaling: RopeScaling) -> np.ndarray:
+  """RoPE inverse frequencies `[head_dim // 2]` (float32) with `scaling` applied."""
+  exponents = np.arange(0, head_dim, 2, dtype=np.float32) / head_dim
+  inv_freq = 1.0 / (theta**exponents)
+  if scaling.rope_type == "linear":
+    inv_freq = inv_freq / scaling.factor
+  elif scaling.rope_type == "llama3":
+    inv_freq = _llama3_scaled(inv_freq, scaling)
+  return inv_freq.astype(np.float32)
 
 
 def _llama3_scaled(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:

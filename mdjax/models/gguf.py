@@ -65,7 +65,7 @@ from tqdm.auto import tqdm
 
 from mdjax.errors import CheckpointError
 from mdjax.models import hf
-from mdjax.models.config import ModelConfig, RopeScaling, weight_dtype
+from mdjax.models.config import ModelConfig, RopeScaling, rope_inv_freq, weight_dtype
 from mdjax.models.model import Model
 from mdjax.models.registry import GGUF_MODELS
 
@@ -307,7 +307,7 @@ def _llama3_rope(divisors: np.ndarray, theta: float, head_dim: int,
   """
   if np.all(divisors == 1):
     return {"rope_type": "default", "rope_theta": theta}
-  base = _inv_freq(theta, head_dim, RopeScaling())
+  base = rope_inv_freq(theta, head_dim, RopeScaling())
   factor = float(divisors.max())
   middle = (divisors > 1 + 1e-6) & (divisors < factor * (1 - 1e-6))
   low, high = 1.0, 4.0  # Llama 3's own values, when too few divisors lie between to fit
@@ -317,19 +317,12 @@ def _llama3_rope(divisors: np.ndarray, theta: float, head_dim: int,
     high = low + slope
   scaling = RopeScaling(rope_type="llama3", factor=factor, low_freq_factor=float(low),
                         high_freq_factor=float(high), original_max_position_embeddings=original)
-  if not np.allclose(_inv_freq(theta, head_dim, scaling), base / divisors, rtol=1e-4, atol=0):
+  if not np.allclose(rope_inv_freq(theta, head_dim, scaling), base / divisors, rtol=1e-4, atol=0):
     raise CheckpointError(f"the {ROPE_FREQS} tensor is not llama3 RoPE scaling "
                           f"(divisors {np.round(divisors, 4).tolist()})")
   return {"rope_type": "llama3", "rope_theta": theta, "factor": factor,
           "low_freq_factor": float(low), "high_freq_factor": float(high),
           "original_max_position_embeddings": original}
-
-
-def _inv_freq(theta: float, head_dim: int, scaling: RopeScaling) -> np.ndarray:
-  """mdjax's RoPE frequencies `[head_dim // 2]` for these settings."""
-  return ModelConfig(vocab_size=1, hidden_size=1, intermediate_size=1, num_layers=1, num_heads=1,
-                     num_kv_heads=1, head_dim=head_dim, rope_theta=theta,
-                     rope_scaling=scaling).inv_freq()
 
 
 # --------------------------------------------------------------------------- tensors

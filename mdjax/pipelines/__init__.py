@@ -9,6 +9,7 @@ Each pipeline declares its name and options once, in its dataclass
 from __future__ import annotations
 
 import mdjax
+from mdjax import errors
 from mdjax.errors import MdjaxError
 from mdjax.pipelines.base import Pipeline
 from mdjax.pipelines.margins import Margins
@@ -35,10 +36,7 @@ def run(name: str, model: mdjax.Model, prompts, *, max_new_tokens: int = 32, eos
   """Runs pipeline `name` on one prompt or a batch; `max_new_tokens`, `eos_token_id`
   and `seed` mean what they mean in `mdjax.generate` (`max_new_tokens` bounds the
   final phase), `options` are the pipeline's."""
-  allowed = option_names(name)
-  for option in options:
-    if option not in allowed:  # "strategy": the word these errors have always used
-      raise MdjaxError(f"unknown option {option!r} for strategy {name!r}; "
-                       f"valid options: {', '.join(allowed)}")
+  # "strategy": the word these errors have always used
+  errors.check_options("strategy", name, options, option_names(name))
   return get(name)(**options).run(model, prompts, max_new_tokens=max_new_tokens,
                                   eos_token_id=eos_token_id, seed=seed)

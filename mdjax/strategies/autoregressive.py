@@ -86,7 +86,7 @@ class Autoregressive(Sampled):
     (or the shared slots and one region per branch)."""
     if self.regions is not None:
       return self.regions.shared + self.regions.size * branches
-    return prompt_len + capacity * branches
+    return super().cache_slots(prompt_len, capacity, branches)
 
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
            capacity: int) -> AutoregressiveState:

@@ -106,6 +106,12 @@ class Strategy:
     fields), and the params pytree it runs on: the model's, by default."""
     options = dict(options)
     target = ModelFn(config=model.config, attention=options.pop("attention", "block_sparse"))
+    return cls.construct(target, model, options)
+
+  @classmethod
+  def construct(cls, target: "ModelFn", model, options: dict) -> tuple["Strategy", Any]:
+    """`build`'s last step, for strategies whose options need `model` (a draft
+    model's params, layers cut from the target): the strategy and its params."""
     return cls(model=target, **options), model.params
 
   def for_request(self, prompt: "Prompt", capacity: int) -> "Strategy":

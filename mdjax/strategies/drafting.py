@@ -43,12 +43,12 @@ DRAFT_KEY, ACCEPT_KEY = 1, 2  # fold_in tags of a step's row key
 SCHEDULES = ("constant", "heuristic")
 
 
-def build_with_draft_model(cls: type[Strategy], model, options: dict) -> tuple[Strategy, dict]:
-  """`Strategy.build` for a strategy whose `draft` option is an mdjax Model: the
+def with_draft_model(cls: type[Strategy], target: ModelFn, model,
+                     options: dict) -> tuple[Strategy, dict]:
+  """`Strategy.construct` for a strategy whose `draft` option is an mdjax Model: the
   strategy with both models as `ModelFn`s (the same attention), and the params it
   runs on, `{"target": ..., "draft": ...}`."""
   options = dict(options)
-  target = ModelFn(config=model.config, attention=options.pop("attention", "block_sparse"))
   draft = options.pop("draft", None)
   if draft is None or not hasattr(draft, "config") or not hasattr(draft, "params"):
     raise MdjaxError(f"strategy {cls.name!r} needs draft=<an mdjax Model>, got {draft!r}")

@@ -4,6 +4,7 @@ class with `@register` (the class declares its name, layout and options itself,
 
 from __future__ import annotations
 
+from mdjax import errors
 from mdjax.errors import MdjaxError
 from mdjax.strategies.base import Strategy
 
@@ -40,8 +41,4 @@ def option_names(name: str) -> tuple[str, ...]:
 
 def check_options(name: str, options: dict) -> None:
   """Rejects an option that strategy `name` does not take, naming the valid ones."""
-  allowed = option_names(name)
-  for option in options:
-    if option not in allowed:
-      raise MdjaxError(f"unknown option {option!r} for strategy {name!r}; "
-                       f"valid options: {', '.join(allowed)}")
+  errors.check_options("strategy", name, options, option_names(name))

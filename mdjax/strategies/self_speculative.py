@@ -64,14 +64,12 @@ class SelfSpeculative(drafting.ChainDrafter):
   max_draft_tokens: int = 0  # 0: num_draft_tokens (constant) or twice it (heuristic)
   confidence_threshold: float = 0.0
   return_metadata: bool = False  # per-token metadata (`mdjax.strategies.metadata`)
-  draft: ModelFn | None = internal()  # the target cut after `draft_layers` (set by `build`)
+  draft: ModelFn | None = internal()  # the target cut after `draft_layers` (set by `construct`)
 
   @classmethod
-  def build(cls, model, options: dict) -> tuple["SelfSpeculative", dict]:
+  def construct(cls, target: ModelFn, model, options: dict) -> tuple["SelfSpeculative", dict]:
     """The target, and the draft cut from it: `{"target": ..., "draft": ...}` share
     their first `draft_layers` layers' weights."""
-    options = dict(options)
-    target = ModelFn(config=model.config, attention=options.pop("attention", "block_sparse"))
     layers = options.get("draft_layers")
     if layers is None:
       raise MdjaxError("strategy 'self_speculative' needs draft_layers=<how many of the target's "

@@ -51,7 +51,7 @@ class Speculative(drafting.ChainDrafter):
   name: ClassVar[str] = "speculative"
   layout: ClassVar = layouts.Plain()
 
-  draft: ModelFn | None = None  # `build` turns the user's mdjax Model into its ModelFn
+  draft: ModelFn | None = None  # `construct` turns the user's mdjax Model into its ModelFn
   num_draft_tokens: int = 4
   draft_schedule: str = "constant"
   max_draft_tokens: int = 0  # 0: num_draft_tokens (constant) or twice it (heuristic)
@@ -63,8 +63,8 @@ class Speculative(drafting.ChainDrafter):
     drafting.check_vocabulary(self.model, self.draft)
 
   @classmethod
-  def build(cls, model, options: dict) -> tuple["Speculative", dict]:
-    return drafting.build_with_draft_model(cls, model, options)
+  def construct(cls, target: ModelFn, model, options: dict) -> tuple["Speculative", dict]:
+    return drafting.with_draft_model(cls, target, model, options)
 
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
            capacity: int) -> ChainState:

@@ -126,7 +126,7 @@ class SpeculativeTree(Sampled):
   name: ClassVar[str] = "speculative_tree"
   layout: ClassVar = layouts.Plain()
 
-  draft: ModelFn | None = None  # `build` turns the user's mdjax Model into its ModelFn
+  draft: ModelFn | None = None  # `construct` turns the user's mdjax Model into its ModelFn
   tree_depth: int = 4
   tree_top_k: int = 4
   tree_budget: int = 16
@@ -146,8 +146,8 @@ class SpeculativeTree(Sampled):
                        f"{self.tree_top_k} (K + (D - 1) K²)")
 
   @classmethod
-  def build(cls, model, options: dict) -> tuple["SpeculativeTree", dict]:
-    return drafting.build_with_draft_model(cls, model, options)
+  def construct(cls, target: ModelFn, model, options: dict) -> tuple["SpeculativeTree", dict]:
+    return drafting.with_draft_model(cls, target, model, options)
 
   @property
   def num_drafted(self) -> int:
