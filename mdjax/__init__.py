@@ -4,6 +4,7 @@
     model = mdjax.load("random-llama")            # or an HF directory / hub id
     out = mdjax.generate(model, [[1, 2, 3]], strategy="greedy", max_new_tokens=16)
     out.sequences, out.stats
+    heads = mdjax.load_heads("smollm2-135m-instruct-medusa")   # multi-token-prediction heads
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from mdjax.cache import KVCache
 from mdjax.errors import CheckpointError, MdjaxError
 from mdjax.generate import (GenerationOutput, clear_compiled, compiled_programs, generate,
                             stream)
+from mdjax.heads import Heads, HeadsConfig, load_heads, save_heads
 from mdjax.models.config import ModelConfig, RopeScaling, weight_dtype
 from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
@@ -24,7 +26,7 @@ from mdjax.topology import Topology
 
 from mdjax import chat, pipelines  # noqa: E402 -- after generate: pipelines are above it
 
-__all__ = ["load", "forward_logits", "generate", "stream", "chat", "pipelines", "clear_compiled",
+__all__ = ["load", "load_heads", "save_heads", "Heads", "HeadsConfig", "forward_logits", "generate", "stream", "chat", "pipelines", "clear_compiled",
            "compiled_programs", "Model", "ModelConfig", "RopeScaling",
            "KVCache", "Topology", "decode_step", "GenerationOutput", "MdjaxError",
            "CheckpointError"]

@@ -34,8 +34,6 @@ import json
 import os
 import pathlib
 import re
-import shutil
-import tempfile
 from typing import Any
 
 import jax.numpy as jnp
@@ -45,6 +43,7 @@ import safetensors
 import safetensors.numpy
 
 from mdjax.errors import CheckpointError, MdjaxError
+from mdjax.files import atomic_directory
 from mdjax.models.config import LAYER_TYPES, ModelConfig, RopeScaling, weight_dtype
 from mdjax.models.model import Model
 from mdjax.models.registry import RANDOM_MODELS
@@ -536,31 +535,13 @@ def save_hf(model: Model, path: str | os.PathLike, dtype="float32",
   """
   np_dtype = weight_dtype(dtype)
   config = config_to_hf(model.config, dtype=str(np_dtype))
-  target = pathlib.Path(path).resolve()
-  target.parent.mkdir(parents=True, exist_ok=True)
-  staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-  try:
+  with atomic_directory(path) as staging:
     (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     _write_weights(staging, _params_to_hf(model.config, model.params, np_dtype), max_shard_bytes)
     if model.tokenizer is not None:
       model.tokenizer.save_pretrained(str(staging))
-    if target.exists():
-      old = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
-      os.rename(target, old / target.name)
-      try:
-        os.rename(staging, target)
-      except OSError:
-        os.rename(old / target.name, target)
-        raise
-      finally:
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-      os.rename(staging, target)
-  finally:
-    if staging.exists():
-      shutil.rmtree(staging)
 
 
 def shipped_names() -> list[str]:

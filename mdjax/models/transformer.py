@@ -122,7 +122,8 @@ def _layers(config: ModelConfig, params: Params, x: Float[Array, "B T D"],
   final-norm hidden states `[B, T, D]` and the last carry.
   """
   for index, lp in enumerate(params["layers"]):
-    q, k, v = _project_qkv(config, lp, _norm(config, x, lp["attn_norm"]), positions, index)
+    h = _norm(config, x, lp["attn_norm"]) if "attn_norm" in lp else x  # (EAGLE-1 has none)
+    q, k, v = _project_qkv(config, lp, h, positions, index)
     out, carry = attend(q, k, v, index, carry)  # [B, T, N, H]
     out = out.reshape(*out.shape[:2], -1) @ lp["wo"]
     if config.o_bias:
@@ -134,7 +135,7 @@ def _layers(config: ModelConfig, params: Params, x: Float[Array, "B T D"],
     if config.gemma_norms:
       out = _norm(config, out, lp["post_mlp_norm"])
     x = x + out
-  return _norm(config, x, params["final_norm"]), carry
+  return (_norm(config, x, params["final_norm"]) if "final_norm" in params else x), carry
 
 
 def embed(config: ModelConfig, params: Params, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
@@ -155,9 +156,12 @@ def layer_attention(config: ModelConfig, layer: int) -> LayerAttention:
 def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
             segments: Int[Array, "B T"], topology: Topology, *, config: ModelConfig,
             attention: str = "block_sparse", block_size: int = 128,
-            slots: Int[Array, "B T"] | None = None, regions: CacheRegions | None = None):
+            slots: Int[Array, "B T"] | None = None, regions: CacheRegions | None = None,
+            inputs: Float[Array, "B T D"] | None = None):
   """Runs the T tokens through every layer over `cache`; returns the final hidden
   states `[B, T, D]` (after the final norm) and the cache with the T tokens added.
+  `inputs`, when given, replaces the tokens' embeddings (an EAGLE head feeds its
+  fused token-and-feature vectors).
 
   Tokens with segment -1 are padding: they see nothing, are seen by nothing and
   take no cache slot. The others take the next free slots, or `slots` when given;
@@ -174,12 +178,14 @@ def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"], positions
     out = attention_impl(Queries(q=q, **meta), cache, index, layer_attention(config, index))
     return out, cache
 
-  return _layers(config, params, embed(config, params, tokens), positions, attend, cache)
+  x = embed(config, params, tokens) if inputs is None else inputs
+  return _layers(config, params, x, positions, attend, cache)
 
 
-def forward_causal(params: Params, tokens: Int[Array, "B T"], *,
-                   config: ModelConfig) -> Float[Array, "B T D"]:
-  """Plain causal forward of whole sequences without a cache (training, evaluation).
+def forward_causal(params: Params, tokens: Int[Array, "B T"], *, config: ModelConfig,
+                   inputs: Float[Array, "B T D"] | None = None) -> Float[Array, "B T D"]:
+  """Plain causal forward of whole sequences without a cache (training, evaluation);
+  `inputs` as in `forward`.
 
   Every row is one segment at positions 0..T-1; the same layers and visibility rule
   as `forward` over an empty cache, minus the cache writes, so it is differentiable.
@@ -196,7 +202,8 @@ def forward_causal(params: Params, tokens: Int[Array, "B T"], *,
     return masked_attention(q, k, v, masks[spec.sliding_window], scale=spec.scale,
                             softcap=spec.softcap), carry
 
-  hidden, _ = _layers(config, params, embed(config, params, tokens), positions, attend, None)
+  x = embed(config, params, tokens) if inputs is None else inputs
+  hidden, _ = _layers(config, params, x, positions, attend, None)
   return hidden
 
 
