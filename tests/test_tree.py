@@ -11,7 +11,8 @@ import mdjax
 from mdjax.models.model import Model
 from mdjax.sampling import tree_accept
 from mdjax.strategies.base import ModelFn
-from mdjax.strategies.speculative_tree import SpeculativeTree, Tree
+from mdjax.strategies.speculative_tree import SpeculativeTree
+from mdjax.strategies.trees import Tree
 from tests.helpers import chi_square_p_value, random_model, target_law
 
 # Ragged rows; row 0 is a whole prompt bucket (16) and 64 new tokens a whole budget

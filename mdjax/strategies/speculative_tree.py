@@ -19,31 +19,8 @@ keep the shallower node, so the kept nodes form a tree. D = 3, K = 2, M = 6::
     draft pass 3   d e  (segments 3 4, under 1) -> level 3: g g' | h h'
     kept           the best 6 of 2 + 4 + 4:  a b d e f g
 
-Verifying: the target feeds `c` (segment 0, the committed text) and the M nodes, in
-drafting order; node r is segment 1 + r, forked from its parent's segment at its
-own position (committed length + depth), so it sees the committed text and its
-ancestors only. With `c` at position 7::
-
-          c                 feed     c  a  b  d  e  f  g
-        /   \               seg      0  1  2  3  4  5  6     parent [-1, 0, 0, 1, 1, 2, 3]
-       a     b              pos      7  8  8  9  9  9 10     fork   [ 0, 8, 8, 9, 9, 9,10]
-      / \     \             q(g) sees ...committed, c, a, d, g  (not b, e, f)
-     d   e     f
-     |
-     g
-
-Accepting (`mdjax.sampling.tree_accept`): from `c`, the children are tried in draft
-rank order. Greedy keeps the child equal to the target's argmax, so the output is
-exactly the target's greedy decoding; sampling keeps child x with probability p(x)
-after zeroing the children rejected before it, so the output follows the target's
-sampling law. Say `a` then `e` are kept and the target's token after `e` is `x`:
-emit `a e x`. The accepted nodes join segment 0, the rest die, and `compact` closes
-the gaps after the committed text (nothing before `c`'s slot L moves)::
-
-    token      ... | c  a  b  d  e  f  g      length L + 7
-    seg          0 | 0  1  2  3  4  5  6
-    remapped     0 | 0  0 -1 -1  0 -1 -1
-    compacted  ... | c  a  e                  length L + 3
+Verifying and accepting: `mdjax.strategies.trees` (one target pass over `c` and the
+kept nodes; greedy-exact, or lossless sampling by the tree rule).
 
 The draft's cache keeps the accepted nodes it was fed (all but the last: `a`),
 compacted the same way; the last accepted node and `x` become its `pending` tokens.
@@ -61,35 +38,19 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError, check_count
-from mdjax.sampling import process_logits, tree_accept
-from mdjax.strategies import drafting, layouts, metadata
+from mdjax.sampling import process_logits
+from mdjax.strategies import drafting, layouts, trees
 from mdjax.strategies.base import Limits, ModelFn, Prompt, Sampled
 from mdjax.strategies.drafting import DraftModelState, DraftState
 from mdjax.strategies.registry import register
-from mdjax.topology import Topology
+from mdjax.strategies.trees import Tree
 
 SLOT_MULTIPLE = 8  # attention's key blocks must divide the slot count: keep it composite
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Tree:
-  """Drafted nodes, parents before children: `tokens`, `parent` (node index, -1 for a
-  child of the last emitted token), `depth` (1 for those children): int32[B, N]."""
-
-  tokens: Int[Array, "B N"]
-  parent: Int[Array, "B N"]
-  depth: Int[Array, "B N"]
-
-  def topology(self, next_pos: Int[Array, "B"]) -> Topology:
-    """Segment 0 (the committed text, `c` at `next_pos`), node n in segment 1 + n."""
-    return Topology(parent=jnp.pad(self.parent + 1, ((0, 0), (1, 0)), constant_values=-1),
-                    fork=jnp.pad(next_pos[:, None] + self.depth, ((0, 0), (1, 0))))
 
 
 @jax.tree_util.register_dataclass
@@ -232,53 +193,20 @@ class SpeculativeTree(Sampled):
     parent = jnp.where(parent >= 0, jnp.take_along_axis(rank, jnp.maximum(parent, 0), axis=1), -1)
     return Tree(tokens=take(drafted.tokens), parent=parent, depth=take(drafted.depth)), kept
 
-  def _accept(self, keys: jax.Array, tree: Tree, logits: Float[Array, "B M+1 V"]):
-    """(path [B, D] of accepted nodes, the target's next token [B]): `tree_accept`
-    with the target's distributions, one-hot at its argmax when greedy."""
-    if self.sampling.greedy:
-      p = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    else:
-      p = drafting.probs(logits, self.sampling)
-    return tree_accept(drafting.fold_in(keys, drafting.ACCEPT_KEY), tree.tokens, tree.parent, p,
-                       self.tree_depth)
-
-  def _verify_tree(self, params, state: DraftState, tree: Tree
-                   ) -> tuple[Float[Array, "B M+1 V"], KVCache]:
-    """One target pass over the last emitted token (segment 0) and the tree."""
-    segments = jnp.arange(self.tree_budget + 1)[None, :]  # [1, 1 + M]
-    logits, _, cache = self.model(
-        params, state.cache, jnp.concatenate([state.last[:, None], tree.tokens], axis=1),
-        state.next_pos[:, None] + jnp.pad(tree.depth, ((0, 0), (1, 0))),
-        jnp.where(state.buffer.done[:, None], -1, segments),
-        tree.topology(state.next_pos))  # [B, 1 + M, V]
-    return logits, cache
-
   def step(self, params, state: DraftState) -> DraftState:
-    done, depth = state.buffer.done, self.tree_depth
     keys = drafting.step_keys(state)
     logits, draft_cache = drafting.catch_up(self.draft, params["draft"], state)
     drafted, drafting_carry = self._draft_tree(params["draft"], state, logits, draft_cache)
     tree, kept = self._keep(drafted, drafting_carry.score)
-    logits, cache = self._verify_tree(params["target"], state, tree)  # [B, 1 + M, V]
-    path, next_token = self._accept(keys, tree, logits)  # [B, D], [B]
-    accepted = (path >= 0).sum(axis=1, dtype=jnp.int32)  # [B]
+    verified = trees.verify(self.model, params["target"], state, tree, self.tree_depth, keys,
+                            self.sampling)
+    path = verified.path  # [B, D]
     path_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)  # [B, D]
-    emitted = jnp.where(jnp.arange(depth + 1)[None, :] < accepted[:, None],
-                        jnp.pad(path_tokens, ((0, 0), (0, 1))), next_token[:, None])  # [B, 1 + D]
-    on_path = (path[:, :, None] == jnp.arange(self.tree_budget)).any(axis=1)  # [B, M]
     path_drafted = jnp.where(path >= 0, jnp.take_along_axis(kept, jnp.maximum(path, 0), axis=1),
                              -1)  # [B, D]
-    live = ~done[:, None]
-    verified = drafting.commit(
-        state, cache=cache_ops.compact(_keep_segments(cache, on_path), state.cache.length,
-                                       self.tree_budget + 1),
-        emitted=emitted, accepted=accepted, next_token=next_token, draft_passes=depth,
-        drafted=(live[..., None] & (tree.depth[..., None] == jnp.arange(1, depth + 1))).sum(
-            axis=1, dtype=jnp.int32),  # [B, D] nodes per depth
-        accepted_at=live & (path >= 0),
-        token_metadata=lambda: self._path_metadata(logits, tree, path, emitted))
-    return dataclasses.replace(verified, draft=self._draft_after(
-        drafting_carry, draft_cache.length, path_drafted, path_tokens, next_token))
+    state = trees.commit(state, tree, verified, self.sampling, draft_passes=self.tree_depth)
+    return dataclasses.replace(state, draft=self._draft_after(
+        drafting_carry, draft_cache.length, path_drafted, path_tokens, verified.next_token))
 
   def _draft_after(self, drafted: TreeDraft, caught_up: Int[Array, "B"], path: Int[Array, "B D"],
                    path_tokens: Int[Array, "B D"], next_token: Int[Array, "B"]) -> DraftModelState:
@@ -290,23 +218,8 @@ class SpeculativeTree(Sampled):
     kept = (path[:, level] == drafted.fed) & (level[None, :] + 1 < accepted[:, None])  # [B, F]
     last = jnp.take_along_axis(path_tokens, jnp.maximum(accepted - 1, 0)[:, None], axis=1)[:, 0]
     return DraftModelState.behind(
-        cache_ops.compact(_keep_segments(drafted.cache, kept), caught_up, self.num_fed),
+        cache_ops.compact(trees.keep_segments(drafted.cache, kept), caught_up, self.num_fed),
         accepted > 0, last, next_token)
-
-  def _path_metadata(self, logits: Float[Array, "B M+1 V"], tree: Tree, path: Int[Array, "B D"],
-                     emitted: Int[Array, "B D+1"]):
-    """`metadata.verified` along the accepted path. At a correction the rejected token
-    is the first child tried where the walk stopped (the draft's best guess there)."""
-    rows = jnp.arange(path.shape[0])[:, None]
-    accepted = (path >= 0).sum(axis=1, dtype=jnp.int32)  # [B]
-    before = jnp.pad(path + 1, ((0, 0), (1, 0)))  # [B, 1 + D]: what each emitted token follows
-    stop = jnp.take_along_axis(before, accepted[:, None], axis=1) - 1  # [B, 1]: -1 the root
-    child = tree.parent == stop  # [B, M]
-    tried = jnp.take_along_axis(tree.tokens, jnp.argmax(child, axis=1)[:, None], axis=1)  # [B, 1]
-    proposal = jnp.where(jnp.arange(self.tree_depth) == accepted[:, None], tried,
-                         emitted[:, :-1])  # [B, D]
-    return metadata.verified(drafting.probs(logits[rows, before], self.sampling), emitted,
-                             proposal, accepted + child.any(axis=1), accepted)
 
   def result(self, state: DraftState):
     drafted, accepted = state.drafted_at, state.accepted_at
@@ -314,9 +227,3 @@ class SpeculativeTree(Sampled):
     return state.buffer, drafting.stats(
         state, accepted.sum() * self.tree_budget / jnp.maximum(drafted.sum(), 1))
 
-
-def _keep_segments(cache: KVCache, keep: Bool[Array, "B N"]) -> KVCache:
-  """Segment 0 and the tree segments 1 + n with `keep[:, n]` become segment 0; the
-  other tree segments die."""
-  mapping = jnp.where(keep, 0, -1).astype(jnp.int32)
-  return cache_ops.remap_segments(cache, jnp.pad(mapping, ((0, 0), (1, 0))))

@@ -1,0 +1,160 @@
+r"""Verifying a token tree in one target pass: what `speculative_tree`, `medusa`,
+`blockwise` and `eagle` share.
+
+A tree of M nodes hangs under the last emitted token `c` (at `next_pos`); node n
+holds `tokens[:, n]` under node `parent[:, n]` (-1: a child of `c`), `depth[:, n]`
+levels below `c`, parents before children. The target feeds `c` (segment 0, the
+committed text) and the M nodes; node n is segment 1 + n, forked from its parent's
+segment at its own position (committed length + depth), so it sees the committed
+text and its ancestors only. With `c` at position 7::
+
+          c                 feed     c  a  b  d  e  f  g
+        /   \               seg      0  1  2  3  4  5  6     parent [-1, 0, 0, 1, 1, 2, 3]
+       a     b              pos      7  8  8  9  9  9 10     fork   [ 0, 8, 8, 9, 9, 9,10]
+      / \     \             q(g) sees ...committed, c, a, d, g  (not b, e, f)
+     d   e     f
+     |
+     g
+
+Accepting (`mdjax.sampling.tree_accept`): from `c`, the children are tried in the
+order the drafter ranked them. Greedy keeps the child equal to the target's argmax,
+so the output is exactly the target's greedy decoding; sampling keeps child x with
+probability p(x) after zeroing the children rejected before it, so the output
+follows the target's sampling law. Say `a` then `e` are kept and the target's token
+after `e` is `x`: emit `a e x`. The accepted nodes join segment 0, the rest die,
+and `compact` closes the gaps after the committed text (nothing before `c`'s slot L
+moves)::
+
+    token      ... | c  a  b  d  e  f  g      length L + 7
+    seg          0 | 0  1  2  3  4  5  6
+    remapped     0 | 0  0 -1 -1  0 -1 -1
+    compacted  ... | c  a  e                  length L + 3
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from mdjax import cache as cache_ops
+from mdjax.cache import KVCache
+from mdjax.sampling import SamplingParams, tree_accept
+from mdjax.strategies import drafting, metadata
+from mdjax.strategies.base import ModelFn
+from mdjax.strategies.drafting import DraftState, State
+from mdjax.topology import Topology
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Tree:
+  """Drafted nodes, parents before children: `tokens`, `parent` (node index, -1 for a
+  child of the last emitted token), `depth` (1 for those children): int32[B, N]."""
+
+  tokens: Int[Array, "B N"]
+  parent: Int[Array, "B N"]
+  depth: Int[Array, "B N"]
+
+  def topology(self, next_pos: Int[Array, "B"]) -> Topology:
+    """Segment 0 (the committed text, `c` at `next_pos`), node n in segment 1 + n."""
+    return Topology(parent=jnp.pad(self.parent + 1, ((0, 0), (1, 0)), constant_values=-1),
+                    fork=jnp.pad(next_pos[:, None] + self.depth, ((0, 0), (1, 0))))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Verified:
+  """One verified tree (D = the deepest level, M = nodes).
+
+    path        int32[B, D]         the accepted node per level, -1 past the accepted ones
+    accepted    int32[B]            accepted nodes
+    next_token  int32[B]            the target's own token after them
+    emitted     int32[B, 1 + D]     the accepted tokens, then `next_token`
+    logits      float32[B, 1+M, V]  the target's, after `c` and after each node
+    hidden      float[B, 1 + M, D]  the target's final-norm hidden states there
+    cache       KVCache             the target's cache with `c` and the accepted nodes
+                                    compacted after the committed text
+  """
+
+  path: Int[Array, "B D"]
+  accepted: Int[Array, "B"]
+  next_token: Int[Array, "B"]
+  emitted: Int[Array, "B D+1"]
+  logits: Float[Array, "B M+1 V"]
+  hidden: Float[Array, "B M+1 D"]
+  cache: KVCache
+
+  def hidden_at_last(self) -> Float[Array, "B D"]:
+    """The target's hidden state at the last accepted node (`c` when none was): what
+    guesses the tokens after `next_token`."""
+    last = jnp.take_along_axis(jnp.pad(self.path + 1, ((0, 0), (1, 0))),
+                               self.accepted[:, None], axis=1)  # [B, 1] fed column
+    return jnp.take_along_axis(self.hidden, last[..., None], axis=1)[:, 0]
+
+
+def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, keys: jax.Array,
+           sampling: SamplingParams) -> Verified:
+  """One target pass over the last emitted token (segment 0) and `tree` (at most
+  `depth` levels deep), accepted by `tree_accept` with the target's distributions
+  (one-hot at its argmax when greedy), the rejected nodes dropped from the cache."""
+  budget = tree.tokens.shape[1]
+  segments = jnp.arange(budget + 1)[None, :]  # [1, 1 + M]
+  logits, hidden, cache = model(
+      params, state.cache, jnp.concatenate([state.last[:, None], tree.tokens], axis=1),
+      state.next_pos[:, None] + jnp.pad(tree.depth, ((0, 0), (1, 0))),
+      jnp.where(state.buffer.done[:, None], -1, segments),
+      tree.topology(state.next_pos))  # [B, 1 + M, V]
+  if sampling.greedy:
+    p = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+  else:
+    p = drafting.probs(logits, sampling)
+  path, next_token = tree_accept(drafting.fold_in(keys, drafting.ACCEPT_KEY), tree.tokens,
+                                 tree.parent, p, depth)  # [B, D], [B]
+  accepted = (path >= 0).sum(axis=1, dtype=jnp.int32)  # [B]
+  path_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)  # [B, D]
+  emitted = jnp.where(jnp.arange(depth + 1)[None, :] < accepted[:, None],
+                      jnp.pad(path_tokens, ((0, 0), (0, 1))), next_token[:, None])  # [B, 1 + D]
+  on_path = (path[:, :, None] == jnp.arange(budget)).any(axis=1)  # [B, M]
+  cache = cache_ops.compact(keep_segments(cache, on_path), state.cache.length, budget + 1)
+  return Verified(path=path, accepted=accepted, next_token=next_token, emitted=emitted,
+                  logits=logits, hidden=hidden, cache=cache)
+
+
+def commit(state: State, tree: Tree, verified: Verified, sampling: SamplingParams, *,
+           draft_passes) -> State:
+  """`drafting.commit` of a verified tree: the emitted tokens, the compacted cache, the
+  nodes drafted and accepted per depth, and the path's metadata when recorded."""
+  depth = verified.path.shape[1]
+  live = ~state.buffer.done[:, None]
+  return drafting.commit(
+      state, cache=verified.cache, emitted=verified.emitted, accepted=verified.accepted,
+      next_token=verified.next_token, draft_passes=draft_passes,
+      drafted=(live[..., None] & (tree.depth[..., None] == jnp.arange(1, depth + 1))).sum(
+          axis=1, dtype=jnp.int32),  # [B, D] nodes per depth
+      accepted_at=live & (verified.path >= 0),
+      token_metadata=lambda: path_metadata(tree, verified, sampling))
+
+
+def path_metadata(tree: Tree, verified: Verified, sampling: SamplingParams):
+  """`metadata.verified` along the accepted path. At a correction the rejected token
+  is the first child tried where the walk stopped (the drafter's best guess there)."""
+  path, accepted, emitted = verified.path, verified.accepted, verified.emitted
+  rows = jnp.arange(path.shape[0])[:, None]
+  before = jnp.pad(path + 1, ((0, 0), (1, 0)))  # [B, 1 + D]: what each emitted token follows
+  stop = jnp.take_along_axis(before, accepted[:, None], axis=1) - 1  # [B, 1]: -1 the root
+  child = tree.parent == stop  # [B, M]
+  tried = jnp.take_along_axis(tree.tokens, jnp.argmax(child, axis=1)[:, None], axis=1)  # [B, 1]
+  proposal = jnp.where(jnp.arange(path.shape[1]) == accepted[:, None], tried,
+                       emitted[:, :-1])  # [B, D]
+  return metadata.verified(drafting.probs(verified.logits[rows, before], sampling), emitted,
+                           proposal, accepted + child.any(axis=1), accepted)
+
+
+def keep_segments(cache: KVCache, keep: Bool[Array, "B N"]) -> KVCache:
+  """Segment 0 and the tree segments 1 + n with `keep[:, n]` become segment 0; the
+  other tree segments die."""
+  mapping = jnp.where(keep, 0, -1).astype(jnp.int32)
+  return cache_ops.remap_segments(cache, jnp.pad(mapping, ((0, 0), (1, 0))))
+
