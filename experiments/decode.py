@@ -125,6 +125,10 @@ def decode(config) -> dict:
   if "draft" in options:  # a model name or directory in the config
     options["draft"] = mdjax.load(options["draft"], dtype=config.dtype)
     print("draft: " + options["draft"].description)
+  if "heads" in options:  # a shipped heads name or a directory in the config
+    options["heads"] = mdjax.load_heads(options["heads"])
+    print(f"heads: {options['heads'].name} ({options['heads'].config.family}, "
+          f"{options['heads'].config.num_heads} head(s))")
   prompt, options = _chat(model, config, config.prompt or _ids("prompt_ids", config.prompt_ids),
                           options)
   (prompt_ids,) = mdjax.encode_prompts(model, [prompt])
