@@ -35,18 +35,16 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-import statistics
 import time
 
 from absl import app, flags
 import numpy as np
 import torch
-import tqdm
 import transformers
 
 import mdjax
 from experiments.benchlib import (agreement, load_pair, machine_info, machine_line,
-                                  median_after_first_token, memory_bandwidth, plt, save_figure,
+                                  memory_bandwidth, plt, run_mdjax, save_figure, summarize, timed,
                                   write_results)
 from mdjax.train import data
 
@@ -100,26 +98,6 @@ def copy_prompts(model: mdjax.Model, count: int, length: int) -> tuple[np.ndarra
   return prompts.astype(np.int32), chunks[:, 8:]
 
 
-SUMMED_STATS = ("target_passes", "draft_passes")  # counts; the other stats are rates
-RATE_STATS = ("mean_accepted_length", "acceptance_rate_at")
-
-
-def run_mdjax(model, groups: np.ndarray, new_tokens: int, strategy: str, **options) -> dict:
-  """One `generate` per group of `groups` [G, batch, L], in turn, then the same cut at
-  one token: the seconds of each (summed over the groups), the pass counts summed,
-  the rates (acceptance) their mean."""
-  def generate(rows, tokens):
-    return mdjax.generate(model, rows, strategy=strategy, max_new_tokens=tokens,
-                          eos_token_id=[], **options)
-  runs = [generate(rows, new_tokens) for rows in groups]
-  first = sum(generate(rows, 1).stats["wall_s"] for rows in groups)
-  stats = {k: sum(r.stats[k] for r in runs) for k in SUMMED_STATS if k in runs[0].stats}
-  stats |= {k: np.mean([r.stats[k] for r in runs], axis=0).tolist()
-            for k in RATE_STATS if k in runs[0].stats}
-  return dict(seconds=sum(r.stats["wall_s"] for r in runs), first_token_seconds=first,
-              stats=stats, sequences=[s for r in runs for s in r.sequences])
-
-
 def run_transformers(reference, groups: np.ndarray, new_tokens: int, **options) -> dict:
   """One transformers greedy `generate` per row of `groups` [G, 1, L] (assisted
   generation takes one row), then the same cut at one token: seconds of each."""
@@ -140,46 +118,6 @@ def run_transformers(reference, groups: np.ndarray, new_tokens: int, **options) 
 def predicted_tokens_per_pass(alpha: float, gamma: int) -> float:
   """Leviathan et al.: expected tokens per verify pass for i.i.d. acceptance alpha."""
   return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
-
-
-def timed(contenders: dict, repeats: int, label: str) -> dict:
-  """Each contender once untimed (compile, warm up), then `repeats` interleaved timed
-  runs; returns per contender the last run's result with the median seconds, the
-  median seconds to the first token, and the median of the paired differences
-  (`decode_seconds`: everything after the first token)."""
-  results = {name: run() for name, run in contenders.items()}
-  runs = {name: [] for name in contenders}
-  names = list(contenders)
-  for rep in tqdm.trange(repeats, desc=label, leave=False):
-    for name in names[rep % len(names):] + names[:rep % len(names)]:
-      runs[name].append(contenders[name]())
-  def seconds(name, key):
-    return [run[key] for run in runs[name]]
-  return {name: dict(results[name], seconds=statistics.median(seconds(name, "seconds")),
-                     first_token_seconds=statistics.median(seconds(name, "first_token_seconds")),
-                     decode_seconds=median_after_first_token(seconds(name, "seconds"),
-                                                             seconds(name, "first_token_seconds")))
-          for name in names}
-
-
-def summarize(result: dict, greedy: dict, steps: int, groups: int) -> dict:
-  """The numbers of one contender beside greedy's (same prompts, same budget); `steps`:
-  the tokens each row generated in all its `groups` (ms per token is per step of a
-  batch; the decode part is the `steps - groups` steps after each first token)."""
-  cell = dict(ms_per_token=result["seconds"] / steps * 1e3,
-              speedup_vs_greedy=greedy["seconds"] / result["seconds"],
-              first_token_ms=result["first_token_seconds"] / groups * 1e3,
-              decode_ms_per_token=result["decode_seconds"] / (steps - groups) * 1e3,
-              decode_speedup_vs_greedy=greedy["decode_seconds"] / result["decode_seconds"],
-              tokens=agreement(result["sequences"], np.asarray(greedy["sequences"])))
-  stats = result.get("stats")
-  if stats:
-    cell.update(target_passes=stats["target_passes"],
-                passes_ratio_vs_greedy=greedy["stats"]["target_passes"] / stats["target_passes"])
-    for key in ("draft_passes", "mean_accepted_length", "acceptance_rate_at"):
-      if key in stats:
-        cell[key] = stats[key]
-  return cell
 
 
 def speculative_cell(result: dict, gamma: int) -> dict:

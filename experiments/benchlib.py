@@ -15,6 +15,7 @@ import jax
 import matplotlib
 import numpy as np
 import torch
+import tqdm
 import transformers
 
 import mdjax
@@ -123,3 +124,63 @@ def write_results(results: dict, out_dir: str, stem: str, plot, table) -> None:
   os.replace(partial, out_dir / f"{stem}.png")
   print(table(results))
   print(f"wrote {out_dir / (stem + '.json')} and {out_dir / (stem + '.png')}")
+
+
+SUMMED_STATS = ("target_passes", "draft_passes")  # counts; the other stats are rates
+RATE_STATS = ("mean_accepted_length", "acceptance_rate_at")
+
+
+def run_mdjax(model, groups: np.ndarray, new_tokens: int, strategy: str, **options) -> dict:
+  """One `generate` per group of `groups` [G, batch, L], in turn, then the same cut at
+  one token: the seconds of each (summed over the groups), the pass counts summed,
+  the rates (acceptance) their mean."""
+  def generate(rows, tokens):
+    return mdjax.generate(model, rows, strategy=strategy, max_new_tokens=tokens,
+                          eos_token_id=[], **options)
+  runs = [generate(rows, new_tokens) for rows in groups]
+  first = sum(generate(rows, 1).stats["wall_s"] for rows in groups)
+  stats = {k: sum(r.stats[k] for r in runs) for k in SUMMED_STATS if k in runs[0].stats}
+  stats |= {k: np.mean([r.stats[k] for r in runs], axis=0).tolist()
+            for k in RATE_STATS if k in runs[0].stats}
+  return dict(seconds=sum(r.stats["wall_s"] for r in runs), first_token_seconds=first,
+              stats=stats, sequences=[s for r in runs for s in r.sequences])
+
+
+def timed(contenders: dict, repeats: int, label: str) -> dict:
+  """Each contender once untimed (compile, warm up), then `repeats` interleaved timed
+  runs; returns per contender the last run's result with the median seconds, the
+  median seconds to the first token, and the median of the paired differences
+  (`decode_seconds`: everything after the first token)."""
+  results = {name: run() for name, run in contenders.items()}
+  runs = {name: [] for name in contenders}
+  names = list(contenders)
+  for rep in tqdm.trange(repeats, desc=label, leave=False):
+    for name in names[rep % len(names):] + names[:rep % len(names)]:
+      runs[name].append(contenders[name]())
+  def seconds(name, key):
+    return [run[key] for run in runs[name]]
+  return {name: dict(results[name], seconds=statistics.median(seconds(name, "seconds")),
+                     first_token_seconds=statistics.median(seconds(name, "first_token_seconds")),
+                     decode_seconds=median_after_first_token(seconds(name, "seconds"),
+                                                             seconds(name, "first_token_seconds")))
+          for name in names}
+
+
+def summarize(result: dict, greedy: dict, steps: int, groups: int) -> dict:
+  """The numbers of one contender beside greedy's (same prompts, same budget); `steps`:
+  the tokens each row generated in all its `groups` (ms per token is per step of a
+  batch; the decode part is the `steps - groups` steps after each first token)."""
+  cell = dict(ms_per_token=result["seconds"] / steps * 1e3,
+              speedup_vs_greedy=greedy["seconds"] / result["seconds"],
+              first_token_ms=result["first_token_seconds"] / groups * 1e3,
+              decode_ms_per_token=result["decode_seconds"] / (steps - groups) * 1e3,
+              decode_speedup_vs_greedy=greedy["decode_seconds"] / result["decode_seconds"],
+              tokens=agreement(result["sequences"], np.asarray(greedy["sequences"])))
+  stats = result.get("stats")
+  if stats:
+    cell.update(target_passes=stats["target_passes"],
+                passes_ratio_vs_greedy=greedy["stats"]["target_passes"] / stats["target_passes"])
+    for key in ("draft_passes", "mean_accepted_length", "acceptance_rate_at"):
+      if key in stats:
+        cell[key] = stats[key]
+  return cell
