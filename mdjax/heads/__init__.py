@@ -3,6 +3,7 @@ sequential head (see `mdjax.heads.base` for the layout and the file format)."""
 
 from mdjax.heads.base import (FAMILIES, Heads, HeadsConfig, load_heads, save_heads,
                               shipped_heads)
+from mdjax.heads.formats import LAYOUTS, export_heads, import_heads
 from mdjax.heads.eagle import eagle_causal, eagle_config, eagle_step, init_eagle
 from mdjax.heads.medusa import init_medusa, medusa_features, medusa_logits
 
@@ -19,4 +20,5 @@ def init_heads(config: HeadsConfig, model_config, seed: int = 0, dtype="float32"
 
 __all__ = ["FAMILIES", "Heads", "HeadsConfig", "load_heads", "save_heads", "shipped_heads",
            "init_heads", "init_medusa", "medusa_features", "medusa_logits", "init_eagle",
-           "eagle_config", "eagle_step", "eagle_causal"]
+           "eagle_config", "eagle_step", "eagle_causal", "LAYOUTS", "import_heads",
+           "export_heads"]

@@ -96,12 +96,14 @@ class HeadsConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Heads:
-  """A set of heads: its config, its params pytree (jax arrays) and its card text."""
+  """A set of heads: its config, its params pytree (jax arrays), its card text, the
+  name it was loaded by and the directory it was read from (None: built in memory)."""
 
   config: HeadsConfig
   params: dict
   card: str = ""
   name: str = ""
+  path: str | None = None
 
   def check_model(self, config: ModelConfig) -> None:
     self.config.check_model(config)
@@ -156,17 +158,22 @@ def shipped_heads() -> list[str]:
 
 
 def load_heads(path_or_name: str | os.PathLike) -> Heads:
-  """Heads from a directory `save_heads` wrote, or a shipped name
+  """Heads from a directory `save_heads` wrote, a directory in a public layout
+  (FasterDecoding's or vLLM's Medusa, EAGLE: `mdjax.heads.formats`), or a shipped name
   (`smollm2-135m-instruct-medusa`, ...)."""
+  from mdjax.heads import formats  # formats imports this module
   text = str(path_or_name)
   directory = ASSETS_DIR / text if text in shipped_heads() else pathlib.Path(text)
   if not (directory / CONFIG_FILE).is_file():
+    if directory.is_dir() and formats.detect_layout(directory) is not None:
+      return formats.import_heads(directory)
     raise CheckpointError(f"no heads at {text!r}: expected a directory holding {CONFIG_FILE} or "
-                          f"a shipped name ({', '.join(shipped_heads()) or 'none shipped'})")
+                          f"heads in a public layout ({', '.join(formats.LAYOUTS)}), or a "
+                          f"shipped name ({', '.join(shipped_heads()) or 'none shipped'})")
   try:
     config = HeadsConfig.from_json(json.loads((directory / CONFIG_FILE).read_text()))
     params = unflatten(safetensors.numpy.load_file(str(directory / WEIGHTS_FILE)))
   except (OSError, ValueError, TypeError, safetensors.SafetensorError) as e:
     raise CheckpointError(f"cannot read the heads in {directory}: {e}") from None
   card = (directory / CARD_FILE).read_text() if (directory / CARD_FILE).is_file() else ""
-  return Heads(config=config, params=params, card=card, name=text)
+  return Heads(config=config, params=params, card=card, name=text, path=str(directory))

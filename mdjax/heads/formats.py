@@ -1,0 +1,486 @@
+"""Heads in the layouts other projects publish them in: import and export.
+
+Each layout is a directory with a `config.json` and one safetensors file (torch
+pickles, `.pt` / `.bin`, are refused: loading one runs code; the error says how to
+convert). Torch `Linear` weights are stored `[out, in]`::
+
+    medusa (FasterDecoding)   medusa_lm_head.safetensors
+      {k}.{l}.linear.weight  [D, D]  {k}.{l}.linear.bias [D]   block l < L of head k
+      {k}.{L}.weight         [V, D]                            head k's own unembedding
+      config.json: medusa_num_heads (K), medusa_num_layers (L), base_model_name_or_path
+    vllm-medusa (vLLM)        model.safetensors
+      blocks.{k}.layers.{l}.weight [D, D]  blocks.{k}.layers.{l}.bias [D] (if medusa_fc_bias)
+      lm_heads.{k}.weight          [V, D]  (only lm_heads.0, the model's, if original_lm_head)
+      config.json: model_type "medusa", num_heads, num_hidden_layers, hidden_size, vocab_size
+    eagle (SafeAILab EAGLE-1/2)  model.safetensors
+      fc.weight [D, 2D]  fc.bias [D] (unless "bias": false)    on concat(embedding, feature)
+      layers.{i}.<a Hugging Face decoder layer>, but layers.0 has no input_layernorm
+      embed_tokens.weight [V, D]                               a copy of the model's
+      config.json: the base model's, num_hidden_layers = the head's layers
+
+and onto mdjax's heads (`mdjax.heads.base`)::
+
+    medusa layouts   {k}.{l} weight.T, bias -> blocks.w[k, l] [D, D], blocks.b[k, l] [D]
+                     head k's unembedding.T -> lm_head[k] [D, V] (own_unembedding=True);
+                     vLLM's original_lm_head -> none: the model's lm_head, shared
+    eagle            fc.weight.T, fc.bias   -> fc [2D, D], fc_bias [D]
+                     layers.{i}             -> layers[i], as `mdjax.models.hf` maps a model's
+                                               (layer 0 without attn_norm; no final_norm)
+                     embed_tokens           -> not imported: the model's embedding is used
+
+`load_heads(directory)` imports any of them (`detect_layout`); `import_heads` also takes
+the model's config (to check it, or to name the base family where the files do not);
+`export_heads` writes them back, atomically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+from mdjax.errors import CheckpointError, MdjaxError
+from mdjax.files import atomic_directory
+from mdjax.heads.base import CARD_FILE, Heads, HeadsConfig
+from mdjax.heads.eagle import eagle_config
+from mdjax.models import hf
+from mdjax.models.config import ModelConfig, weight_dtype
+from mdjax.models.model import Model
+from mdjax.models.registry import RANDOM_MODELS
+from mdjax.models.transformer import Params
+
+CONFIG_FILE = "config.json"
+MEDUSA_FILE, MEDUSA_TORCH_FILE = "medusa_lm_head.safetensors", "medusa_lm_head.pt"
+WEIGHTS_FILE, TORCH_FILE = hf.WEIGHTS_FILE, "pytorch_model.bin"
+# each medusa layout's name of block (k, l) and of head k's unembedding (L: layers per head)
+FASTERDECODING_NAMES = ("{k}.{l}.linear", "{k}.{L}")
+VLLM_NAMES = ("blocks.{k}.layers.{l}", "lm_heads.{k}")
+# what `hf._params_from_hf` reads of a model and an EAGLE head lacks
+EAGLE_STAND_INS = ("model.embed_tokens.weight", "model.norm.weight",
+                   "model.layers.0.input_layernorm.weight")
+# the fields of a decoder layer an EAGLE config.json must share with the model
+LAYER_FIELDS = ("family", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+                "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "qkv_bias", "o_bias",
+                "mlp_bias", "qk_norm")
+
+
+class _Tensors:
+  """One safetensors file's tensors by name, shape-checked as they are read; what was
+  never read is reported by `check_all_read` (a config that does not describe its file)."""
+
+  def __init__(self, file: pathlib.Path):
+    try:
+      # pread, not a memory map: a file changed under a map faults (SIGBUS) when read
+      self._opened = safetensors.safe_open(file, framework="np", backend="pread")
+    except safetensors.SafetensorError as e:
+      raise CheckpointError(f"corrupt safetensors file {file} (truncated or not safetensors): "
+                            f"{e}") from None
+    self.file, self.names, self.read = file, set(self._opened.keys()), set()
+
+  def __contains__(self, name: str) -> bool:
+    return name in self.names
+
+  def shape(self, name: str, ndim: int) -> tuple[int, ...]:
+    """The shape of tensor `name`, which must have `ndim` dimensions."""
+    if name not in self.names:
+      raise CheckpointError(f"missing tensor {name!r} in {self.file}")
+    shape = tuple(self._opened.get_slice(name).get_shape())
+    if len(shape) != ndim:
+      raise CheckpointError(f"tensor {name!r} in {self.file} has shape {list(shape)}, expected "
+                            f"{ndim} dimensions")
+    return shape
+
+  def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Tensor `name`, checked to have `shape`."""
+    found = self.shape(name, len(shape))
+    if found != tuple(shape):
+      raise CheckpointError(f"tensor {name!r} in {self.file} has shape {list(found)}, expected "
+                            f"{list(shape)}")
+    try:
+      tensor = self._opened.get_tensor(name)
+    except (safetensors.SafetensorError, AttributeError) as e:  # AttributeError: no numpy dtype
+      raise CheckpointError(f"cannot read tensor {name!r} from {self.file}: {e}") from None
+    self.read.add(name)
+    return tensor
+
+  def check_all_read(self, ignored: tuple[str, ...] = ()) -> None:
+    left = sorted(self.names - self.read - set(ignored))
+    if left:
+      raise CheckpointError(f"unexpected tensor {left[0]!r} in {self.file} ({len(left)} in all): "
+                            "its config.json describes no such tensor")
+
+
+# --------------------------------------------------------------------------- shared
+
+
+def _config_json(directory: pathlib.Path) -> dict:
+  file = directory / CONFIG_FILE
+  if not file.is_file():
+    raise CheckpointError(f"no {CONFIG_FILE} in heads directory {str(directory)!r}")
+  return hf._read_json(file)
+
+
+def _weights_file(directory: pathlib.Path, name: str, torch_name: str) -> pathlib.Path:
+  """`directory / name`; where only the torch pickle `torch_name` is there, an error
+  that says how to convert it."""
+  file = directory / name
+  if file.is_file():
+    return file
+  if (directory / torch_name).is_file():
+    raise CheckpointError(
+        f"{directory / torch_name} is a torch pickle, which mdjax does not read (loading one "
+        f"runs code); convert it to {name}: safetensors.torch.save_file({{k: v.clone() for k, v "
+        f"in torch.load('{torch_name}').items()}}, '{name}')")
+  raise CheckpointError(f"missing weights file {file}")
+
+
+def _family(model_type) -> str | None:
+  return {t: f for f, t in hf.MODEL_TYPES.items()}.get(model_type)
+
+
+def _local_family(name: str) -> str | None:
+  """The family of model `name` where it is known here without a download: a random
+  model, or a Hugging Face directory (local or shipped)."""
+  if name in RANDOM_MODELS:
+    return RANDOM_MODELS[name].family
+  for directory in (pathlib.Path(name), hf.ASSETS_DIR / name):
+    if (directory / CONFIG_FILE).is_file():
+      return _family(hf._read_json(directory / CONFIG_FILE).get("model_type"))
+  return None
+
+
+def _base_model(cfg: dict) -> str:
+  return str(cfg.get("base_model_name_or_path") or cfg.get("_name_or_path") or "unknown")
+
+
+def _medusa_base(cfg: dict, model_config: ModelConfig | None,
+                 directory: pathlib.Path) -> tuple[str, str]:
+  """(base_model, base_family) of medusa heads with config.json `cfg`: the family is
+  `model_config`'s, else the config's own model_type (Medusa-2 configs copy the base
+  model's), else that of the base model it names, where that is known here."""
+  base_model = _base_model(cfg)
+  family = (model_config.family if model_config is not None
+            else _family(cfg.get("model_type")) or _local_family(base_model))
+  if family is None:
+    raise CheckpointError(f"{directory}: cannot tell which model family the heads are for (base "
+                          f"model {base_model!r} is not known here); pass the model's config: "
+                          "import_heads(path, model_config=model.config)")
+  return base_model, family
+
+
+def _cast(tensors: dict, dtype) -> dict[str, np.ndarray]:
+  return {name: np.ascontiguousarray(np.asarray(t).astype(dtype)) for name, t in tensors.items()}
+
+
+def _to_jax(params: Params, dtype) -> Params:
+  return jax.tree.map(lambda x: jnp.asarray(np.asarray(x).astype(dtype, copy=False)), params)
+
+
+def _write_config(directory: pathlib.Path, cfg: dict) -> None:
+  (directory / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def _model_unembedding(heads: Heads, model: Model | None, layout: str) -> np.ndarray:
+  """The model's unembedding as torch stores it, [V, D], for heads that share it."""
+  if model is None:
+    raise MdjaxError(f"these medusa heads share the model's unembedding, which the {layout} "
+                     "layout stores in its file: pass model= to export_heads")
+  params = model.params
+  return np.asarray(params["lm_head"]).T if "lm_head" in params else np.asarray(params["embed"])
+
+
+# --------------------------------------------------------------------------- medusa
+
+
+def _medusa_blocks(tensors: _Tensors, block: str, *, heads: int, layers: int, hidden: int,
+                   bias: bool) -> Params:
+  """blocks.w [K, L, D, D] (each torch weight transposed) and blocks.b [K, L, D] (zero
+  where the layout has no biases)."""
+  names = [[block.format(k=k, l=l) for l in range(layers)] for k in range(heads)]
+  w = np.array([[tensors.get(f"{n}.weight", (hidden, hidden)).T for n in row] for row in names])
+  b = (np.array([[tensors.get(f"{n}.bias", (hidden,)) for n in row] for row in names]) if bias
+       else np.zeros((heads, layers, hidden), w.dtype))
+  return {"w": w, "b": b}
+
+
+def _medusa_unembeddings(tensors: _Tensors, head: str, *, heads: int, layers: int,
+                         hidden: int, vocab: int) -> np.ndarray:
+  """Each head's own unembedding, lm_head [K, D, V]."""
+  return np.array([tensors.get(f"{head.format(k=k, L=layers)}.weight", (vocab, hidden)).T
+                   for k in range(heads)])
+
+
+def _medusa_blocks_to_hf(params: Params, block: str) -> dict[str, np.ndarray]:
+  w = np.asarray(params["blocks"]["w"])  # [K, L, D, D]
+  b = np.asarray(params["blocks"]["b"])  # [K, L, D]
+  out = {}
+  for k, l in np.ndindex(w.shape[:2]):
+    name = block.format(k=k, l=l)
+    out[f"{name}.weight"], out[f"{name}.bias"] = w[k, l].T, b[k, l]  # torch Linear: [out, in]
+  return out
+
+
+def _read_medusa(directory: pathlib.Path, model_config: ModelConfig | None,
+                 dtype) -> tuple[HeadsConfig, Params]:
+  cfg = _config_json(directory)
+  tensors = _Tensors(_weights_file(directory, MEDUSA_FILE, MEDUSA_TORCH_FILE))
+  heads, layers = hf._int(cfg, "medusa_num_heads"), hf._int(cfg, "medusa_num_layers")
+  block, head = FASTERDECODING_NAMES
+  vocab, hidden = tensors.shape(f"{head.format(k=0, L=layers)}.weight", 2)
+  base_model, base_family = _medusa_base(cfg, model_config, directory)
+  config = HeadsConfig(family="medusa", base_model=base_model, base_family=base_family,
+                       hidden_size=hidden, vocab_size=vocab, num_heads=heads, num_layers=layers,
+                       own_unembedding=True)
+  sizes = dict(heads=heads, layers=layers, hidden=hidden)
+  params = {"blocks": _medusa_blocks(tensors, block, bias=True, **sizes),
+            "lm_head": _medusa_unembeddings(tensors, head, vocab=vocab, **sizes)}
+  tensors.check_all_read()
+  return config, _to_jax(params, dtype)
+
+
+def _write_medusa(heads: Heads, directory: pathlib.Path, model: Model | None, dtype) -> None:
+  c = heads.config
+  block, head = FASTERDECODING_NAMES
+  if c.own_unembedding:
+    unembeddings = np.swapaxes(np.asarray(heads.params["lm_head"]), 1, 2)  # [K, V, D]
+  else:  # the layout has no shared unembedding: every head gets the model's
+    unembeddings = [_model_unembedding(heads, model, "medusa")] * c.num_heads
+  tensors = _medusa_blocks_to_hf(heads.params, block)
+  tensors.update({f"{head.format(k=k, L=c.num_layers)}.weight": u
+                  for k, u in enumerate(unembeddings)})
+  safetensors.numpy.save_file(_cast(tensors, dtype), directory / MEDUSA_FILE,
+                              metadata=hf.WEIGHTS_METADATA)
+  _write_config(directory, {"medusa_num_heads": c.num_heads, "medusa_num_layers": c.num_layers,
+                            "base_model_name_or_path": c.base_model})
+
+
+def _read_vllm_medusa(directory: pathlib.Path, model_config: ModelConfig | None,
+                      dtype) -> tuple[HeadsConfig, Params]:
+  file = _weights_file(directory, WEIGHTS_FILE, TORCH_FILE)
+  cfg = _config_json(directory)
+  heads, layers = hf._int(cfg, "num_heads"), hf._int(cfg, "num_hidden_layers")
+  hidden, vocab = hf._int(cfg, "hidden_size"), hf._int(cfg, "vocab_size")
+  if cfg.get("truncated_vocab_size") not in (None, vocab):
+    raise CheckpointError(f"{directory / CONFIG_FILE}: truncated_vocab_size="
+                          f"{cfg['truncated_vocab_size']!r} (a draft vocabulary with a token_map) "
+                          f"is unsupported; only the full vocabulary ({vocab}) is")
+  shared = bool(cfg.get("original_lm_head", False))
+  base_model, base_family = _medusa_base(cfg, model_config, directory)
+  config = HeadsConfig(family="medusa", base_model=base_model, base_family=base_family,
+                       hidden_size=hidden, vocab_size=vocab, num_heads=heads, num_layers=layers,
+                       own_unembedding=not shared)
+  tensors = _Tensors(file)
+  block, head = VLLM_NAMES
+  sizes = dict(heads=heads, layers=layers, hidden=hidden)
+  params = {"blocks": _medusa_blocks(tensors, block, bias=bool(cfg.get("medusa_fc_bias", False)),
+                                     **sizes)}
+  if not shared:
+    params["lm_head"] = _medusa_unembeddings(tensors, head, vocab=vocab, **sizes)
+  # original_lm_head: lm_heads.0 is a copy of the model's, which mdjax shares instead
+  tensors.check_all_read(ignored=("lm_heads.0.weight",) if shared else ())
+  return config, _to_jax(params, dtype)
+
+
+def _write_vllm_medusa(heads: Heads, directory: pathlib.Path, model: Model | None,
+                       dtype) -> None:
+  c = heads.config
+  block, head = VLLM_NAMES
+  tensors = _medusa_blocks_to_hf(heads.params, block)
+  if c.own_unembedding:
+    tensors.update({f"{head.format(k=k)}.weight": u.T
+                    for k, u in enumerate(np.asarray(heads.params["lm_head"]))})
+  else:
+    tensors[f"{head.format(k=0)}.weight"] = _model_unembedding(heads, model, "vllm-medusa")
+  hf._write_weights(directory, _cast(tensors, dtype), None)
+  _write_config(directory, {
+      "architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": c.num_heads,
+      "num_hidden_layers": c.num_layers, "hidden_size": c.hidden_size,
+      "vocab_size": c.vocab_size, "medusa_fc_bias": True,
+      "original_lm_head": not c.own_unembedding, "base_model_name_or_path": c.base_model})
+
+
+# --------------------------------------------------------------------------- eagle
+
+
+class _EagleAsModel:
+  """An EAGLE checkpoint as `hf._params_from_hf` reads a model's: HF's `model.layers.{i}.`
+  is EAGLE's `layers.{i}.`, and what EAGLE lacks (`EAGLE_STAND_INS`) reads as ones, for
+  the caller to drop."""
+
+  def __init__(self, tensors: _Tensors):
+    self.tensors = tensors
+
+  def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    if name in EAGLE_STAND_INS:
+      return np.ones(shape, np.float32)
+    return self.tensors.get(name.removeprefix("model."), shape)
+
+
+def _eagle_layers(draft: ModelConfig, tensors: _Tensors, dtype) -> list[Params]:
+  """The decoder layers in `transformer`'s layout, layer 0 without attn_norm."""
+  # a one-token vocabulary keeps the stand-in embedding [1, D]
+  reader = dataclasses.replace(draft, vocab_size=1, tie_word_embeddings=True)
+  layers = hf._params_from_hf(reader, _EagleAsModel(tensors), dtype)["layers"]
+  del layers[0]["attn_norm"]
+  return layers
+
+
+def _eagle_layers_to_hf(config: ModelConfig, layers: list[Params], dtype) -> dict[str, np.ndarray]:
+  """The inverse of `_eagle_layers`, by EAGLE's tensor names."""
+  d = config.hidden_size
+  writer = dataclasses.replace(config, vocab_size=1, tie_word_embeddings=True)
+  stand_in = {"embed": np.ones((1, d)), "final_norm": np.ones(d),
+              "layers": [{"attn_norm": np.ones(d), **layers[0]}, *layers[1:]]}
+  tensors = hf._params_to_hf(writer, stand_in, dtype)
+  return {name.removeprefix("model."): t for name, t in tensors.items()
+          if name not in EAGLE_STAND_INS}
+
+
+def _check_layers_match(draft: ModelConfig, model_config: ModelConfig,
+                        file: pathlib.Path) -> None:
+  """The head runs as the model's layer type (`eagle_config`): its config.json must agree."""
+  differ = [f"{n}={getattr(draft, n)!r} (the model's: {getattr(model_config, n)!r})"
+            for n in LAYER_FIELDS if getattr(draft, n) != getattr(model_config, n)]
+  if differ:
+    raise CheckpointError(f"{file}: the EAGLE layers are not the model's: " + ", ".join(differ))
+
+
+def _read_eagle(directory: pathlib.Path, model_config: ModelConfig | None,
+                dtype) -> tuple[HeadsConfig, Params]:
+  file = _weights_file(directory, WEIGHTS_FILE, TORCH_FILE)
+  cfg = _config_json(directory)
+  try:
+    draft = hf.config_from_hf(cfg)
+  except CheckpointError as e:
+    raise CheckpointError(f"{directory}: {e}") from None
+  if model_config is not None:
+    _check_layers_match(draft, model_config, directory / CONFIG_FILE)
+  tensors = _Tensors(file)
+  d = draft.hidden_size
+  params = {"fc": tensors.get("fc.weight", (d, 2 * d)).T,  # [2D, D]
+            "fc_bias": tensors.get("fc.bias", (d,)) if cfg.get("bias", True) else np.zeros(d),
+            "layers": _eagle_layers(draft, tensors, dtype)}
+  tensors.check_all_read(ignored=("embed_tokens.weight",))
+  config = HeadsConfig(family="eagle", base_model=_base_model(cfg), base_family=draft.family,
+                       hidden_size=d, vocab_size=draft.vocab_size, num_layers=draft.num_layers)
+  return config, _to_jax(params, dtype)
+
+
+def _check_eagle_shape(params: Params) -> None:
+  if "final_norm" in params:
+    raise MdjaxError("the eagle layout has no final norm and these heads have one (init_eagle "
+                     "adds one); only EAGLE-1-shaped heads export")
+  layers = params["layers"]
+  if "attn_norm" in layers[0] or any("attn_norm" not in layer for layer in layers[1:]):
+    raise MdjaxError("the eagle layout's layer 0, and only it, has no attn_norm (input "
+                     "norm); these heads' layers differ")
+
+
+def _write_eagle(heads: Heads, directory: pathlib.Path, model: Model | None, dtype) -> None:
+  if model is None:
+    raise MdjaxError("exporting eagle heads needs the model (model=): the layout's config.json "
+                     "is the model's, and EAGLE's loader wants the model's embedding beside them")
+  _check_eagle_shape(heads.params)
+  config = eagle_config(model.config, heads.config.num_layers)
+  tensors = {"embed_tokens.weight": model.params["embed"],
+             "fc.weight": np.asarray(heads.params["fc"]).T, "fc.bias": heads.params["fc_bias"],
+             **_eagle_layers_to_hf(config, heads.params["layers"], dtype)}
+  hf._write_weights(directory, _cast(tensors, dtype), None)
+  rope = hf._rope_to_hf(config.rope_theta, config.rope_scaling)
+  # rope_theta / rope_scaling too: EAGLE's own config class reads only the older keys
+  _write_config(directory, {
+      **hf.config_to_hf(config, dtype=str(dtype)), "rope_theta": config.rope_theta,
+      "rope_scaling": None if config.rope_scaling.rope_type == "default" else rope,
+      "bias": True, "base_model_name_or_path": heads.config.base_model})
+
+
+# --------------------------------------------------------------------------- public
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  family: str
+  read: Callable[[pathlib.Path, ModelConfig | None, np.dtype], tuple[HeadsConfig, Params]]
+  write: Callable[[Heads, pathlib.Path, Model | None, np.dtype], None]
+
+
+_LAYOUTS = {"medusa": _Layout("medusa", _read_medusa, _write_medusa),
+            "vllm-medusa": _Layout("medusa", _read_vllm_medusa, _write_vllm_medusa),
+            "eagle": _Layout("eagle", _read_eagle, _write_eagle)}
+LAYOUTS = tuple(_LAYOUTS)
+
+
+def _layout(name: str) -> _Layout:
+  if name not in _LAYOUTS:
+    raise MdjaxError(f"unknown heads layout {name!r}; supported: {', '.join(LAYOUTS)}")
+  return _LAYOUTS[name]
+
+
+def detect_layout(path: str | os.PathLike) -> str | None:
+  """The public layout of the heads in directory `path`, None where it holds none.
+
+  A directory with only a torch pickle is still detected, so that importing it says
+  how to convert it."""
+  directory = pathlib.Path(path)
+  if (directory / MEDUSA_FILE).is_file() or (directory / MEDUSA_TORCH_FILE).is_file():
+    return "medusa"
+  if not (directory / CONFIG_FILE).is_file():
+    return None
+  if _config_json(directory).get("model_type") == "medusa":
+    return "vllm-medusa"
+  if (directory / WEIGHTS_FILE).is_file():
+    return "eagle" if "fc.weight" in _Tensors(directory / WEIGHTS_FILE) else None
+  return "eagle" if (directory / TORCH_FILE).is_file() else None
+
+
+def import_heads(path: str | os.PathLike, layout: str | None = None,
+                 model_config: ModelConfig | None = None, *, dtype="float32") -> Heads:
+  """Heads from directory `path` in a public `layout` (`LAYOUTS`; None: detected).
+
+  `model_config`, the model the heads will run on, is checked against them and names
+  their base family where the files do not (FasterDecoding's and vLLM's Medusa configs
+  name only the base model).
+  """
+  directory = pathlib.Path(path)
+  if not directory.is_dir():
+    raise CheckpointError(f"no heads directory at {str(path)!r}")
+  if layout is None:
+    layout = detect_layout(directory)
+    if layout is None:
+      raise CheckpointError(
+          f"no heads in a known layout in {str(path)!r}: expected {MEDUSA_FILE} (FasterDecoding "
+          f"Medusa), or {CONFIG_FILE} with {WEIGHTS_FILE} (vLLM Medusa: model_type \"medusa\"; "
+          "EAGLE: an fc.weight tensor)")
+  config, params = _layout(layout).read(directory, model_config, weight_dtype(dtype))
+  if model_config is not None:
+    config.check_model(model_config)
+  card = (directory / CARD_FILE).read_text() if (directory / CARD_FILE).is_file() else ""
+  return Heads(config=config, params=params, card=card, name=str(path), path=str(path))
+
+
+def export_heads(heads: Heads, path: str | os.PathLike, layout: str, *,
+                 model: Model | None = None, dtype="float32") -> None:
+  """Writes `heads` as directory `path` (replaced atomically) in public `layout`.
+
+  `model` (the one the heads run on) is needed where the layout stores parts of it:
+  eagle (its config and embedding) and medusa heads that share its unembedding.
+  """
+  spec = _layout(layout)
+  if heads.config.family != spec.family:
+    raise MdjaxError(f"the {layout} layout holds {spec.family} heads; these are "
+                     f"{heads.config.family} heads")
+  if model is not None:
+    heads.check_model(model.config)
+  np_dtype = weight_dtype(dtype)
+  with atomic_directory(path) as staging:
+    spec.write(heads, staging, model, np_dtype)
+    if heads.card:
+      (staging / CARD_FILE).write_text(heads.card)
