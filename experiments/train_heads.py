@@ -1,0 +1,54 @@
+"""Train (or resume) multi-token-prediction heads over a frozen model, and export them.
+
+    python -m experiments.train_heads --config=configs/heads_medusa.py --config.run_dir=runs/medusa
+    python -m experiments.train_heads --config=configs/heads_eagle.py --config.run_dir=runs/eagle \
+        --config.max_minutes=30
+
+The model writes its own training text, its hidden states are cached in `run_dir`
+(a rerun reuses them), the heads train, and the export lands in `run_dir/export`
+(`mdjax.load_heads` reads it). Killed at any point, the same command resumes from the
+latest checkpoint and ends with the parameters an uninterrupted run would have. The
+final line is the training summary as JSON. Bad input: one `error: ...` line, exit 1.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from mdjax.train import heads
+
+_CONFIG = config_flags.DEFINE_config_file("config", None,
+                                          "Heads config, e.g. configs/heads_medusa.py.")
+flags.mark_flag_as_required("config")
+
+
+def run(config) -> dict:
+  """Trains to `config.steps` (or `max_minutes`) and exports; returns the summary."""
+  result = heads.train(config)
+  return {"export_dir": str(result.export_dir), "family": config.family, "steps": result.step,
+          "stopped_early": result.stopped_early, "train_minutes": result.train_seconds / 60,
+          "train_rows": result.data.train.rows, "heldout_rows": result.data.heldout.rows,
+          "heldout_top1": result.heldout["heldout_top1"],
+          "heldout_accepted_length": result.heldout["heldout_accepted_length"]}
+
+
+def main(argv):
+  if len(argv) > 1:
+    print(f"error: unexpected arguments {argv[1:]!r}", file=sys.stderr)
+    sys.exit(2)
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  try:
+    summary = run(_CONFIG.value)
+  except (ValueError, OSError) as e:  # MdjaxError is a ValueError; OSError: files
+    print("error: " + " ".join(str(e).split()), file=sys.stderr)
+    sys.exit(1)
+  print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,285 @@
+"""The heads trainer: targets, the prompt set, the data cache, kill-and-resume, training
+that works (Medusa and EAGLE), export, bad input.
+
+Most runs use a synthetic base whose text is fully predictable: a tiny llama whose
+layers add nothing and whose lm_head maps each id of a 16-id cycle to the next one, so
+it writes 3 4 5 ... 18 3 4 ... and token t + 1 + k is a function of token t. Trained
+heads must learn that (an untrained Medusa head repeats the model's next-token guess,
+always wrong for k >= 1). The whole file runs in about a minute on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mdjax
+from configs import heads_tiny_test
+from mdjax.models.model import Model
+from mdjax.models.random_init import init_params
+from mdjax.models.transformer import rms_norm
+from mdjax.train import data, head_prompts
+from mdjax.train import heads as heads_lib
+
+REPO = data.pathlib.Path(__file__).resolve().parent.parent
+CYCLE = np.arange(3, 19)  # the synthetic base writes these ids in this order, round and round
+
+
+def cycle_model() -> Model:
+  """`random-llama-tiny` turned predictable: zero attention and MLP outputs (hidden state
+  at t = RMSNorm(embedding of x[t])) and an untied lm_head whose column for id j is that
+  state for the id before j on the cycle, so the argmax after x[t] is its successor by a
+  margin of ~40 logits (sampling at temperature 1 still follows the cycle)."""
+  config = dataclasses.replace(mdjax.RANDOM_MODELS["random-llama-tiny"], tie_word_embeddings=False)
+  params = init_params(config, 0)
+  successor = np.arange(config.vocab_size)
+  successor[CYCLE] = np.roll(CYCLE, -1)
+  states = rms_norm(params["embed"], jnp.ones(config.hidden_size), config.rms_norm_eps)  # [V, D]
+  layers = [{**lp, "wo": jnp.zeros_like(lp["wo"]), "w_down": jnp.zeros_like(lp["w_down"])}
+            for lp in params["layers"]]
+  return Model(config=config, name="cycle-llama-tiny",
+               params={**params, "layers": layers, "lm_head": states[np.argsort(successor)].T})
+
+
+@pytest.fixture(scope="module")
+def base():
+  return cycle_model()
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+  """40 prompts, each a stretch of the cycle (2..5 ids from a random start), as JSONL."""
+  rng = np.random.default_rng(0)
+  path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+  lines = [np.roll(CYCLE, -rng.integers(16))[:rng.integers(2, 6)].tolist() for _ in range(40)]
+  path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+  return path
+
+
+def tiny_config(run_dir, prompts_file, /, **overrides):
+  config = heads_tiny_test.get_config()
+  config.update({"run_dir": str(run_dir), "prompts": str(prompts_file), **overrides})
+  return config
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, base, prompts_file):
+  """An uninterrupted tiny Medusa run (3 heads, 40 steps) and its config."""
+  config = tiny_config(tmp_path_factory.mktemp("uninterrupted"), prompts_file)
+  return heads_lib.train(config, model=base, progress=False), config
+
+
+def test_medusa_head_k_targets_token_t_plus_1_plus_k():
+  k, width = 3, 4
+  tokens = 100 * np.arange(2)[:, None] + np.arange(width + k + 1)  # [B, n]: row b, token j
+  ok = np.ones(tokens.shape, bool)
+  ok[1, 6] = False
+  targets, mask = heads_lib.medusa_targets(jnp.asarray(tokens), jnp.asarray(ok), k)
+  assert targets.shape == mask.shape == (2, width, k)
+  for b in range(2):
+    for t in range(width):
+      for head in range(1, k + 1):
+        assert targets[b, t, head - 1] == tokens[b, t + 1 + head]
+        assert mask[b, t, head - 1] == ok[b, t + 1 + head]
+  hidden = jnp.arange(width + k, dtype=jnp.float32)[None, :, None]  # [1, W + K, 1]: h[t] = t
+  teacher = heads_lib.ahead(hidden, k)[0, :, :, 0]  # head k's law of x[t+1+k] is lm_head(h[t+k])
+  assert teacher.tolist() == [[t + head for head in range(1, k + 1)] for t in range(width)]
+
+
+def test_eagle_reads_token_p_plus_1_and_feature_p_and_predicts_feature_and_token_after():
+  n = 7
+  batch = {"tokens": jnp.arange(n)[None] + 100, "ok": jnp.ones((1, n), bool),
+           "hidden": jnp.arange(n - 1, dtype=jnp.float32)[None, :, None],  # h[p] = p
+           "greedy": jnp.arange(n - 1)[None] + 201}  # the model's guess of x[p + 1] = 101 + p
+  t = heads_lib.eagle_targets(batch)
+  p = np.arange(n - 2)
+  assert t["tokens"][0].tolist() == (101 + p).tolist()
+  assert t["features"][0, :, 0].tolist() == p.tolist()
+  assert t["wanted"][0, :, 0].tolist() == (p + 1).tolist()
+  assert t["targets"][0].tolist() == (102 + p).tolist()
+  assert t["greedy"][0].tolist() == (202 + p).tolist()
+
+
+def test_reader_windows_and_masks_follow_the_rows(trained):
+  run, config = trained
+  features = run.data.train
+  reader = heads_lib.Reader(features, "medusa", config.num_heads, mask_prompt=True)
+  batch = reader.batch(config.seed, 0, 64)
+  again = reader.batch(config.seed, 0, 64)
+  assert all(np.array_equal(batch[key], again[key]) for key in batch)  # a function of the step
+  picked = np.random.default_rng([config.seed, 0]).integers(0, len(reader), 64)
+  for i, unit in enumerate(picked):
+    row, p = reader.rows[unit], reader.starts[unit]
+    length, prompt = features.lengths[row], features.prompt_lengths[row]
+    for j in range(config.num_heads + 2):
+      assert batch["ok"][i, j] == (prompt <= p + j < length)
+      if p + j < length:
+        assert batch["tokens"][i, j] == features.tokens[row, p + j]
+  # the cached greedy guess at t is the model's choice of token t + 1: the cycle's next id
+  rows, positions = np.nonzero(np.arange(features.tokens.shape[1]) < features.lengths[:, None] - 1)
+  assert np.array_equal(features.greedy[rows, positions], features.tokens[rows, positions + 1])
+
+
+def test_builtin_prompts_are_distinct_fixed_and_split_by_seed():
+  prompts = head_prompts.builtin_prompts()
+  assert len(prompts) >= 400 and len(set(prompts)) == len(prompts)
+  assert prompts == head_prompts.builtin_prompts()
+  train, heldout = head_prompts.split_prompts(prompts, 0.1, seed=0)
+  assert len(heldout) == -(-len(prompts) // 10) and not set(train) & set(heldout)
+  assert sorted(train + heldout) == sorted(prompts)
+  assert head_prompts.split_prompts(prompts, 0.1, seed=0) == (train, heldout)
+  assert head_prompts.split_prompts(prompts, 0.1, seed=1)[1] != heldout
+
+
+def test_prompt_files_read_lines_or_json_values(tmp_path):
+  text = tmp_path / "prompts.txt"
+  text.write_text("Explain tides.\n\n  \nWrite a haiku.\n")
+  assert head_prompts.read_prompts(text) == ["Explain tides.", "Write a haiku."]
+  jsonl = tmp_path / "prompts.jsonl"
+  jsonl.write_text('"a"\n{"prompt": "b"}\n[5, 6, 7]\n')
+  assert head_prompts.read_prompts(jsonl) == ["a", "b", [5, 6, 7]]
+
+
+def test_trained_medusa_heads_guess_the_cycle_and_export_with_their_card(trained, base, tmp_path):
+  run, config = trained
+  objective = heads_lib.Objective.from_config(config, base.config)
+  reader = heads_lib.Reader(run.data.heldout, "medusa", config.num_heads, mask_prompt=True)
+  untrained = mdjax.heads.init_heads(run.heads.config, base.config, seed=0).params
+  before = heads_lib.evaluate(untrained, reader, objective, heads_lib.unembedding(base), 32)
+  assert max(before["heldout_top1"]) < 0.1  # each head repeats the model's next-token guess
+  assert min(run.heldout["heldout_top1"]) > 0.9
+  assert run.heldout["heldout_accepted_length"] > 3.5
+  assert run.step == config.steps and not run.stopped_early
+
+  loaded = mdjax.load_heads(run.export_dir)
+  assert loaded.config == run.heads.config
+  assert np.allclose(loaded.config.top_accuracy, run.heldout["heldout_topk"])
+  assert len(loaded.config.top_accuracy) == 3 and len(loaded.config.top_accuracy[0]) == 10
+  for got, want in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(run.heads.params)):
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+  assert f"{run.heldout['heldout_accepted_length']:.3f}" in loaded.card
+  assert all(f"{a:.3f}" in loaded.card for a in run.heldout["heldout_top1"])
+  assert "mdjax.load_heads" in loaded.card and "cycle-llama-tiny" in loaded.card
+  heldout = json.loads((run.export_dir / heads_lib.HELDOUT_FILE).read_text())
+  assert len(heldout) == run.data.heldout.rows == 4
+  run_dir = data.pathlib.Path(config.run_dir)
+  assert (run_dir / "losses.png").stat().st_size > 0
+  records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records if "heldout_topk" in r] == [20, 40]
+
+
+def test_killed_run_resumes_bitwise_without_running_the_model_again(trained, base, prompts_file,
+                                                                    tmp_path, monkeypatch):
+  run, _ = trained
+  config = tiny_config(tmp_path, prompts_file)
+  read = heads_lib.Reader.batch
+
+  def killed_at_step_25(self, seed, step, size):
+    if step == 24:
+      raise KeyboardInterrupt("killed")
+    return read(self, seed, step, size)
+
+  monkeypatch.setattr(heads_lib.Reader, "batch", killed_at_step_25)
+  with pytest.raises(KeyboardInterrupt):
+    heads_lib.train(config, model=base, progress=False)
+  monkeypatch.setattr(heads_lib.Reader, "batch", read)
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["10", "20"]
+
+  budget = heads_lib.train(tiny_config(tmp_path, prompts_file, max_minutes=1e-9), model=base,
+                           progress=False)  # resumes at 20, out of time after one step
+  assert budget.stopped_early and budget.step == 21 and "stopped by the time budget" in (
+      budget.heads.card)
+
+  cache = budget.data.cache_dir
+  stamps = {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()}
+  calls = []
+  monkeypatch.setattr(heads_lib, "generate", lambda *a, **k: calls.append("generate"))
+  monkeypatch.setattr(heads_lib, "base_features", lambda *a, **k: calls.append("forward"))
+  resumed = heads_lib.train(config, model=base, progress=False)
+  assert not calls and {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()} == stamps
+  for got, want in zip(jax.tree.leaves(resumed.heads.params), jax.tree.leaves(run.heads.params)):
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+  records = map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+  steps = [r["step"] for r in records if "loss" in r]
+  assert steps == sorted(set(steps)) and steps[-1] == config.steps
+
+
+def test_eagle_head_learns_the_cycle_with_an_unrolled_step(base, prompts_file, tmp_path):
+  config = tiny_config(tmp_path, prompts_file, family="eagle", num_heads=1, unroll=2,
+                       batch_size=4, steps=30, eval_every=30)
+  run = heads_lib.train(config, model=base, progress=False)
+  losses = [r["loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text()
+                                   .splitlines()) if "loss" in r]
+  assert losses[-1] < 0.5 * losses[0]
+  assert len(run.heldout["heldout_top1"]) == 2 and min(run.heldout["heldout_top1"]) > 0.5
+  assert mdjax.load_heads(run.export_dir).config.family == "eagle"
+
+
+def test_a_text_file_is_the_data_as_it_is(tmp_path):
+  model = mdjax.load("code-tiny")
+  text_file = data.stdlib_dir() / "json" / "decoder.py"
+  config = heads_tiny_test.get_config()
+  config.update(run_dir=str(tmp_path), model="code-tiny", text_file=str(text_file),
+                text_row_tokens=64, num_heads=2, steps=5, eval_every=5)
+  run = heads_lib.train(config, model=model, progress=False)
+  tokens = model.tokenizer.encode(text_file.read_text())
+  chunks = [tokens[i:i + 64] for i in range(0, len(tokens), 64)]
+  rows = [f.tokens[i, :f.lengths[i]].tolist() for f in (run.data.train, run.data.heldout)
+          for i in range(f.rows)]
+  assert sorted(rows) == sorted(chunks) and len(rows) >= 20
+  assert run.data.train.answer_tokens == run.data.train.token_count  # no prompt: all trained on
+  assert "cut into rows of 64 tokens" in run.heads.card
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"family": "mtp"}, "unknown heads family 'mtp'"),
+    ({"loss": "mse"}, "config.loss must be one of ce, kl, got 'mse'"),
+    ({"unroll": 2}, "config.unroll is eagle's"),
+    ({"family": "eagle", "num_heads": 3}, "config.num_heads must be 1"),
+    ({"feature_dtype": "bfloat16"}, "config.feature_dtype must be one of"),
+    ({"heldout_fraction": 1.0}, "config.heldout_fraction must be in (0, 1), got 1.0"),
+    ({"steps": 0}, "config.steps must be an integer >= 1, got 0"),
+    ({"text_file": "notes.txt"}, "config.prompts and config.text_file are exclusive"),
+    ({"run_dir": ""}, "config.run_dir is required"),
+])
+def test_bad_config_values_are_named(overrides, message, base, prompts_file, tmp_path):
+  with pytest.raises(mdjax.MdjaxError, match=re.escape(message)):
+    heads_lib.train(tiny_config(tmp_path, prompts_file, **overrides), model=base, progress=False)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "holds no prompts"),
+    ("\n  \n", "holds no prompts"),
+    ("[1, 2]\nnot json\n", "line 2 is not JSON"),
+    ('{"text": "a"}\n', 'line 1 must be a non-empty string'),
+    ('"a question"\n"another"\n', "has no tokenizer, so the prompts must be token ids"),
+    ("[5, 6]\n", "need at least 2 prompts"),
+])
+def test_bad_prompt_files_are_named(content, message, base, tmp_path):
+  path = tmp_path / "prompts.jsonl"
+  path.write_text(content)
+  with pytest.raises(mdjax.MdjaxError, match=message):
+    heads_lib.train(tiny_config(tmp_path / "run", path), model=base, progress=False)
+
+
+def test_a_missing_prompts_file_is_named(base, tmp_path):
+  with pytest.raises(mdjax.MdjaxError, match="no such file: .*missing.txt"):
+    heads_lib.train(tiny_config(tmp_path, tmp_path / "missing.txt"), model=base, progress=False)
+
+
+def test_cli_prints_one_error_line_for_bad_input(tmp_path):
+  result = subprocess.run([sys.executable, "-m", "experiments.train_heads",
+                           "--config=configs/heads_tiny_test.py", f"--config.run_dir={tmp_path}",
+                           "--config.family=mtp"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1] == (
+      "error: unknown heads family 'mtp'; supported: medusa, eagle")
