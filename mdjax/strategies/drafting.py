@@ -156,18 +156,20 @@ class DraftModelState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DraftState(DecodeState):
-  """`DecodeState` (buffer rows R = B: one branch per prompt), and
+  """`DecodeState` (buffer rows R = B: one branch per prompt; R = B x N for a tree
+  strategy with branches, `trees.verify`), and
 
-    topology      Topology [B, 1]  the prompt's (one segment per row)
-    last          int32[B]         the last emitted token: the target feeds it first next
-    next_pos      int32[B]         its position
+    topology      Topology [B, G]  the prompt's
+    last          int32[R]         the last emitted token: the target feeds it first next
+    next_pos      int32[R]         its position
     draft_passes  int32[]          draft passes after prefill
     drafted_at    int32[D]         live rows' drafted tokens per chain position (or
                                    nodes per tree depth), over all steps
     accepted_at   int32[D]         of those, the accepted ones
     metadata      TokenMetadata [B, N]  per emitted token, with return_metadata; else None
-    draft         DraftModelState  the draft model's cache and pending tokens; None when
-                                   the draft runs on the target's cache (self_speculative)
+    draft         DraftModelState  the draft model's cache and pending tokens (or an
+                                   EAGLE head's, `eagle.HeadState`); None when the
+                                   draft runs on the target's cache (self_speculative)
   """
 
   topology: Topology
@@ -199,24 +201,30 @@ State = TypeVar("State", bound=DraftState)
 def start(state_type: type[State], target: ModelFn, draft: ModelFn | None, params,
           prompt: Prompt, cache: KVCache, limits: Limits, capacity: int,
           sampling: SamplingParams, *, positions: int, return_metadata: bool,
+          prefilled: tuple[Float[Array, "B N V"], KVCache, Topology] | None = None,
           **fields) -> State:
-  """The first state: the target's prefill and its first token emitted, the counters
-  (`positions` per chain position or tree depth) at zero, and the prefilled
-  `DraftModelState` of a `draft` with its own cache (None: the draft runs on the
-  target's); `fields`: `state_type`'s others."""
-  batch = prompt.tokens.shape[0]
-  logits, target_cache, topology = prefill(target, params["target"], prompt, cache)
-  rows = jnp.arange(batch)
-  first = choose(row_keys(limits.key, rows, jnp.zeros_like(rows)), logits[:, 0], sampling)
-  buffer, _ = emit(OutputBuffer.empty(batch, capacity), first[:, None], jnp.ones_like(first),
-                   limits)
+  """The first state: the target's prefill and every branch's first token emitted
+  (one output row per branch, R = B x N: row b * N + j is branch j of prompt row b,
+  done from the start where that row has no branch j), the counters (`positions`
+  per chain position or tree depth) at zero, and the prefilled `DraftModelState` of
+  a `draft` with its own cache (None: the draft runs on the target's; one branch per
+  row only); `prefilled`: `prefill`'s result when the caller ran it (to read the
+  hidden states too); `fields`: `state_type`'s others."""
+  logits, target_cache, topology = prefilled or prefill(target, params["target"], prompt, cache)
+  logits = logits.reshape(-1, logits.shape[-1])  # [B, N, V] -> [R, V]
+  rows = jnp.arange(logits.shape[0])
+  first = choose(row_keys(limits.key, rows, jnp.zeros_like(rows)), logits, sampling)
+  absent = (prompt.branch_segment < 0).reshape(-1)  # [R]
+  buffer, _ = emit(dataclasses.replace(OutputBuffer.empty(rows.size, capacity), done=absent),
+                   first[:, None], jnp.ones_like(first), limits)
   zero, zeros = jnp.zeros((), jnp.int32), jnp.zeros((positions,), jnp.int32)
   token_metadata = None
   if return_metadata:
-    token_metadata = metadata.first(capacity, probs(logits[:, 0], sampling), first)
+    token_metadata = metadata.first(capacity, probs(logits, sampling), first)
   return state_type(
       cache=target_cache, topology=topology, limits=limits, buffer=buffer, passes=zero,
-      last=first, next_pos=prompt.lengths, draft_passes=zero, drafted_at=zeros,
+      last=first, next_pos=prompt.branch_positions().reshape(-1), draft_passes=zero,
+      drafted_at=zeros,
       accepted_at=zeros, metadata=token_metadata,
       draft=None if draft is None else DraftModelState.start(draft, params["draft"], prompt,
                                                              cache, first), **fields)
@@ -247,16 +255,24 @@ def step_keys(state: DraftState) -> jax.Array:
   return row_keys(state.limits.key, jnp.arange(state.last.shape[0]), state.buffer.count)
 
 
+def pending_feed(state: DraftState) -> tuple[Int[Array, "B W"], Int[Array, "B W"]]:
+  """Positions and segments of the draft's W pending columns (`state.draft.pending`,
+  the last emitted token at `next_pos` last): segment 0 for the first
+  `pending_count`, -1 after them and for done rows."""
+  count = state.draft.pending_count
+  first_pos = state.next_pos + 1 - count  # [B] of pending[0]
+  offsets = jnp.arange(state.draft.pending.shape[1])[None, :]
+  feed = (offsets < count[:, None]) & ~state.buffer.done[:, None]
+  return first_pos[:, None] + offsets, jnp.where(feed, 0, -1)
+
+
 def catch_up(draft: ModelFn, params, state: DraftState) -> tuple[Float[Array, "B V"], KVCache]:
   """One draft pass over the pending tokens: the draft's logits after the last
   emitted token, and its cache holding everything emitted so far."""
-  pending, count = state.draft.pending, state.draft.pending_count
-  first_pos = state.next_pos + 1 - count  # [B] of pending[0]
-  offsets = jnp.arange(2)[None, :]
-  feed = (offsets < count[:, None]) & ~state.buffer.done[:, None]
-  logits, _, cache = draft(params, state.draft.cache, pending, first_pos[:, None] + offsets,
-                           jnp.where(feed, 0, -1), state.topology,
-                           logits_at=(count - 1)[:, None])  # [B, 1, V]
+  positions, segments = pending_feed(state)
+  logits, _, cache = draft(params, state.draft.cache, state.draft.pending, positions, segments,
+                           state.topology,
+                           logits_at=(state.draft.pending_count - 1)[:, None])  # [B, 1, V]
   return logits[:, 0], cache
 
 

@@ -28,12 +28,15 @@ compacted the same way; the last accepted node and `x` become its `pending` toke
 Statistics: `drafted_at` / `accepted_at` count the nodes drafted and accepted per
 depth; `mean_accepted_length` is the accepted nodes per verify of a row. Metadata:
 at a correction, `rejected` is the first child tried where the walk stopped.
+
+`TreeDrafter` holds all of this but the draft itself: its drafting loop runs any
+draft pass (`DraftPass`), so `eagle` drafts the same trees with its head.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +51,8 @@ from mdjax.strategies import drafting, layouts, trees
 from mdjax.strategies.base import Limits, ModelFn, Prompt, Sampled
 from mdjax.strategies.drafting import DraftModelState, DraftState
 from mdjax.strategies.registry import register
-from mdjax.strategies.trees import Tree
+from mdjax.strategies.trees import Tree, Verified
+from mdjax.topology import Topology
 
 SLOT_MULTIPLE = 8  # attention's key blocks must divide the slot count: keep it composite
 
@@ -67,6 +71,9 @@ class TreeDraft:
     front_parent  int32[B, K]    fed index of each frontier node's parent (-1: level 1)
     fed           int32[B, F]    drafted index of every node fed so far, by level
     fed_parent    int32[B, F]    fed index of its parent (-1: level 1)
+    front_context [B, K, ...]    what each frontier node feeds besides its token (a
+                                 pytree; EAGLE: float[B, K, H], the feature its parent's
+                                 pass predicted); None for a draft model
   """
 
   cache: KVCache
@@ -77,17 +84,22 @@ class TreeDraft:
   front_parent: Int[Array, "B K"]
   fed: Int[Array, "B F"]
   fed_parent: Int[Array, "B F"]
+  front_context: Any
 
 
-@register
+# One draft pass over a level's frontier (K nodes per row, each its own segment):
+# (cache, tokens, positions, segments, topology, front_context) ->
+# (logits [B, K, V] after each node, the context each node passes to its children, cache).
+DraftPass = Callable[[KVCache, Int[Array, "B K"], Int[Array, "B K"], Int[Array, "B K"], Topology,
+                      Any], tuple[Float[Array, "B K V"], Any, KVCache]]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SpeculativeTree(Sampled):
-  """A draft model's token tree of `tree_budget` nodes, verified in one target pass."""
+class TreeDrafter(Sampled):
+  """What a dynamic-tree strategy (`speculative_tree`, `eagle`) does with the tree
+  options: validate them, draft the tree with its `DraftPass`, keep the best
+  `tree_budget` nodes, verify and commit them, size the caches, report."""
 
-  name: ClassVar[str] = "speculative_tree"
-  layout: ClassVar = layouts.Plain()
-
-  draft: ModelFn | None = None  # `construct` turns the user's mdjax Model into its ModelFn
   tree_depth: int = 4
   tree_top_k: int = 4
   tree_budget: int = 16
@@ -95,7 +107,6 @@ class SpeculativeTree(Sampled):
 
   def __post_init__(self):
     super().__post_init__()
-    drafting.check_vocabulary(self.model, self.draft)
     for name in ("tree_depth", "tree_top_k", "tree_budget"):
       check_count(name, getattr(self, name), 1)
     if self.tree_top_k > self.model.vocab_size:
@@ -105,10 +116,6 @@ class SpeculativeTree(Sampled):
       raise MdjaxError(f"tree_budget ({self.tree_budget}) exceeds the {self.num_drafted} nodes "
                        f"drafted with tree_depth {self.tree_depth} and tree_top_k "
                        f"{self.tree_top_k} (K + (D - 1) K²)")
-
-  @classmethod
-  def construct(cls, target: ModelFn, model, options: dict) -> tuple["SpeculativeTree", dict]:
-    return drafting.with_draft_model(cls, target, model, options)
 
   @property
   def num_drafted(self) -> int:
@@ -124,27 +131,22 @@ class SpeculativeTree(Sampled):
     slots = prompt_len + capacity + 1 + max(self.tree_budget, self.num_fed)
     return -(-slots // SLOT_MULTIPLE) * SLOT_MULTIPLE
 
-  def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
-           capacity: int) -> DraftState:
-    return drafting.start(DraftState, self.model, self.draft, params, prompt, cache, limits,
-                          capacity, self.sampling, positions=self.tree_depth,
-                          return_metadata=self.return_metadata)
-
   def _log_probs(self, logits: Float[Array, "... V"]) -> Float[Array, "... V"]:
     return jax.nn.log_softmax(process_logits(logits, self.sampling), axis=-1)
 
-  def _draft_tree(self, params, state: DraftState, logits: Float[Array, "B V"],
-                  draft_cache: KVCache) -> tuple[Tree, TreeDraft]:
+  def _draft_tree(self, draft_pass: DraftPass, state: DraftState, logits: Float[Array, "B V"],
+                  draft_cache: KVCache, front_context: Any) -> tuple[Tree, TreeDraft]:
     """Every drafted node (`Tree`, N = num_drafted, by level then rank), and the loop's
     last carry: their cumulative log-probabilities, which of them were fed (by level)
-    and the draft cache holding those. Level d + 1 comes from one draft pass over
+    and the draft cache holding those. Level 1 comes from the draft's `logits` after
+    `c` (level 1's `front_context` given); level d + 1 from one `draft_pass` over
     level d's frontier, each node its own segment (`Tree.topology` over the fed nodes)."""
     k, done, next_pos = self.tree_top_k, state.buffer.done, state.next_pos
     batch, num_drafted, num_fed = done.shape[0], self.num_drafted, self.num_fed
     score, token = jax.lax.top_k(self._log_probs(logits), k)  # [B, K]: level 1
     pad = lambda x, value: jnp.pad(x, ((0, 0), (0, num_drafted - k)), constant_values=value)
     fed_depth = jnp.broadcast_to(jnp.arange(num_fed) // k + 1, (batch, num_fed))
-    take = lambda x, i: jnp.take_along_axis(x, i, axis=1)
+    take = lambda x, i: jnp.take_along_axis(x, i.reshape(i.shape + (1,) * (x.ndim - 2)), axis=1)
 
     def expand(level, carry: TreeDraft) -> TreeDraft:
       front = carry.front  # [B, K] drafted index of the nodes fed now
@@ -152,11 +154,12 @@ class SpeculativeTree(Sampled):
       fed_parent = jax.lax.dynamic_update_slice_in_dim(carry.fed_parent, carry.front_parent,
                                                        level * k, axis=1)
       segments = 1 + level * k + jnp.arange(k)[None, :]  # [1, K]
-      logits, _, cache = self.draft(
-          params, carry.cache, take(carry.tokens, front),
+      logits, context, cache = draft_pass(
+          carry.cache, take(carry.tokens, front),
           jnp.broadcast_to((next_pos + level + 1)[:, None], front.shape),
           jnp.where(done[:, None], -1, segments),
-          Tree(tokens=fed, parent=fed_parent, depth=fed_depth).topology(next_pos))  # [B, K, V]
+          Tree(tokens=fed, parent=fed_parent, depth=fed_depth).topology(next_pos),
+          carry.front_context)  # [B, K, V]
       child_score, child = jax.lax.top_k(self._log_probs(logits), k)  # [B, K, K]
       score = (take(carry.score, front)[..., None] + child_score).reshape(batch, k * k)
       start = k + level * k * k  # drafted index of the new level
@@ -166,14 +169,16 @@ class SpeculativeTree(Sampled):
                        score=put(carry.score, score),
                        parent=put(carry.parent, jnp.repeat(front, k, axis=1)),
                        front=start + best, front_parent=level * k + best // k,
-                       fed=fed, fed_parent=fed_parent)
+                       fed=fed, fed_parent=fed_parent,
+                       front_context=jax.tree.map(lambda x: take(x, best // k), context))
 
     carry = TreeDraft(cache=draft_cache, tokens=pad(token, 0), score=pad(score, -jnp.inf),
                       parent=jnp.full((batch, num_drafted), -1, jnp.int32),
                       front=jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k)),
                       front_parent=jnp.full((batch, k), -1, jnp.int32),
                       fed=jnp.zeros((batch, num_fed), jnp.int32),
-                      fed_parent=jnp.full((batch, num_fed), -1, jnp.int32))
+                      fed_parent=jnp.full((batch, num_fed), -1, jnp.int32),
+                      front_context=front_context)
     if self.tree_depth > 1:  # (a zero-trip loop would still trace `expand` on empty arrays)
       carry = jax.lax.fori_loop(0, self.tree_depth - 1, expand, carry)
     depth = np.repeat(np.arange(1, self.tree_depth + 1), [k] + [k * k] * (self.tree_depth - 1))
@@ -193,33 +198,24 @@ class SpeculativeTree(Sampled):
     parent = jnp.where(parent >= 0, jnp.take_along_axis(rank, jnp.maximum(parent, 0), axis=1), -1)
     return Tree(tokens=take(drafted.tokens), parent=parent, depth=take(drafted.depth)), kept
 
-  def step(self, params, state: DraftState) -> DraftState:
+  def _tree_step(self, target_params, state: DraftState, draft_pass: DraftPass,
+                 logits: Float[Array, "B V"], draft_cache: KVCache, front_context: Any
+                 ) -> tuple[DraftState, Verified, TreeDraft, Int[Array, "B D"]]:
+    """A step after the draft caught up (its `logits` after `c`, its `draft_cache`, level
+    1's `front_context`): the tree drafted, its best `tree_budget` nodes verified in one
+    target pass and committed (`state.draft` untouched). Returns the state, the verified
+    tree, the drafting loop's last carry, and the drafted index of each accepted node
+    (-1 past them)."""
     keys = drafting.step_keys(state)
-    logits, draft_cache = drafting.catch_up(self.draft, params["draft"], state)
-    drafted, drafting_carry = self._draft_tree(params["draft"], state, logits, draft_cache)
-    tree, kept = self._keep(drafted, drafting_carry.score)
-    verified = trees.verify(self.model, params["target"], state, tree, self.tree_depth, keys,
+    drafted, carry = self._draft_tree(draft_pass, state, logits, draft_cache, front_context)
+    tree, kept = self._keep(drafted, carry.score)
+    verified = trees.verify(self.model, target_params, state, tree, self.tree_depth, keys,
                             self.sampling)
     path = verified.path  # [B, D]
-    path_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)  # [B, D]
     path_drafted = jnp.where(path >= 0, jnp.take_along_axis(kept, jnp.maximum(path, 0), axis=1),
                              -1)  # [B, D]
     state = trees.commit(state, tree, verified, self.sampling, draft_passes=self.tree_depth)
-    return dataclasses.replace(state, draft=self._draft_after(
-        drafting_carry, draft_cache.length, path_drafted, path_tokens, verified.next_token))
-
-  def _draft_after(self, drafted: TreeDraft, caught_up: Int[Array, "B"], path: Int[Array, "B D"],
-                   path_tokens: Int[Array, "B D"], next_token: Int[Array, "B"]) -> DraftModelState:
-    """The draft cache keeps the accepted nodes it was fed (`path`: drafted indices,
-    -1 past the accepted ones): every one but the last, which had children. The
-    last accepted node and the target's token are what it has not seen (`pending`)."""
-    accepted = (path >= 0).sum(axis=1, dtype=jnp.int32)  # [B]
-    level = np.arange(self.num_fed) // self.tree_top_k  # [F] depth - 1 of each fed node
-    kept = (path[:, level] == drafted.fed) & (level[None, :] + 1 < accepted[:, None])  # [B, F]
-    last = jnp.take_along_axis(path_tokens, jnp.maximum(accepted - 1, 0)[:, None], axis=1)[:, 0]
-    return DraftModelState.behind(
-        cache_ops.compact(trees.keep_segments(drafted.cache, kept), caught_up, self.num_fed),
-        accepted > 0, last, next_token)
+    return state, verified, carry, path_drafted
 
   def result(self, state: DraftState):
     drafted, accepted = state.drafted_at, state.accepted_at
@@ -227,3 +223,52 @@ class SpeculativeTree(Sampled):
     return state.buffer, drafting.stats(
         state, accepted.sum() * self.tree_budget / jnp.maximum(drafted.sum(), 1))
 
+
+@register
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculativeTree(TreeDrafter):
+  """A draft model's token tree of `tree_budget` nodes, verified in one target pass."""
+
+  name: ClassVar[str] = "speculative_tree"
+  layout: ClassVar = layouts.Plain()
+
+  draft: ModelFn | None = None  # `construct` turns the user's mdjax Model into its ModelFn
+
+  def __post_init__(self):
+    drafting.check_vocabulary(self.model, self.draft)
+    super().__post_init__()
+
+  @classmethod
+  def construct(cls, target: ModelFn, model, options: dict) -> tuple["SpeculativeTree", dict]:
+    return drafting.with_draft_model(cls, target, model, options)
+
+  def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
+           capacity: int) -> DraftState:
+    return drafting.start(DraftState, self.model, self.draft, params, prompt, cache, limits,
+                          capacity, self.sampling, positions=self.tree_depth,
+                          return_metadata=self.return_metadata)
+
+  def step(self, params, state: DraftState) -> DraftState:
+    def draft_pass(cache, tokens, positions, segments, topology, context):
+      logits, _, cache = self.draft(params["draft"], cache, tokens, positions, segments, topology)
+      return logits, context, cache
+
+    logits, draft_cache = drafting.catch_up(self.draft, params["draft"], state)
+    state, verified, carry, path = self._tree_step(params["target"], state, draft_pass, logits,
+                                                   draft_cache, None)
+    return dataclasses.replace(state, draft=self._draft_after(carry, draft_cache.length, path,
+                                                              verified))
+
+  def _draft_after(self, drafted: TreeDraft, caught_up: Int[Array, "B"], path: Int[Array, "B D"],
+                   verified: Verified) -> DraftModelState:
+    """The draft cache keeps the accepted nodes it was fed (`path`: drafted indices,
+    -1 past the accepted ones): every one but the last, which had children. The
+    last accepted node and the target's token are what it has not seen (`pending`)."""
+    accepted = verified.accepted  # [B]
+    level = np.arange(self.num_fed) // self.tree_top_k  # [F] depth - 1 of each fed node
+    kept = (path[:, level] == drafted.fed) & (level[None, :] + 1 < accepted[:, None])  # [B, F]
+    last = jnp.take_along_axis(verified.emitted, jnp.maximum(accepted - 1, 0)[:, None],
+                               axis=1)[:, 0]  # the last accepted node's token
+    return DraftModelState.behind(
+        cache_ops.compact(trees.keep_segments(drafted.cache, kept), caught_up, self.num_fed),
+        accepted > 0, last, verified.next_token)

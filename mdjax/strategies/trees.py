@@ -4,7 +4,8 @@ r"""Verifying a token tree in one target pass: what `speculative_tree`, `medusa`
 A tree of M nodes hangs under the last emitted token `c` (at `next_pos`); node n
 holds `tokens[:, n]` under node `parent[:, n]` (-1: a child of `c`), `depth[:, n]`
 levels below `c`, parents before children. The target feeds `c` (segment 0, the
-committed text) and the M nodes; node n is segment 1 + n, forked from its parent's
+committed text) and the M nodes; node n is a segment of its own (numbered after the
+prompt's segments: 1 + n below, for a prompt of one), forked from its parent's
 segment at its own position (committed length + depth), so it sees the committed
 text and its ancestors only. With `c` at position 7::
 
@@ -95,29 +96,53 @@ class Verified:
 
 
 def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, keys: jax.Array,
-           sampling: SamplingParams) -> Verified:
-  """One target pass over the last emitted token (segment 0) and `tree` (at most
-  `depth` levels deep), accepted by `tree_accept` with the target's distributions
-  (one-hot at its argmax when greedy), the rejected nodes dropped from the cache."""
-  budget = tree.tokens.shape[1]
-  segments = jnp.arange(budget + 1)[None, :]  # [1, 1 + M]
+           sampling: SamplingParams, accept=tree_accept,
+           branch_segment: Int[Array, "R"] | None = None) -> Verified:
+  """One target pass over every row's last emitted token and its `tree` (at most
+  `depth` levels deep), accepted with the target's distributions (one-hot at its
+  argmax when greedy) by `accept` (`tree_accept`'s signature; by default the exact
+  rule), the rejected nodes dropped from the cache.
+
+  Rows are output rows. With branches, `branch_segment` [R] is the segment each
+  decodes in (-1: none) and R = B x N: row b * N + j is branch j of cache row b,
+  whose N trees are fed side by side; `c` goes to the branch's segment, the nodes to
+  segments after the prompt's (`state.topology`), and the accepted ones join the
+  branch's segment. None: one branch per cache row, in segment 0 (the drawing).
+  """
+  rows, budget = tree.tokens.shape
+  batch = state.cache.length.shape[0]
+  branches, shared = rows // batch, state.topology.parent.shape[1]
+  segment = jnp.zeros((rows,), jnp.int32) if branch_segment is None else branch_segment  # [R]
+  per_row = lambda x: x.reshape(batch, -1)  # [R, ...] -> [B, N x ...]: a cache row's branches
+  node_segment = shared + (jnp.arange(rows) % branches)[:, None] * budget + jnp.arange(budget)
+  parent_segment = jnp.where(tree.parent >= 0, jnp.take_along_axis(
+      node_segment, jnp.maximum(tree.parent, 0), axis=1), segment[:, None])  # [R, M]
+  topology = Topology(
+      parent=jnp.concatenate([state.topology.parent, per_row(parent_segment)], axis=1),
+      fork=jnp.concatenate([state.topology.fork, per_row(state.next_pos[:, None] + tree.depth)],
+                           axis=1))  # [B, G + N x M]
+  fed = jnp.concatenate([segment[:, None], node_segment], axis=1)  # [R, 1 + M]
   logits, hidden, cache = model(
-      params, state.cache, jnp.concatenate([state.last[:, None], tree.tokens], axis=1),
-      state.next_pos[:, None] + jnp.pad(tree.depth, ((0, 0), (1, 0))),
-      jnp.where(state.buffer.done[:, None], -1, segments),
-      tree.topology(state.next_pos))  # [B, 1 + M, V]
+      params, state.cache, per_row(jnp.concatenate([state.last[:, None], tree.tokens], axis=1)),
+      per_row(state.next_pos[:, None] + jnp.pad(tree.depth, ((0, 0), (1, 0)))),
+      per_row(jnp.where(state.buffer.done[:, None], -1, fed)), topology)  # [B, N (1 + M), V]
+  logits = logits.reshape(rows, budget + 1, -1)  # [R, 1 + M, V]
+  hidden = hidden.reshape(rows, budget + 1, -1)
   if sampling.greedy:
     p = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
   else:
     p = drafting.probs(logits, sampling)
-  path, next_token = tree_accept(drafting.fold_in(keys, drafting.ACCEPT_KEY), tree.tokens,
-                                 tree.parent, p, depth)  # [B, D], [B]
-  accepted = (path >= 0).sum(axis=1, dtype=jnp.int32)  # [B]
-  path_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)  # [B, D]
+  path, next_token = accept(drafting.fold_in(keys, drafting.ACCEPT_KEY), tree.tokens,
+                            tree.parent, p, depth)  # [R, D], [R]
+  accepted = (path >= 0).sum(axis=1, dtype=jnp.int32)  # [R]
+  path_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)  # [R, D]
   emitted = jnp.where(jnp.arange(depth + 1)[None, :] < accepted[:, None],
-                      jnp.pad(path_tokens, ((0, 0), (0, 1))), next_token[:, None])  # [B, 1 + D]
-  on_path = (path[:, :, None] == jnp.arange(budget)).any(axis=1)  # [B, M]
-  cache = cache_ops.compact(keep_segments(cache, on_path), state.cache.length, budget + 1)
+                      jnp.pad(path_tokens, ((0, 0), (0, 1))), next_token[:, None])  # [R, 1 + D]
+  on_path = (path[:, :, None] == jnp.arange(budget)).any(axis=1)  # [R, M]
+  mapping = jnp.concatenate([jnp.broadcast_to(jnp.arange(shared), (batch, shared)),
+                             per_row(jnp.where(on_path, segment[:, None], -1))], axis=1)
+  cache = cache_ops.compact(cache_ops.remap_segments(cache, mapping), state.cache.length,
+                            branches * (budget + 1))
   return Verified(path=path, accepted=accepted, next_token=next_token, emitted=emitted,
                   logits=logits, hidden=hidden, cache=cache)
 
