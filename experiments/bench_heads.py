@@ -42,7 +42,7 @@ _OUT_DIR = flags.DEFINE_string("out_dir", "results/bench_heads", "Where JSON and
 _QUICK = flags.DEFINE_bool("quick", False,
                            "Smoke test: random-llama-tiny, untrained heads, 2 prompts, 8 tokens.")
 
-LOOKUP = dict(num_draft_tokens=4, ngram_size=3)
+LOOKUP = dict(prompt_lookup_num_tokens=4, max_ngram_size=3)
 EAGLE_TREE = dict(tree_depth=4, tree_top_k=4, tree_budget=16)
 
 
@@ -84,11 +84,14 @@ def groups_of(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
 
 
 def head_cell(result: dict, greedy: dict, steps: int, groups: int) -> dict:
-  """`summarize`, plus tokens per target pass and acceptance per depth."""
+  """`summarize`, plus tokens per target pass of a row (the prefill counts as one:
+  greedy's is 1) and the acceptance per depth of the tree strategies."""
   cell = summarize(result, greedy, steps, groups)
   stats = result["stats"]
-  cell["tokens_per_pass"] = steps * len(result["sequences"]) / groups / max(
-      stats["target_passes"], 1) if "target_passes" in stats else 1.0
+  cell["tokens_per_pass"] = steps / (stats["target_passes"] + groups)
+  if "accepted_at" in stats:
+    cell["acceptance_at"] = (np.asarray(stats["accepted_at"])
+                             / np.maximum(stats["drafted_at"], 1)).tolist()
   return cell
 
 
@@ -169,8 +172,8 @@ def plot(results: dict, path: pathlib.Path) -> None:
   budget_ax.legend(fontsize=8)
   for name in ("medusa", "blockwise", "eagle"):
     cell = first.get(name)
-    if cell and "acceptance_rate_at" in cell:
-      rates = cell["acceptance_rate_at"]
+    if cell and "acceptance_at" in cell:
+      rates = cell["acceptance_at"]
       depth_ax.plot(range(1, len(rates) + 1), rates, "o-", label=name)
   depth_ax.set_xlabel("depth")
   depth_ax.set_ylabel("accepted / drafted at that depth")

@@ -126,7 +126,8 @@ def write_results(results: dict, out_dir: str, stem: str, plot, table) -> None:
   print(f"wrote {out_dir / (stem + '.json')} and {out_dir / (stem + '.png')}")
 
 
-SUMMED_STATS = ("target_passes", "draft_passes")  # counts; the other stats are rates
+SUMMED_STATS = ("target_passes", "draft_passes", "drafted_at", "accepted_at")  # counts
+
 RATE_STATS = ("mean_accepted_length", "acceptance_rate_at")
 
 
@@ -139,7 +140,8 @@ def run_mdjax(model, groups: np.ndarray, new_tokens: int, strategy: str, **optio
                           eos_token_id=[], **options)
   runs = [generate(rows, new_tokens) for rows in groups]
   first = sum(generate(rows, 1).stats["wall_s"] for rows in groups)
-  stats = {k: sum(r.stats[k] for r in runs) for k in SUMMED_STATS if k in runs[0].stats}
+  stats = {k: np.sum([r.stats[k] for r in runs], axis=0).tolist()
+           for k in SUMMED_STATS if k in runs[0].stats}
   stats |= {k: np.mean([r.stats[k] for r in runs], axis=0).tolist()
             for k in RATE_STATS if k in runs[0].stats}
   return dict(seconds=sum(r.stats["wall_s"] for r in runs), first_token_seconds=first,

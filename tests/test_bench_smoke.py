@@ -92,3 +92,20 @@ def test_reproduce_multidecode_quick(tmp_path):
     assert 0 <= agreement["identical_answers"] <= point["n"]
     assert ("sequential" in point["estimated"]) == (point["n"] > settings["sequential_questions"])
   assert len(results["goals"]["versus_reference"]) == 3
+
+
+def test_bench_heads_quick(tmp_path):
+  """Every head strategy reproduces greedy's tokens; tokens per pass and acceptance per
+  depth are reported for the tree strategies at every batch size and budget."""
+  results = run_quick("bench_heads", tmp_path)
+  settings = results["settings"]
+  assert list(results["batches"]) == [str(b) for b in settings["batches"]]
+  for batch, cells in results["batches"].items():
+    assert {"greedy", "prompt_lookup", "medusa", "blockwise", "eagle"} <= set(cells)
+    assert cells["greedy"]["tokens_per_pass"] == pytest.approx(1.0)
+    for name, cell in cells.items():
+      assert cell["tokens"]["matching_tokens"] == cell["tokens"]["total_tokens"], (batch, name)
+      assert 1.0 <= cell["tokens_per_pass"]
+    for name in ("medusa", "blockwise", "eagle"):
+      assert all(0 <= rate <= 1 for rate in cells[name]["acceptance_at"])
+  assert {f"medusa_{b}" for b in settings["budgets"]} <= set(results["batches"]["1"])
