@@ -1,5 +1,5 @@
-"""The fields every heads-training config shares; `heads_medusa.py`, `heads_eagle.py`
-and `heads_tiny_test.py` set the family, the data size and the schedule.
+"""The fields every heads-training config shares; `heads_medusa.py`, `heads_eagle.py`,
+`heads_mtp.py` and `heads_tiny_test.py` set the family, the data size and the schedule.
 
     python -m experiments.train_heads --config=configs/heads_medusa.py --config.run_dir=/tmp/run
 
@@ -18,9 +18,10 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.run_dir = ""  # required: data cache, checkpoints, metrics, plot, export
   config.model = "smollm2-135m-instruct"  # the frozen base: any name or path mdjax.load takes
   config.model_dtype = "float32"
-  config.family = "medusa"  # or "eagle"
-  config.num_heads = 4  # medusa: heads (head k guesses token t + 1 + k); eagle: must be 1
-  config.num_layers = 1  # medusa: residual blocks per head; eagle: decoder layers
+  config.family = "medusa"  # or "eagle", "mtp"
+  config.num_heads = 4  # medusa, mtp: heads (head k guesses token t + 1 + k); eagle: must be 1
+  config.num_layers = 1  # medusa: residual blocks per head; eagle: decoder layers; mtp: decoder
+  #                        layers per head
   config.own_unembedding = False  # medusa: a [D, V] unembedding per head (large)
   config.seed = 0  # split, generation, initial heads, batches
   config.prompts = ""  # a prompts file; "" = the built-in set
@@ -35,13 +36,13 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.feature_dtype = "float32"  # the cached hidden states: "float32" or "float16"
   config.feature_batch = 8  # rows per forward pass of the base
   config.loss = "kl"  # "ce": the data's tokens; "kl": the base's distribution of them
-  config.head_decay = 0.8  # loss weight of medusa head k (eagle unrolled step k): decay^(k-1)
+  config.head_decay = 0.8  # loss weight of head k (eagle: unrolled step k): decay^(k-1)
   config.mask_prompt = True  # no loss on targets inside the prompt
   config.regression_weight = 1.0  # eagle: smooth-L1 to the base's next hidden state
   config.token_weight = 0.1  # eagle: the token loss (config.loss) of the predicted state
   config.unroll = 1  # eagle: steps fed their own predicted features (1 = teacher forcing)
   config.steps = 1000
-  config.batch_size = 256  # medusa: positions; eagle: rows
+  config.batch_size = 256  # medusa: positions; eagle, mtp: rows
   config.optim = ml_collections.ConfigDict({
       "lr": 1e-3, "warmup_steps": 50, "min_lr_ratio": 0.1, "weight_decay": 0.0, "b1": 0.9,
       "b2": 0.95, "clip_norm": 1.0})

@@ -3,6 +3,7 @@ comparison with transformers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -17,7 +18,8 @@ from mdjax.cache import KVCache
 from mdjax.models.config import ModelConfig
 from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
-from mdjax.models.transformer import causal_logits
+from mdjax.models.registry import RANDOM_MODELS
+from mdjax.models.transformer import causal_logits, rms_norm
 from mdjax.step import decode_step
 from mdjax.topology import Topology
 
@@ -174,3 +176,22 @@ def edit_config(path, edit):
   config = json.loads((path / "config.json").read_text())
   edit(config)
   (path / "config.json").write_text(json.dumps(config))
+
+
+CYCLE = np.arange(3, 19)  # the synthetic base writes these ids in this order, round and round
+
+
+def cycle_model() -> Model:
+  """`random-llama-tiny` turned predictable: zero attention and MLP outputs (hidden state
+  at t = RMSNorm(embedding of x[t])) and an untied lm_head whose column for id j is that
+  state for the id before j on the cycle, so the argmax after x[t] is its successor by a
+  margin of ~40 logits (sampling at temperature 1 still follows the cycle)."""
+  config = dataclasses.replace(RANDOM_MODELS["random-llama-tiny"], tie_word_embeddings=False)
+  params = init_params(config, 0)
+  successor = np.arange(config.vocab_size)
+  successor[CYCLE] = np.roll(CYCLE, -1)
+  states = rms_norm(params["embed"], jnp.ones(config.hidden_size), config.rms_norm_eps)  # [V, D]
+  layers = [{**lp, "wo": jnp.zeros_like(lp["wo"]), "w_down": jnp.zeros_like(lp["w_down"])}
+            for lp in params["layers"]]
+  return Model(config=config, name="cycle-llama-tiny",
+               params={**params, "layers": layers, "lm_head": states[np.argsort(successor)].T})

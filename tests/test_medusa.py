@@ -383,8 +383,8 @@ def test_heads_of_another_family_or_model_are_refused(tiny):
   eagle = init_heads(HeadsConfig(family="eagle", base_model="random-llama-tiny",
                                  base_family="llama", hidden_size=64, vocab_size=256),
                      tiny.config)
-  with pytest.raises(mdjax.MdjaxError, match=r"strategy 'medusa' needs medusa heads, got eagle "
-                                             r"heads 'random-llama-tiny'"):
+  with pytest.raises(mdjax.MdjaxError, match=r"strategy 'medusa' needs medusa or mtp heads, got "
+                                             r"eagle heads 'random-llama-tiny'"):
     mdjax.generate(tiny, [1, 2], strategy="medusa", heads=eagle)
   other = random_model("llama", 3, vocab_size=80, hidden=64)
   with pytest.raises(mdjax.MdjaxError, match=r"trained on 'random-llama-tiny' \(vocabulary 256\) "

@@ -10,7 +10,6 @@ always wrong for k >= 1). The whole file runs in about a minute on two CPU cores
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import subprocess
@@ -23,30 +22,11 @@ import pytest
 
 import mdjax
 from configs import heads_tiny_test
-from mdjax.models.model import Model
-from mdjax.models.random_init import init_params
-from mdjax.models.transformer import rms_norm
 from mdjax.train import data, head_prompts
 from mdjax.train import heads as heads_lib
+from tests.helpers import CYCLE, cycle_model
 
 REPO = data.pathlib.Path(__file__).resolve().parent.parent
-CYCLE = np.arange(3, 19)  # the synthetic base writes these ids in this order, round and round
-
-
-def cycle_model() -> Model:
-  """`random-llama-tiny` turned predictable: zero attention and MLP outputs (hidden state
-  at t = RMSNorm(embedding of x[t])) and an untied lm_head whose column for id j is that
-  state for the id before j on the cycle, so the argmax after x[t] is its successor by a
-  margin of ~40 logits (sampling at temperature 1 still follows the cycle)."""
-  config = dataclasses.replace(mdjax.RANDOM_MODELS["random-llama-tiny"], tie_word_embeddings=False)
-  params = init_params(config, 0)
-  successor = np.arange(config.vocab_size)
-  successor[CYCLE] = np.roll(CYCLE, -1)
-  states = rms_norm(params["embed"], jnp.ones(config.hidden_size), config.rms_norm_eps)  # [V, D]
-  layers = [{**lp, "wo": jnp.zeros_like(lp["wo"]), "w_down": jnp.zeros_like(lp["w_down"])}
-            for lp in params["layers"]]
-  return Model(config=config, name="cycle-llama-tiny",
-               params={**params, "layers": layers, "lm_head": states[np.argsort(successor)].T})
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +220,8 @@ def test_a_text_file_is_the_data_as_it_is(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"family": "mtp"}, "unknown heads family 'mtp'"),
+    ({"family": "hydra"}, "unknown heads family 'hydra'"),
+    ({"family": "mtp", "unroll": 2}, "config.unroll is eagle's; mtp needs 1, got 2"),
     ({"loss": "mse"}, "config.loss must be one of ce, kl, got 'mse'"),
     ({"unroll": 2}, "config.unroll is eagle's"),
     ({"family": "eagle", "num_heads": 3}, "config.num_heads must be 1"),
@@ -278,8 +259,8 @@ def test_a_missing_prompts_file_is_named(base, tmp_path):
 def test_cli_prints_one_error_line_for_bad_input(tmp_path):
   result = subprocess.run([sys.executable, "-m", "experiments.train_heads",
                            "--config=configs/heads_tiny_test.py", f"--config.run_dir={tmp_path}",
-                           "--config.family=mtp"], cwd=REPO, capture_output=True, text=True,
+                           "--config.family=hydra"], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
   assert result.returncode == 1
   assert result.stderr.strip().splitlines()[-1] == (
-      "error: unknown heads family 'mtp'; supported: medusa, eagle")
+      "error: unknown heads family 'hydra'; supported: medusa, eagle, mtp")

@@ -13,6 +13,9 @@ shipped set of heads is a few MB. A set of heads is plain data: a `HeadsConfig`
              layers), final_norm [D] (see `mdjax.heads.   token after it via the lm_head
              eagle`; EAGLE-1 has no first attn_norm and
              no final_norm)
+    mtp      layers (L decoder layers per head, leaves    head k: token t + 1 + k, reading
+             stacked [K, ...]), final_norm [K, D] (see    h_0 .. h_t through its own
+             `mdjax.heads.mtp`)                           attention (k = 1..K)
 
 On disk (`save_heads` / `load_heads`): a directory with `heads.json` (the config),
 `heads.safetensors` (the params, flattened with "." between keys) and `README.md`
@@ -35,7 +38,7 @@ from mdjax.errors import CheckpointError, MdjaxError, check_count
 from mdjax.files import atomic_directory
 from mdjax.models.config import ModelConfig
 
-FAMILIES = ("medusa", "eagle")
+FAMILIES = ("medusa", "eagle", "mtp")
 CONFIG_FILE, WEIGHTS_FILE, CARD_FILE = "heads.json", "heads.safetensors", "README.md"
 ASSETS_DIR = pathlib.Path(__file__).resolve().parent.parent / "assets"
 
@@ -56,8 +59,9 @@ class HeadsConfig:
   base_family: str
   hidden_size: int
   vocab_size: int
-  num_heads: int = 1  # medusa: K heads; eagle: 1 (it drafts autoregressively)
-  num_layers: int = 1  # medusa: residual blocks per head; eagle: decoder layers
+  num_heads: int = 1  # medusa, mtp: K heads; eagle: 1 (it drafts autoregressively)
+  num_layers: int = 1  # medusa: residual blocks per head; eagle: decoder layers; mtp: decoder
+  #                      layers per head (1 in Gloeckle et al.)
   own_unembedding: bool = False  # medusa: each head has its own lm_head [D, V]
   top_accuracy: tuple[tuple[float, ...], ...] = ()
   tree: tuple[tuple[int, ...], ...] | None = None
@@ -67,6 +71,9 @@ class HeadsConfig:
       raise MdjaxError(f"unknown heads family {self.family!r}; supported: {', '.join(FAMILIES)}")
     for name in ("hidden_size", "vocab_size", "num_heads", "num_layers"):
       check_count(f"heads {name}", getattr(self, name), 1)
+    if self.own_unembedding and self.family != "medusa":
+      raise MdjaxError(f"only medusa heads have their own unembedding; {self.family} heads share "
+                       "the model's (own_unembedding must be False)")
     object.__setattr__(self, "top_accuracy", tuple(tuple(map(float, row))
                                                    for row in self.top_accuracy))
     if self.tree is not None:

@@ -153,15 +153,16 @@ def layer_attention(config: ModelConfig, layer: int) -> LayerAttention:
                         softcap=config.attn_logit_softcapping)
 
 
-def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
-            segments: Int[Array, "B T"], topology: Topology, *, config: ModelConfig,
-            attention: str = "block_sparse", block_size: int = 128,
+def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"] | None,
+            positions: Int[Array, "B T"], segments: Int[Array, "B T"], topology: Topology, *,
+            config: ModelConfig, attention: str = "block_sparse", block_size: int = 128,
             slots: Int[Array, "B T"] | None = None, regions: CacheRegions | None = None,
             inputs: Float[Array, "B T D"] | None = None):
   """Runs the T tokens through every layer over `cache`; returns the final hidden
   states `[B, T, D]` (after the final norm) and the cache with the T tokens added.
   `inputs`, when given, replaces the tokens' embeddings (an EAGLE head feeds its
-  fused token-and-feature vectors).
+  fused token-and-feature vectors; MTP heads, the model's hidden states with no
+  tokens at all: `tokens` None).
 
   Tokens with segment -1 are padding: they see nothing, are seen by nothing and
   take no cache slot. The others take the next free slots, or `slots` when given;
@@ -182,15 +183,15 @@ def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"], positions
   return _layers(config, params, x, positions, attend, cache)
 
 
-def forward_causal(params: Params, tokens: Int[Array, "B T"], *, config: ModelConfig,
+def forward_causal(params: Params, tokens: Int[Array, "B T"] | None, *, config: ModelConfig,
                    inputs: Float[Array, "B T D"] | None = None) -> Float[Array, "B T D"]:
   """Plain causal forward of whole sequences without a cache (training, evaluation);
-  `inputs` as in `forward`.
+  `tokens` and `inputs` as in `forward`.
 
   Every row is one segment at positions 0..T-1; the same layers and visibility rule
   as `forward` over an empty cache, minus the cache writes, so it is differentiable.
   """
-  b, t = tokens.shape
+  b, t = (tokens if inputs is None else inputs).shape[:2]
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
   segments = jnp.zeros((b, t), jnp.int32)  # [B, T]
   limits = visibility_limits(Topology.causal(b))

@@ -84,9 +84,7 @@ class HeadState:
     """After a verify: `cache` holds what the head keeps (the committed text up to
     `c`); the accepted nodes and the target's token are pending, each with the
     target's hidden state at the fed column before it (`c`, then the path)."""
-    before = jnp.pad(verified.path + 1, ((0, 0), (1, 0)))  # [B, 1 + D] fed column
-    return cls(cache=cache, pending=verified.emitted,
-               features=jnp.take_along_axis(verified.hidden, before[..., None], axis=1),
+    return cls(cache=cache, pending=verified.emitted, features=verified.hidden_on_path(),
                pending_count=verified.accepted + 1)
 
 

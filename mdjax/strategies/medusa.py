@@ -1,5 +1,5 @@
 r"""`medusa` and `blockwise`: heads guess the tokens after the next one from the
-target's hidden state, and the target verifies their guesses as a tree in one pass.
+target's hidden states, and the target verifies their guesses as a tree in one pass.
 
 Medusa (Cai et al. 2024) puts K heads on the target's final-norm hidden state
 (`mdjax.heads.medusa`): from h_t, head k guesses token t + 1 + k, the target's own
@@ -48,11 +48,28 @@ typical_delta * exp(-H)), H the entropy of that distribution; of the nodes whose
 whole path is accepted, the deepest wins (ties: the first in tree order), and the
 next token is sampled from the target's distribution after it (`typical_accept`).
 
+MTP heads (Gloeckle et al. 2024, `mdjax.heads.mtp`) guess the same tokens as Medusa's
+(head k: token t + 1 + k), each through a decoder layer with its own attention over
+the target's hidden states, so they keep a KV cache of their own over the committed
+text and follow it: prefill fills it with the prompt's hidden states; after each
+verify the heads catch up on the committed tokens, `c` and the accepted path, fed
+the target's hidden states there (`trees.Verified.hidden` along the path, at the
+target's positions, in the branch's segment), and their outputs at the last one are
+what the next tree is read from. Say `a b` are kept after `x`::
+
+    target cache   ... x  a  b         hidden  h_x  h_a  h_b   (one verify pass)
+    heads' cache   ... x  a  b         fed     h_x  h_a  h_b   (one heads pass)
+    next tree      lm_head(heads' outputs at b): head k's top-k guess the token k after y
+
+Verification is unchanged (greedy stays exactly greedy). What the heads read is a
+per-family `guess` (`MedusaGuess`: the target's hidden state, no cache; `MtpGuess`:
+the heads' cache and outputs), a static field of the strategy; the step is shared.
+
 Blockwise parallel decoding (Stern et al. 2018) is the special case of one chain,
 x then head 1's top-1, head 2's top-1, ...: `strategy="blockwise"` (`Blockwise`)
 verifies the longest prefix of that block the target agrees with.
 
-Options: `heads` (an `mdjax.Heads` of the medusa family, required), `questions`
+Options: `heads` (an `mdjax.Heads` of family medusa or mtp, required), `questions`
 (optional, as `multi_question`), `num_heads` (use the first n; 0: all),
 `tree_budget` (nodes; 0: the heads' calibrated tree when they carry one, else a tree
 of `DEFAULT_BUDGET` nodes built from their measured top-k accuracies, or from
@@ -62,7 +79,8 @@ sampling options and `return_metadata`.
 
 Statistics (as `speculative_tree`): `drafted_at` / `accepted_at` count the nodes
 verified and accepted per depth, `mean_accepted_length` the accepted nodes per
-verify of a row; `draft_passes` is 0 (the heads run inside the step).
+verify of a row; `draft_passes` is 0 for Medusa heads (they run inside the step), one
+per step for MTP heads (their catch-up pass).
 """
 
 from __future__ import annotations
@@ -80,16 +98,34 @@ from mdjax.errors import MdjaxError, check_count, check_real
 from mdjax.heads import tree as medusa_tree
 from mdjax.heads.base import Heads, HeadsConfig
 from mdjax.heads.medusa import medusa_logits
+from mdjax.heads.mtp import check_mtp_params, mtp_cache_config, mtp_features
+from mdjax.models.transformer import lm_head
 from mdjax.sampling import tree_accept
 from mdjax.strategies import drafting, layouts, trees
 from mdjax.strategies.base import Limits, ModelFn, Prompt, Sampled, internal
 from mdjax.strategies.drafting import DraftState
 from mdjax.strategies.registry import register
 from mdjax.strategies.speculative_tree import SLOT_MULTIPLE
-from mdjax.strategies.trees import Tree
+from mdjax.strategies.trees import Tree, Verified
+from mdjax.topology import Topology
 
 ACCEPTANCES = ("exact", "typical")
 DEFAULT_BUDGET = 16
+HEAD_FAMILIES = ("medusa", "mtp")  # heads that guess a static tree from one position
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MtpRead:
+  """What MTP heads read a tree from (K = the heads used, H = the hidden size).
+
+    cache     KVCache [B]     the heads' own (`mtp_cache_config`): the target's hidden
+                              state at every committed token, at its position and segment
+    features  float[R, K, H]  each head's final-norm output at the token before `last`
+  """
+
+  cache: KVCache
+  features: Float[Array, "R K H"]
 
 
 @jax.tree_util.register_dataclass
@@ -98,13 +134,87 @@ class HeadsState(DraftState):
   """`DraftState` (R = B x N output rows, one per branch; D = the tree's depth; no
   draft model), and
 
-    hidden          float[R, H]  the target's final-norm hidden state at the token
-                                 before `last`: what the heads read
+    read            what the heads guess the next tree from (their family's `guess`):
+                    float[R, H], the target's final-norm hidden state at the token
+                    before `last` (medusa), or an `MtpRead` (mtp)
     branch_segment  int32[R]     the segment branch r decodes in (-1: no such branch)
   """
 
-  hidden: Float[Array, "R H"]
+  read: Float[Array, "R H"] | MtpRead
   branch_segment: Int[Array, "R"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MedusaGuess:
+  """Medusa heads read the target's hidden state at the last committed token: `start`
+  takes it from the prefill, `advance` from each verify (`hidden_at_last`); `logits`
+  runs the heads on it. `params`: `{"target", "heads"}` (the heads used)."""
+
+  model: ModelFn
+  passes: ClassVar[int] = 0  # head passes per step besides the target's
+
+  def start(self, params, prompt: Prompt, hidden: Float[Array, "B P H"],
+            cache: KVCache) -> Float[Array, "R H"]:
+    at_last = jnp.take_along_axis(hidden, prompt.branch_last[..., None], axis=1)  # [B, N, H]
+    return at_last.reshape(-1, hidden.shape[-1])
+
+  def logits(self, params, read: Float[Array, "R H"]) -> Float[Array, "R K V"]:
+    return medusa_logits(params["heads"], params["target"], read, model_config=self.model.config)
+
+  def advance(self, params, state: HeadsState, verified: Verified) -> Float[Array, "R H"]:
+    return verified.hidden_at_last()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MtpGuess:
+  """MTP heads read their own outputs at the last committed token: `start` prefills
+  their cache with the prompt's hidden states, `advance` feeds them the committed
+  tokens' after each verify (see the module docstring); `logits` is the model's
+  unembedding of those outputs. `params`: `{"target", "heads"}` (the heads used)."""
+
+  model: ModelFn
+  num_heads: int  # K: the heads used
+  num_layers: int  # decoder layers per head
+  passes: ClassVar[int] = 1  # the heads' catch-up
+
+  def _heads(self, params, heads_cache: KVCache, hidden: Float[Array, "B T H"],
+             positions: Int[Array, "B T"], segments: Int[Array, "B T"], topology: Topology
+             ) -> tuple[Float[Array, "B T K H"], KVCache]:
+    return mtp_features(params["heads"], heads_cache, hidden, positions, segments, topology,
+                        model_config=self.model.config, attention=self.model.attention)
+
+  def start(self, params, prompt: Prompt, hidden: Float[Array, "B P H"],
+            cache: KVCache) -> MtpRead:
+    """The heads' prefill over the prompt (into a cache sized like the target's
+    `cache`), read at every branch's last prompt token."""
+    batch, width = hidden.shape[0], hidden.shape[-1]
+    heads_cache = KVCache.create(mtp_cache_config(self.model.config, self.num_heads,
+                                                  self.num_layers),
+                                 batch, cache.num_slots, cache.k.dtype)
+    features, heads_cache = self._heads(params, heads_cache, hidden, prompt.positions,
+                                        prompt.segments, prompt.topology())  # [B, P, K, H]
+    at_last = jnp.take_along_axis(features, prompt.branch_last[..., None, None], axis=1)
+    return MtpRead(cache=heads_cache, features=at_last.reshape(-1, self.num_heads, width))
+
+  def logits(self, params, read: MtpRead) -> Float[Array, "R K V"]:
+    return lm_head(params["target"], read.features, config=self.model.config)
+
+  def advance(self, params, state: HeadsState, verified: Verified) -> MtpRead:
+    """One heads pass over what the verify committed: `c` and the accepted path of
+    every row it fed (`state` is the one before the commit), at their positions, in
+    the branch's segment; read at the last of them."""
+    rows, fed = verified.path.shape[0], verified.path.shape[1] + 1
+    batch = state.cache.length.shape[0]
+    per_row = lambda x: x.reshape(batch, -1, *x.shape[2:])  # [R, 1 + D, ...] -> [B, N (1 + D), ...]
+    column = jnp.arange(fed)[None, :]
+    committed = (column <= verified.accepted[:, None]) & ~state.buffer.done[:, None]  # [R, 1 + D]
+    features, heads_cache = self._heads(
+        params, state.read.cache, per_row(verified.hidden_on_path()),
+        per_row(state.next_pos[:, None] + column),
+        per_row(jnp.where(committed, state.branch_segment[:, None], -1)), state.topology)
+    features = features.reshape(rows, fed, *features.shape[2:])  # [R, 1 + D, K, H]
+    last = jnp.take_along_axis(features, verified.accepted[:, None, None, None], axis=1)[:, 0]
+    return MtpRead(cache=heads_cache, features=last)
 
 
 def typical_accept(keys: jax.Array, tokens: Int[Array, "B N"], parent: Int[Array, "B N"],
@@ -144,7 +254,7 @@ def typical_accept(keys: jax.Array, tokens: Int[Array, "B N"], parent: Int[Array
 @register
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Medusa(Sampled):
-  """Medusa heads' guesses, as a static tree, verified in one target pass."""
+  """Medusa (or MTP) heads' guesses, as a static tree, verified in one target pass."""
 
   name: ClassVar[str] = "medusa"
   layout: ClassVar = layouts.Questions(required=False)
@@ -192,16 +302,26 @@ class Medusa(Sampled):
     if not isinstance(heads, Heads):
       raise MdjaxError(f"strategy {cls.name!r} needs heads=<mdjax Heads> (mdjax.load_heads), "
                        f"got {heads!r}")
-    if heads.config.family != "medusa":
-      raise MdjaxError(f"strategy {cls.name!r} needs medusa heads, got "
+    if heads.config.family not in HEAD_FAMILIES:
+      raise MdjaxError(f"strategy {cls.name!r} needs medusa or mtp heads, got "
                        f"{heads.config.family} heads {heads.name or heads.config.base_model!r}")
     heads.check_model(model.config)
+    if heads.config.family == "mtp":
+      check_mtp_params(heads.config, heads.params, model.config)
     return cls(model=target, heads=heads.config, **options), {"target": model.params,
                                                               "heads": heads.params}
 
   @property
   def used_heads(self) -> int:
     return self.num_heads or self.heads.num_heads
+
+  @functools.cached_property
+  def guess(self) -> MedusaGuess | MtpGuess:
+    """What the heads of this family read, and how it follows the committed text."""
+    if self.heads.family == "mtp":
+      return MtpGuess(model=self.model, num_heads=self.used_heads,
+                      num_layers=self.heads.num_layers)
+    return MedusaGuess(model=self.model)
 
   @functools.cached_property
   def nodes(self) -> medusa_tree.MedusaTree:
@@ -228,40 +348,43 @@ class Medusa(Sampled):
     slots = prompt_len + (capacity + 1 + len(self.nodes)) * branches
     return -(-slots // SLOT_MULTIPLE) * SLOT_MULTIPLE
 
+  def _used(self, params) -> dict:
+    """`{"target", "heads"}` with the heads cut to the first `used_heads`."""
+    return {"target": params["target"],
+            "heads": jax.tree.map(lambda a: a[:self.used_heads], params["heads"])}
+
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
            capacity: int) -> HeadsState:
     topology = prompt.topology()
     logits, hidden, cache = self.model(params["target"], cache, prompt.tokens, prompt.positions,
                                        prompt.segments, topology,
                                        logits_at=prompt.branch_last)  # [B, N, V], [B, P, H]
-    hidden = jnp.take_along_axis(hidden, prompt.branch_last[..., None], axis=1)  # [B, N, H]
     return drafting.start(HeadsState, self.model, None, params, prompt, cache, limits, capacity,
                           self.sampling, positions=self.arrays.max_depth,
                           return_metadata=self.return_metadata,
                           prefilled=(logits, cache, topology),
-                          hidden=hidden.reshape(-1, hidden.shape[-1]),  # [R, H]
+                          read=self.guess.start(self._used(params), prompt, hidden, cache),
                           branch_segment=prompt.branch_segment.reshape(-1))
 
-  def _guess(self, params, hidden: Float[Array, "R H"]) -> Tree:
-    """The tree's tokens: node n is head[n]'s rank[n] guess."""
-    arrays, rows = self.arrays, hidden.shape[0]
-    heads_params = jax.tree.map(lambda a: a[:self.used_heads], params["heads"])
-    logits = medusa_logits(heads_params, params["target"], hidden,
-                           model_config=self.model.config)  # [R, K, V]
+  def _tree(self, logits: Float[Array, "R K V"]) -> Tree:
+    """The tree's tokens from the heads' logits: node n is head[n]'s rank[n] guess."""
+    arrays, rows = self.arrays, logits.shape[0]
     _, top = jax.lax.top_k(logits, arrays.num_ranks)  # [R, K, ranks]
     broadcast = lambda a: jnp.broadcast_to(jnp.asarray(a), (rows, a.size))
     return Tree(tokens=top[:, arrays.head, arrays.rank].astype(jnp.int32),  # [R, M]
                 parent=broadcast(arrays.parent), depth=broadcast(arrays.depth))
 
   def step(self, params, state: HeadsState) -> HeadsState:
-    tree = self._guess(params, state.hidden)
+    used = self._used(params)
+    tree = self._tree(self.guess.logits(used, state.read))
     accept = tree_accept if self.acceptance == "exact" else functools.partial(
         typical_accept, epsilon=self.typical_epsilon, delta=self.typical_delta)
     verified = trees.verify(self.model, params["target"], state, tree, self.arrays.max_depth,
                             drafting.step_keys(state), self.sampling, accept,
                             branch_segment=state.branch_segment)
-    state = trees.commit(state, tree, verified, self.sampling, draft_passes=0)
-    return dataclasses.replace(state, hidden=verified.hidden_at_last())
+    read = self.guess.advance(used, state, verified)
+    state = trees.commit(state, tree, verified, self.sampling, draft_passes=self.guess.passes)
+    return dataclasses.replace(state, read=read)
 
   def result(self, state: HeadsState):
     drafted, accepted = state.drafted_at, state.accepted_at

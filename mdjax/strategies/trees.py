@@ -87,12 +87,17 @@ class Verified:
   hidden: Float[Array, "B M+1 D"]
   cache: KVCache
 
-  def hidden_at_last(self) -> Float[Array, "B D"]:
+  def hidden_on_path(self) -> Float[Array, "B D+1 H"]:
+    """The target's hidden states at `c`, then at each accepted node (the committed
+    tokens, in order; past the `accepted` ones, `c`'s again)."""
+    fed = jnp.pad(self.path + 1, ((0, 0), (1, 0)))  # [B, 1 + D] fed column
+    return jnp.take_along_axis(self.hidden, fed[..., None], axis=1)
+
+  def hidden_at_last(self) -> Float[Array, "B H"]:
     """The target's hidden state at the last accepted node (`c` when none was): what
     guesses the tokens after `next_token`."""
-    last = jnp.take_along_axis(jnp.pad(self.path + 1, ((0, 0), (1, 0))),
-                               self.accepted[:, None], axis=1)  # [B, 1] fed column
-    return jnp.take_along_axis(self.hidden, last[..., None], axis=1)[:, 0]
+    return jnp.take_along_axis(self.hidden_on_path(), self.accepted[:, None, None],
+                               axis=1)[:, 0]
 
 
 def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, keys: jax.Array,

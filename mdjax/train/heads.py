@@ -33,6 +33,7 @@ states, so that the model's own guess of x[p + 1] is lm_head(h[p]))::
                                                       law softmax(lm_head(h[p + k])) ("kl")
     eagle           reads (x[p + 1], h[p]), and the   h[p + 1] (smooth L1) and
                     heads' own features before p      x[p + 2] / lm_head(h[p + 1]) (weighted)
+    mtp head k      reads h[0..p] (its attention)     as medusa head k
 
 Accuracies compare a head's ranked guesses with the model's greedy choice of the same
 token (`greedy`): what a verifier decoding greedily accepts. The simulated accepted
@@ -71,7 +72,8 @@ from mdjax.chat import chat_ids
 from mdjax.errors import MdjaxError, check_count, check_real
 from mdjax.files import atomic_directory
 from mdjax.generate import generate
-from mdjax.heads import FAMILIES, Heads, HeadsConfig, eagle_causal, init_heads, medusa_logits
+from mdjax.heads import (FAMILIES, Heads, HeadsConfig, eagle_causal, init_heads, medusa_logits,
+                         mtp_causal)
 from mdjax.heads.base import save_heads
 from mdjax.models.config import ModelConfig
 from mdjax.models.model import Model
@@ -300,7 +302,8 @@ def write_features(model: Model, rows: list[list[list[int]]], directory: pathlib
 class Reader:
   """Batches of one split. A unit is a (row, first position) pair: medusa reads one
   window of `K + 2` tokens per source position p (x[p..p + 1 + K], h[p..p + K]), eagle
-  reads whole rows. A batch (numpy, the step's input)::
+  and mtp (whose heads attend to the whole prefix) read whole rows. A batch (numpy, the
+  step's input)::
 
       tokens  int32 [B, n]         x[p], x[p + 1], ...
       ok      bool  [B, n]         may token j be a target (inside the row, past the
@@ -395,7 +398,7 @@ class Objective:
 
   family: str
   model_config: ModelConfig
-  depth: int  # predictions scored per position: medusa's K heads, eagle's unrolled steps
+  depth: int  # predictions scored per position: K heads (medusa, mtp), eagle's unrolled steps
   num_layers: int
   loss: str  # "ce" | "kl"
   decay: float  # weight of prediction k: decay^(k - 1)
@@ -404,15 +407,24 @@ class Objective:
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, model_config: ModelConfig):
-    depth = config.num_heads if config.family == "medusa" else config.unroll
+    depth = config.unroll if config.family == "eagle" else config.num_heads
     return cls(family=config.family, model_config=model_config, depth=depth,
                num_layers=config.num_layers, loss=config.loss, decay=config.head_decay,
                regression_weight=config.regression_weight, token_weight=config.token_weight)
 
   def __call__(self, params: Params, batch: dict, base: Params, ks: tuple[int, ...]):
     """(loss, {"hits": [depth, len(ks)] top-k hits, "count": [depth] targets})."""
-    fn = medusa_loss if self.family == "medusa" else eagle_loss
+    fn = eagle_loss if self.family == "eagle" else parallel_loss
     return fn(self, params, batch, base, ks)
+
+  def head_logits(self, params: Params, hidden: Float[Array, "B T D"],
+                  base: Params) -> Float[Array, "B T K V"]:
+    """Every head's logits at every position of `hidden` (medusa, mtp): head k's of
+    token t + 1 + k."""
+    if self.family == "medusa":
+      return medusa_logits(params, base, hidden, model_config=self.model_config)
+    features = mtp_causal(params, hidden, model_config=self.model_config)  # [B, T, K, D]
+    return lm_head(base, features, config=self.model_config)
 
   def token_losses(self, logits: Float[Array, "... V"], targets: Int[Array, "..."],
                    teacher_hidden: Float[Array, "... D"], base: Params) -> Float[Array, "..."]:
@@ -424,14 +436,15 @@ class Objective:
     return distill.kl_to_teacher(logits, jax.lax.stop_gradient(teacher), 1.0)
 
 
-def medusa_loss(objective: Objective, params: Params, batch: dict, base: Params,
-                ks: tuple[int, ...]):
-  """`sum_k decay^(k-1) * mean loss of head k` over windows of n = W + K + 1 tokens."""
+def parallel_loss(objective: Objective, params: Params, batch: dict, base: Params,
+                  ks: tuple[int, ...]):
+  """`sum_k decay^(k-1) * mean loss of head k` over n = W + K + 1 tokens: medusa's
+  windows, mtp's whole rows (its heads read h[0..t], causally, so the last K hidden
+  states, which have no target, are left out)."""
   k = objective.depth
   hidden = batch["hidden"].astype(jnp.float32)  # [B, W + K, D]
   width = hidden.shape[1] - k
-  logits = medusa_logits(params, base, hidden[:, :width],
-                         model_config=objective.model_config)  # [B, W, K, V]
+  logits = objective.head_logits(params, hidden[:, :width], base)  # [B, W, K, V]
   targets, mask = medusa_targets(batch["tokens"], batch["ok"], k)  # [B, W, K]
   losses = objective.token_losses(logits, targets, ahead(hidden, k), base)  # [B, W, K]
   weights = objective.decay ** jnp.arange(k)  # [K]
@@ -573,8 +586,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.family == "eagle" and config.num_heads != 1:
     raise MdjaxError(f"an eagle head drafts one token at a time: config.num_heads must be 1, "
                      f"got {config.num_heads} (config.unroll trains deeper drafts)")
-  if config.family == "medusa" and config.unroll != 1:
-    raise MdjaxError(f"config.unroll is eagle's; medusa needs 1, got {config.unroll}")
+  if config.family != "eagle" and config.unroll != 1:
+    raise MdjaxError(f"config.unroll is eagle's; {config.family} needs 1, got {config.unroll}")
   if config.prompts and config.text_file:
     raise MdjaxError("config.prompts and config.text_file are exclusive: prompts make the model "
                      "write the data, a text file is the data")
@@ -759,10 +772,12 @@ def model_card(name: str, spec: HeadsConfig, config: ml_collections.ConfigDict,
                run_data: RunData, heldout: dict, step: int, train_seconds: float,
                stopped_early: bool) -> str:
   """README.md of an export: base model, data, training, held-out numbers, usage."""
-  kind = (f"{spec.num_heads} Medusa heads of {spec.num_layers} residual block(s)"
-          if spec.family == "medusa" else
-          f"An EAGLE-style head of {spec.num_layers} decoder layer(s)")
-  label = "head" if spec.family == "medusa" else "draft step"
+  kind = {"medusa": f"{spec.num_heads} Medusa heads of {spec.num_layers} residual block(s)",
+          "eagle": f"An EAGLE-style head of {spec.num_layers} decoder layer(s)",
+          "mtp": f"{spec.num_heads} parallel MTP heads of {spec.num_layers} decoder layer(s)"
+          }[spec.family]
+  label = "draft step" if spec.family == "eagle" else "head"
+  strategy = "eagle" if spec.family == "eagle" else "medusa"  # mtp heads run under medusa
   table = "\n".join(f"| {i + 1} | " + " | ".join(f"{a:.3f}" for a in (*acc[:5], acc[9])) + " |"
                     for i, acc in enumerate(heldout["heldout_topk"]))
   return f"""# {name}
@@ -798,7 +813,7 @@ Simulated accepted length, 1 + sum_k prod_(i <= k) top-1_i:
 import mdjax
 model = mdjax.load({spec.base_model!r})
 heads = mdjax.load_heads("path/to/{name}")
-out = mdjax.generate(model, prompts, strategy={spec.family!r}, heads=heads)
+out = mdjax.generate(model, prompts, strategy={strategy!r}, heads=heads)
 ```
 """
 

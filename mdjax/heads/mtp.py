@@ -1,0 +1,126 @@
+r"""Parallel multi-token-prediction heads (Gloeckle et al. 2024): K small decoders side
+by side on the model's final-norm hidden states, sharing its unembedding.
+
+Head k (k = 1..K) is `num_layers` decoder layers of the model's own layer type
+(`eagle_config`: full attention, RoPE at the tokens' positions) over the sequence of
+hidden states h_0 .. h_t, then its final RMSNorm, then the model's `lm_head`; at t it
+guesses token t + 1 + k (the model's own head guesses t + 1)::
+
+    h_0 .. h_t ─┬─ layer(s) of head 1 ─ final_norm[0] ─ lm_head ─> token t + 2
+                ├─ layer(s) of head 2 ─ final_norm[1] ─ lm_head ─> token t + 3
+                │  ...
+                └─ the model's lm_head (on h_t) ─────────────────> token t + 1
+
+Each head attends to the earlier positions, so the heads keep a KV cache of their own
+over the committed text, fed the target's hidden states (as inputs: no token
+embedding) at the target's positions and segments. It is one `KVCache` of K x L
+layers (`mtp_cache_config`), head k's layers at k L .. k L + L - 1 (from k = 0); the
+K heads run as one `jax.vmap` of the transformer's `forward` over their stacked
+params and their layers of the cache, and write the same slots. K = 3, L = 1::
+
+    target cache   tokens   x_0  x_1  x_2  x_3       seg 0 0 0 0   pos 0 1 2 3
+    heads' cache   fed      h_0  h_1  h_2  h_3       (the same seg, pos and length)
+                   layer 0  head 1's K/V of them
+                   layer 1  head 2's
+                   layer 2  head 3's
+
+Params (leaves of every head stacked on a leading axis of K)::
+
+    layers       a list of L decoder-layer dicts (`transformer`'s layout), each leaf [K, ...]
+    final_norm   [K, D]
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from mdjax.cache import KVCache
+from mdjax.errors import MdjaxError
+from mdjax.heads.base import HeadsConfig
+from mdjax.heads.eagle import eagle_config
+from mdjax.models.config import ModelConfig
+from mdjax.models.random_init import init_params
+from mdjax.models.transformer import Params, forward, forward_causal, lm_head
+from mdjax.topology import Topology
+
+
+def mtp_cache_config(model_config: ModelConfig, num_heads: int, num_layers: int) -> ModelConfig:
+  """The config the heads' KV cache is created from: K x L layers of the model's type."""
+  return eagle_config(model_config, num_heads * num_layers)
+
+
+def init_mtp(config: HeadsConfig, model_config: ModelConfig, seed: int = 0, dtype=jnp.float32,
+             std: float = 0.02) -> Params:
+  """Random decoder layers (`init_params`' scheme, a different draw per head) and
+  identity final norms, stacked per head (the module docstring's layout)."""
+  k, depth = config.num_heads, config.num_layers
+  decoder = init_params(eagle_config(model_config, k * depth), seed, dtype, std)
+  layers = decoder["layers"]  # K x L layer dicts, head-major
+  return {"layers": [jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers[i::depth])
+                     for i in range(depth)],
+          "final_norm": jnp.stack([decoder["final_norm"]] * k)}
+
+
+def check_mtp_params(config: HeadsConfig, params: Params, model_config: ModelConfig) -> None:
+  """Raises `MdjaxError` naming the first param that heads of `config` on a model of
+  `model_config` would not have, or not in that shape (e.g. heads trained on another
+  model of the same hidden size)."""
+  def shapes(tree) -> dict[str, tuple[int, ...]]:
+    return {jax.tree_util.keystr(path, simple=True, separator="."): tuple(jnp.shape(leaf))
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+  expected = shapes(jax.eval_shape(lambda: init_mtp(config, model_config)))
+  given = shapes(params)
+  for name in sorted(expected.keys() | given.keys()):
+    if expected.get(name) != given.get(name):
+      got = f"shape {given[name]}" if name in given else "missing"
+      want = f"shape {expected[name]}" if name in expected else "no such param"
+      raise MdjaxError(f"the mtp heads {config.base_model!r} do not fit this model: {name} is "
+                       f"{got}, expected {want}")
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "attention"),
+                   donate_argnames=("cache",))
+def mtp_features(heads_params: Params, cache: KVCache, hidden: Float[Array, "B T D"],
+                 positions: Int[Array, "B T"], segments: Int[Array, "B T"], topology: Topology,
+                 *, model_config: ModelConfig, attention: str = "block_sparse"
+                 ) -> tuple[Float[Array, "B T K D"], KVCache]:
+  """Every head over its layers of `cache` (`KVCache.create(mtp_cache_config(...))`) for
+  the T fed hidden states, like `decode_step` feeds tokens: each head's final-norm
+  output (what the unembedding reads) and the cache with the T added."""
+  num_heads = heads_params["final_norm"].shape[0]
+  config = eagle_config(model_config, len(heads_params["layers"]))
+  split = lambda x: x.reshape(num_heads, -1, *x.shape[1:])  # [K L, ...] -> [K, L, ...]
+
+  def head(params, k, v):  # one head over its own layers of the cache
+    return forward(params, cache.replace(k=k, v=v), None, positions, segments, topology,
+                   config=config, attention=attention, inputs=hidden)
+
+  shared = KVCache(k=0, v=0, pos=None, seg=None, length=None)  # pos, seg, length: one for all
+  features, cache = jax.vmap(head, out_axes=(2, shared))(heads_params,
+                                                         split(cache.k), split(cache.v))
+  merge = lambda x: x.reshape(-1, *x.shape[2:])  # [K, L, ...] -> [K L, ...]
+  return features, cache.replace(k=merge(cache.k), v=merge(cache.v))
+
+
+def mtp_step(heads_params: Params, model_params: Params, cache: KVCache,
+             hidden: Float[Array, "B T D"], positions: Int[Array, "B T"],
+             segments: Int[Array, "B T"], topology: Topology, *, model_config: ModelConfig,
+             attention: str = "block_sparse") -> tuple[Float[Array, "B T K V"], KVCache]:
+  """`mtp_features` through the model's `lm_head`: head k's logits (float32) of token
+  t + 1 + k at every fed t, and the cache."""
+  features, cache = mtp_features(heads_params, cache, hidden, positions, segments, topology,
+                                 model_config=model_config, attention=attention)
+  return lm_head(model_params, features, config=model_config), cache
+
+
+def mtp_causal(heads_params: Params, hidden: Float[Array, "B T D"], *,
+               model_config: ModelConfig) -> Float[Array, "B T K D"]:
+  """Training forward without a cache: every head's final-norm output at every
+  position of whole sequences of hidden states (`hidden[:, t]`: the model's at t)."""
+  config = eagle_config(model_config, len(heads_params["layers"]))
+  head = lambda params: forward_causal(params, None, config=config, inputs=hidden)
+  return jax.vmap(head, out_axes=2)(heads_params)  # each head: a model's params dict
