@@ -260,10 +260,18 @@ def prefill(model: ModelFn, params, prompt: Prompt, cache: KVCache,
             ) -> tuple[Float[Array, "B N V"], KVCache, Topology]:
   """Every row's context and branch tokens in one pass (into `slots` when given): the
   logits that start each branch, the cache, and the prompt's topology."""
-  topology = prompt.topology()
-  logits, _, cache = model(params, cache, prompt.tokens, prompt.positions, prompt.segments,
-                            topology, logits_at=prompt.branch_last, slots=slots)  # [B, N, V]
+  logits, _, cache, topology = prefill_with_hidden(model, params, prompt, cache, slots)
   return logits, cache, topology
+
+
+def prefill_with_hidden(model: ModelFn, params, prompt: Prompt, cache: KVCache,
+                        slots: Int[Array, "B P"] | None = None
+                        ) -> tuple[Float[Array, "B N V"], Float[Array, "B P H"], KVCache, Topology]:
+  """`prefill`, and the final-norm hidden states of every prompt token (what heads read)."""
+  topology = prompt.topology()
+  logits, hidden, cache = model(params, cache, prompt.tokens, prompt.positions, prompt.segments,
+                                topology, logits_at=prompt.branch_last, slots=slots)  # [B, N, V]
+  return logits, hidden, cache, topology
 
 
 def branch_membership(prompt: Prompt) -> Bool[Array, "B P N"]:

@@ -51,7 +51,7 @@ from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
 from mdjax.heads import Heads, HeadsConfig, eagle_config, eagle_step
 from mdjax.strategies import drafting, layouts
-from mdjax.strategies.base import Limits, ModelFn, Prompt
+from mdjax.strategies.base import Limits, ModelFn, Prompt, prefill_with_hidden
 from mdjax.strategies.drafting import DraftState
 from mdjax.strategies.registry import register
 from mdjax.strategies.speculative_tree import DraftPass, TreeDrafter
@@ -132,10 +132,8 @@ class Eagle(TreeDrafter):
     """The target's prefill (its hidden states kept), its first token, and the head's
     prefill: the prompt with the target's hidden states shifted by one."""
     batch = prompt.tokens.shape[0]
-    topology = prompt.topology()
-    logits, hidden, target_cache = self.model(
-        params["target"], cache, prompt.tokens, prompt.positions, prompt.segments, topology,
-        logits_at=prompt.branch_last)  # [B, 1, V], [B, P, H]
+    logits, hidden, target_cache, topology = prefill_with_hidden(
+        self.model, params["target"], prompt, cache)  # [B, 1, V], [B, P, H]
     state = drafting.start(DraftState, self.model, None, params, prompt, cache, limits, capacity,
                            self.sampling, positions=self.tree_depth,
                            return_metadata=self.return_metadata,

@@ -102,7 +102,8 @@ from mdjax.heads.mtp import check_mtp_params, mtp_cache_config, mtp_features
 from mdjax.models.transformer import lm_head
 from mdjax.sampling import tree_accept
 from mdjax.strategies import drafting, layouts, trees
-from mdjax.strategies.base import Limits, ModelFn, Prompt, Sampled, internal
+from mdjax.strategies.base import (Limits, ModelFn, Prompt, Sampled, internal,
+                                   prefill_with_hidden)
 from mdjax.strategies.drafting import DraftState
 from mdjax.strategies.registry import register
 from mdjax.strategies.speculative_tree import SLOT_MULTIPLE
@@ -355,10 +356,8 @@ class Medusa(Sampled):
 
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
            capacity: int) -> HeadsState:
-    topology = prompt.topology()
-    logits, hidden, cache = self.model(params["target"], cache, prompt.tokens, prompt.positions,
-                                       prompt.segments, topology,
-                                       logits_at=prompt.branch_last)  # [B, N, V], [B, P, H]
+    logits, hidden, cache, topology = prefill_with_hidden(self.model, params["target"], prompt,
+                                                          cache)  # [B, N, V], [B, P, H]
     return drafting.start(HeadsState, self.model, None, params, prompt, cache, limits, capacity,
                           self.sampling, positions=self.arrays.max_depth,
                           return_metadata=self.return_metadata,
