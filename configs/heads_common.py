@@ -52,4 +52,5 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.keep_checkpoints = 3
   config.max_minutes = 0.0  # > 0: stop after the step that crosses this budget, then export
   config.export_dir = ""
+  config.export_dtype = "float32"  # the exported weights: "float32" or "bfloat16" (half the size)
   return config

@@ -27,4 +27,5 @@ def get_config():
   config.eval_every = 250
   config.checkpoint_every = 100
   config.max_minutes = 90.0
+  config.export_dtype = "bfloat16"  # shipped: half the size; mdjax.load_heads gives float32
   return config

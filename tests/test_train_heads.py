@@ -23,6 +23,7 @@ import pytest
 import mdjax
 from configs import heads_tiny_test
 from mdjax.train import data, head_prompts
+from mdjax.heads import load_heads, save_heads
 from mdjax.train import heads as heads_lib
 from tests.helpers import CYCLE, cycle_model
 
@@ -264,3 +265,23 @@ def test_cli_prints_one_error_line_for_bad_input(tmp_path):
   assert result.returncode == 1
   assert result.stderr.strip().splitlines()[-1] == (
       "error: unknown heads family 'hydra'; supported: medusa, eagle, mtp")
+
+
+def test_export_dtype_halves_the_file_and_loads_back_as_float32(tmp_path):
+  """bfloat16 export (what ships): the weights file is about half the float32 one, and
+  `load_heads` gives float32 arrays equal to the rounded weights."""
+  model = mdjax.load("random-llama-tiny")
+  c = model.config
+  heads = mdjax.heads.init_heads(mdjax.HeadsConfig(
+      family="eagle", base_model="random-llama-tiny", base_family=c.family,
+      hidden_size=c.hidden_size, vocab_size=c.vocab_size), c)
+  save_heads(heads, tmp_path / "f32")
+  save_heads(heads, tmp_path / "bf16", dtype="bfloat16")
+  size = lambda d: (tmp_path / d / "heads.safetensors").stat().st_size
+  assert size("bf16") < 0.6 * size("f32")
+  loaded = load_heads(tmp_path / "bf16")
+  assert loaded.params["fc"].dtype == jnp.float32
+  np.testing.assert_array_equal(loaded.params["fc"],
+                                heads.params["fc"].astype(jnp.bfloat16).astype(jnp.float32))
+  with pytest.raises(mdjax.MdjaxError, match="unsupported dtype"):
+    load_heads(tmp_path / "bf16", dtype="float16")

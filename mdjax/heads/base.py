@@ -36,7 +36,7 @@ import safetensors.numpy
 
 from mdjax.errors import CheckpointError, MdjaxError, check_count
 from mdjax.files import atomic_directory
-from mdjax.models.config import ModelConfig
+from mdjax.models.config import ModelConfig, weight_dtype
 
 FAMILIES = ("medusa", "eagle", "mtp")
 CONFIG_FILE, WEIGHTS_FILE, CARD_FILE = "heads.json", "heads.safetensors", "README.md"
@@ -148,12 +148,15 @@ def unflatten(flat: dict[str, np.ndarray]):
   return listify(tree)
 
 
-def save_heads(heads: Heads, path: str | os.PathLike) -> None:
-  """Writes `heads` as a directory (replaced atomically): config, weights, card."""
+def save_heads(heads: Heads, path: str | os.PathLike, dtype=None) -> None:
+  """Writes `heads` as a directory (replaced atomically): config, weights (cast to
+  `dtype`, "float32" or "bfloat16", when given), card."""
+  params = jax.device_get(heads.params)
+  if dtype is not None:
+    params = cast_floats(params, weight_dtype(dtype))
   with atomic_directory(path) as staging:
     (staging / CONFIG_FILE).write_text(json.dumps(heads.config.to_json(), indent=2) + "\n")
-    safetensors.numpy.save_file(flatten(jax.device_get(heads.params)),
-                                str(staging / WEIGHTS_FILE))
+    safetensors.numpy.save_file(flatten(params), str(staging / WEIGHTS_FILE))
     (staging / CARD_FILE).write_text(heads.card or f"# {pathlib.Path(path).name}\n")
 
 
@@ -164,22 +167,30 @@ def shipped_heads() -> list[str]:
   return sorted(p.name for p in ASSETS_DIR.iterdir() if (p / CONFIG_FILE).is_file())
 
 
-def load_heads(path_or_name: str | os.PathLike) -> Heads:
+def cast_floats(params, dtype):
+  """`params` with every floating array cast to `dtype`."""
+  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                      params)
+
+
+def load_heads(path_or_name: str | os.PathLike, dtype="float32") -> Heads:
   """Heads from a directory `save_heads` wrote, a directory in a public layout
   (FasterDecoding's or vLLM's Medusa, EAGLE: `mdjax.heads.formats`), or a shipped name
   (`smollm2-135m-instruct-medusa`, ...)."""
   from mdjax.heads import formats  # formats imports this module
+  dtype = weight_dtype(dtype)
   text = str(path_or_name)
   directory = ASSETS_DIR / text if text in shipped_heads() else pathlib.Path(text)
   if not (directory / CONFIG_FILE).is_file():
     if directory.is_dir() and formats.detect_layout(directory) is not None:
-      return formats.import_heads(directory)
+      return formats.import_heads(directory, dtype=dtype)
     raise CheckpointError(f"no heads at {text!r}: expected a directory holding {CONFIG_FILE} or "
                           f"heads in a public layout ({', '.join(formats.LAYOUTS)}), or a "
                           f"shipped name ({', '.join(shipped_heads()) or 'none shipped'})")
   try:
     config = HeadsConfig.from_json(json.loads((directory / CONFIG_FILE).read_text()))
-    params = unflatten(safetensors.numpy.load_file(str(directory / WEIGHTS_FILE)))
+    params = cast_floats(unflatten(safetensors.numpy.load_file(str(directory / WEIGHTS_FILE))),
+                         dtype)
   except (OSError, ValueError, TypeError, safetensors.SafetensorError) as e:
     raise CheckpointError(f"cannot read the heads in {directory}: {e}") from None
   card = (directory / CARD_FILE).read_text() if (directory / CARD_FILE).is_file() else ""

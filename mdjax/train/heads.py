@@ -75,7 +75,7 @@ from mdjax.generate import generate
 from mdjax.heads import (FAMILIES, Heads, HeadsConfig, eagle_causal, init_heads, medusa_logits,
                          mtp_causal)
 from mdjax.heads.base import save_heads
-from mdjax.models.config import ModelConfig
+from mdjax.models.config import ModelConfig, weight_dtype
 from mdjax.models.model import Model
 from mdjax.models.transformer import Params, forward_causal, lm_head
 from mdjax.prompts import encode_prompts
@@ -576,6 +576,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise MdjaxError(f"unknown heads family {config.family!r}; supported: {', '.join(FAMILIES)}")
   if config.loss not in LOSSES:
     raise MdjaxError(f"config.loss must be one of {', '.join(LOSSES)}, got {config.loss!r}")
+  weight_dtype(config.export_dtype)  # fails now, not at the export after training
   if config.feature_dtype not in FEATURE_DTYPES:
     raise MdjaxError(f"config.feature_dtype must be one of {', '.join(FEATURE_DTYPES)}, "
                      f"got {config.feature_dtype!r}")
@@ -858,6 +859,6 @@ def export(heads: Heads, directory: pathlib.Path, *, config: ml_collections.Conf
                     stopped_early)
   heads = Heads(config=spec, params=heads.params, card=card, name=str(directory))
   with atomic_directory(directory) as staging:
-    save_heads(heads, staging)
+    save_heads(heads, staging, dtype=config.export_dtype)
     (staging / HELDOUT_FILE).write_text(json.dumps(run_data.heldout_prompts, indent=1) + "\n")
   return heads
