@@ -20,7 +20,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.py")
                  if p.stem not in ("__init__", "common") and not p.stem.startswith(("lm_", "heads_")))
 LOSSLESS = ("greedy", "prompt_lookup", "speculative", "self_speculative", "lookahead", "jacobi",
-            "speculative_tree")
+            "speculative_tree", "medusa", "blockwise", "eagle")
 NEW_TOKENS = 6
 
 
