@@ -69,15 +69,19 @@ def eagle_inputs(heads_params: Params, model_params: Params, tokens: Int[Array, 
 def eagle_step(heads_params: Params, model_params: Params, cache: KVCache,
                tokens: Int[Array, "B T"], features: Float[Array, "B T D"],
                positions: Int[Array, "B T"], segments: Int[Array, "B T"], topology: Topology, *,
-               model_config: ModelConfig, num_layers: int, attention: str = "block_sparse"
-               ) -> tuple[Float[Array, "B T V"], Float[Array, "B T D"], KVCache]:
+               model_config: ModelConfig, num_layers: int, attention: str = "block_sparse",
+               logits_at: Int[Array, "B R"] | None = None
+               ) -> tuple[Float[Array, "B R V"], Float[Array, "B T D"], KVCache]:
   """One head pass over its cache (`KVCache.create(eagle_config(...), ...)`), like
-  `decode_step`: `(logits of the token after each fed one, predicted features, cache)`."""
+  `decode_step`: `(logits of the token after each fed one, predicted features, cache)`;
+  with `logits_at`, the logits after those fed tokens only (R of them; none: R = 0)."""
   inputs = eagle_inputs(heads_params, model_params, tokens, features, model_config=model_config)
   hidden, cache = forward(heads_params, cache, tokens, positions, segments, topology,
                           config=eagle_config(model_config, num_layers), attention=attention,
                           inputs=inputs)
-  return lm_head(model_params, hidden, config=model_config), hidden, cache
+  picked = hidden if logits_at is None else jnp.take_along_axis(
+      hidden, logits_at[..., None], axis=1)  # [B, R, D]
+  return lm_head(model_params, picked, config=model_config), hidden, cache
 
 
 def eagle_causal(heads_params: Params, model_params: Params, tokens: Int[Array, "B T"],

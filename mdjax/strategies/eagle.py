@@ -121,10 +121,11 @@ class Eagle(TreeDrafter):
 
   def _head_pass(self, params) -> DraftPass:
     """The head as a draft pass: features in, (logits, predicted features, cache) out."""
-    def head_pass(cache, tokens, positions, segments, topology, features):
+    def head_pass(cache, tokens, positions, segments, topology, features, logits_at=None):
       return eagle_step(params["heads"], params["target"], cache, tokens, features, positions,
                         segments, topology, model_config=self.model.config,
-                        num_layers=self.heads.num_layers, attention=self.model.attention)
+                        num_layers=self.heads.num_layers, attention=self.model.attention,
+                        logits_at=logits_at)
     return head_pass
 
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
@@ -141,8 +142,9 @@ class Eagle(TreeDrafter):
     head_cache = KVCache.create(eagle_config(self.model.config, self.heads.num_layers), batch,
                                 target_cache.num_slots, target_cache.k.dtype)
     shifted = jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))  # [B, P, H] h_{t-1}, 0 at t = 0
-    _, _, head_cache = self._head_pass(params)(head_cache, prompt.tokens, prompt.positions,
-                                               prompt.segments, topology, shifted)
+    _, _, head_cache = self._head_pass(params)(
+        head_cache, prompt.tokens, prompt.positions, prompt.segments, topology, shifted,
+        logits_at=jnp.zeros((batch, 0), jnp.int32))  # no logits: only the cache is wanted
     last_hidden = jnp.take_along_axis(hidden, prompt.branch_last[:, :1, None], axis=1)  # [B, 1, H]
     width = (batch, 1 + self.tree_depth)
     return dataclasses.replace(state, draft=HeadState(
@@ -157,11 +159,11 @@ class Eagle(TreeDrafter):
     emitted so far."""
     head = state.draft
     positions, segments = drafting.pending_feed(state)
+    last = (head.pending_count - 1)[:, None]  # [B, 1] the column of `c`
     logits, features, cache = head_pass(head.cache, head.pending, positions, segments,
-                                        state.topology, head.features)  # [B, 1 + D, V | H]
-    last = (head.pending_count - 1)[:, None, None]  # [B, 1, 1] the column of `c`
-    return (jnp.take_along_axis(logits, last, axis=1)[:, 0],
-            jnp.take_along_axis(features, last, axis=1)[:, 0], cache)
+                                        state.topology, head.features,
+                                        logits_at=last)  # [B, 1, V], [B, 1 + D, H]
+    return logits[:, 0], jnp.take_along_axis(features, last[..., None], axis=1)[:, 0], cache
 
   def step(self, params, state: DraftState) -> DraftState:
     head_pass = self._head_pass(params)
