@@ -6,7 +6,8 @@
 For each batch size (rows of held-out chat prompts, never trained on): greedy, prompt
 lookup, `medusa` on the heads' calibrated tree, `blockwise` (the heads' top-1 chain)
 and `eagle`; every lossless contender's tokens are compared with greedy's. At batch 1
-`medusa` also runs at several tree budgets (tokens per target pass vs budget). Writes
+`medusa` also runs at several tree budgets (tokens per target pass vs budget), and
+`eagle` with a smaller tree (`eagle_8`: depth 3, top-3, 8 nodes). Writes
 `bench_heads.json` and `bench_heads.png`: tokens per pass vs tree budget (measured,
 and the trainer's prediction from the held-out top-k accuracies), acceptance per depth,
 speed vs greedy per batch size.
@@ -44,6 +45,7 @@ _QUICK = flags.DEFINE_bool("quick", False,
 
 LOOKUP = dict(prompt_lookup_num_tokens=4, max_ngram_size=3)
 EAGLE_TREE = dict(tree_depth=4, tree_top_k=4, tree_budget=16)
+EAGLE_SMALL_TREE = dict(tree_depth=3, tree_top_k=3, tree_budget=8)  # batch 1 only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +107,9 @@ def bench_batch(model, medusa, eagle, prompts, batch: int, settings: Settings) -
   if eagle is not None:
     contenders["eagle"] = lambda: run_mdjax(model, groups, n, "eagle", heads=eagle, **EAGLE_TREE)
   if batch == 1:
+    if eagle is not None:
+      contenders["eagle_8"] = lambda: run_mdjax(model, groups, n, "eagle", heads=eagle,
+                                                **EAGLE_SMALL_TREE)
     for budget in settings.budgets:
       contenders[f"medusa_{budget}"] = (
           lambda budget=budget: run_mdjax(model, groups, n, "medusa", heads=medusa,
