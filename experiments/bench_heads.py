@@ -188,7 +188,8 @@ def plot(results: dict, path: pathlib.Path) -> None:
   width = 0.8 / len(results["batches"])
   for i, (batch, cells) in enumerate(results["batches"].items()):
     x = np.arange(len(names)) + i * width
-    speed.bar(x, [cells[n]["speedup_vs_greedy"] for n in names], width, label=f"batch {batch}")
+    speed.bar(x, [cells.get(n, {}).get("speedup_vs_greedy", 0.0) for n in names], width,
+              label=f"batch {batch}")
   speed.axhline(1.0, color="black", lw=0.8)
   speed.set_xticks(np.arange(len(names)) + width * (len(results["batches"]) - 1) / 2, names,
                    rotation=30, ha="right", fontsize=8)
