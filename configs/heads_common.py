@@ -58,3 +58,21 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.export_dir = ""
   config.export_dtype = "float32"  # the exported weights: "float32" or "bfloat16" (half the size)
   return config
+
+
+def get_shipped_config(family: str) -> ml_collections.ConfigDict:
+  """What the shipped SmolLM2 heads' configs share: `family` over the default model,
+  two answers per prompt, a float16 cache of hidden states (the same data, so every
+  family's run reuses the first one's cache), evaluations every 250 steps, checkpoints
+  every 100, the 90-minute budget, a bfloat16 export (half the size; `mdjax.load_heads`
+  gives float32)."""
+  config = get_base_config()
+  config.family = family
+  config.samples_per_prompt = 2
+  config.feature_dtype = "float16"
+  config.eval_every = 250
+  config.checkpoint_every = 100
+  config.max_minutes = 90.0
+  config.export_dtype = "bfloat16"
+  return config
+

@@ -12,18 +12,10 @@ from configs import heads_common
 
 
 def get_config():
-  config = heads_common.get_base_config()
-  config.family = "eagle"
+  config = heads_common.get_shipped_config("eagle")
   config.num_heads = 1
   config.num_layers = 1
   config.unroll = 2
-  config.samples_per_prompt = 2
-  config.feature_dtype = "float16"
   config.steps = 1000
   config.batch_size = 4
-  config.optim.update(lr=1e-3, warmup_steps=50)
-  config.eval_every = 250
-  config.checkpoint_every = 100
-  config.max_minutes = 90.0
-  config.export_dtype = "bfloat16"  # shipped: half the size; mdjax.load_heads gives float32
   return config

@@ -12,17 +12,9 @@ from configs import heads_common
 
 
 def get_config():
-  config = heads_common.get_base_config()
-  config.family = "medusa"
+  config = heads_common.get_shipped_config("medusa")
   config.num_heads = 4
   config.num_layers = 1
-  config.samples_per_prompt = 2
-  config.feature_dtype = "float16"
   config.steps = 1500
   config.batch_size = 256
-  config.optim.update(lr=1e-3, warmup_steps=50)
-  config.eval_every = 250
-  config.checkpoint_every = 100
-  config.max_minutes = 90.0
-  config.export_dtype = "bfloat16"  # shipped: half the size; mdjax.load_heads gives float32
   return config

@@ -13,12 +13,11 @@ final line is the training summary as JSON. Bad input: one `error: ...` line, ex
 
 from __future__ import annotations
 
-import json
-import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
+from experiments.cli import json_main
 from mdjax.train import heads
 
 _CONFIG = config_flags.DEFINE_config_file("config", None,
@@ -36,19 +35,5 @@ def run(config) -> dict:
           "heldout_accepted_length": result.heldout["heldout_accepted_length"]}
 
 
-def main(argv):
-  if len(argv) > 1:
-    print(f"error: unexpected arguments {argv[1:]!r}", file=sys.stderr)
-    sys.exit(2)
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  try:
-    summary = run(_CONFIG.value)
-  except (ValueError, OSError) as e:  # MdjaxError is a ValueError; OSError: files
-    print("error: " + " ".join(str(e).split()), file=sys.stderr)
-    sys.exit(1)
-  print(json.dumps(summary))
-
-
 if __name__ == "__main__":
-  app.run(main)
+  app.run(json_main(run, _CONFIG))

@@ -13,14 +13,14 @@ line is the training summary as JSON. Bad input: one `error: ...` line, exit 1.
 
 from __future__ import annotations
 
-import json
 import pathlib
 import shlex
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
+from experiments.cli import json_main
 from mdjax.train import export, lm
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config, e.g. configs/lm_target.py.")
@@ -35,19 +35,5 @@ def run(config) -> dict:
   return export.export(result, config, directory, command=command)
 
 
-def main(argv):
-  if len(argv) > 1:
-    print(f"error: unexpected arguments {argv[1:]!r}", file=sys.stderr)
-    sys.exit(2)
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  try:
-    summary = run(_CONFIG.value)
-  except (ValueError, OSError) as e:  # MdjaxError is a ValueError; OSError: files
-    print("error: " + " ".join(str(e).split()), file=sys.stderr)
-    sys.exit(1)
-  print(json.dumps(summary))
-
-
 if __name__ == "__main__":
-  app.run(main)
+  app.run(json_main(run, _CONFIG))

@@ -18,9 +18,10 @@ from mdjax.heads import Heads, HeadsConfig, init_heads, save_heads
 from mdjax.heads.tree import (TreeArrays, build_tree, check_tree, default_accuracy,
                               expected_length)
 from mdjax.models.model import Model
+from mdjax.sampling import typical_accept
 from mdjax.step import decode_step
 from mdjax.strategies.base import ModelFn
-from mdjax.strategies.medusa import Blockwise, Medusa, typical_accept
+from mdjax.strategies.medusa import Blockwise, Medusa
 from tests.helpers import GEMMA3_MIXED, chi_square_p_value, random_model, target_law
 
 PROMPTS = [list(range(3, 19)), [9, 10, 11, 12, 13], [40]]  # ragged

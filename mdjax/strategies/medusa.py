@@ -46,7 +46,8 @@ follows the target's law; it needs sampling options): a node is accepted when th
 target gives its token, after its parent, more than min(typical_epsilon,
 typical_delta * exp(-H)), H the entropy of that distribution; of the nodes whose
 whole path is accepted, the deepest wins (ties: the first in tree order), and the
-next token is sampled from the target's distribution after it (`typical_accept`).
+next token is sampled from the target's distribution after it
+(`mdjax.sampling.typical_accept`).
 
 MTP heads (Gloeckle et al. 2024, `mdjax.heads.mtp`) guess the same tokens as Medusa's
 (head k: token t + 1 + k), each through a decoder layer with its own attention over
@@ -100,7 +101,7 @@ from mdjax.heads.base import Heads, HeadsConfig
 from mdjax.heads.medusa import medusa_logits
 from mdjax.heads.mtp import check_mtp_params, mtp_cache_config, mtp_features
 from mdjax.models.transformer import lm_head
-from mdjax.sampling import tree_accept
+from mdjax.sampling import tree_accept, typical_accept
 from mdjax.strategies import drafting, layouts, trees
 from mdjax.strategies.base import (Limits, ModelFn, Prompt, Sampled, internal,
                                    prefill_with_hidden)
@@ -216,40 +217,6 @@ class MtpGuess:
     features = features.reshape(rows, fed, *features.shape[2:])  # [R, 1 + D, K, H]
     last = jnp.take_along_axis(features, verified.accepted[:, None, None, None], axis=1)[:, 0]
     return MtpRead(cache=heads_cache, features=last)
-
-
-def typical_accept(keys: jax.Array, tokens: Int[Array, "B N"], parent: Int[Array, "B N"],
-                   p: Float[Array, "B N+1 V"], depth: int, *, epsilon: float, delta: float
-                   ) -> tuple[Int[Array, "B D"], Int[Array, "B"]]:
-  """Medusa's typical acceptance on a tree (`tree_accept`'s arguments and result).
-
-  Node n passes when `p[:, 1 + parent[n]]` (the target's distribution after its
-  parent; column 0 the root) gives its token more than min(epsilon, delta * exp(-H)),
-  H that distribution's entropy. The deepest node that passes with all its
-  ancestors is accepted with its path (ties: the lowest index); the next token is
-  sampled from `p` after it. Lossy: the emitted tokens do not follow `p`'s law.
-  """
-  batch = tokens.shape[0]
-  rows = jnp.arange(batch)
-  plogp = jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0)
-  threshold = jnp.minimum(epsilon, delta * jnp.exp(plogp.sum(axis=-1)))  # [B, N + 1]
-  above = parent + 1  # [B, N] column of each node's parent
-  passes = p[rows[:, None], above, tokens] > jnp.take_along_axis(threshold, above, axis=1)
-  under_root, up = parent < 0, jnp.maximum(parent, 0)
-  take = lambda x: jnp.take_along_axis(x, up, axis=1)
-  accepted, level = passes, jnp.ones_like(parent)
-  for _ in range(depth - 1):  # after i rounds, right for the nodes i + 1 levels deep
-    accepted = passes & (under_root | take(accepted))
-    level = jnp.where(under_root, 1, 1 + take(level))
-  best = jnp.argmax(jnp.where(accepted, level, 0), axis=1)  # [B] the first deepest
-  node = jnp.where(accepted[rows, best], best, -1).astype(jnp.int32)
-  last = node
-  path = jnp.full((batch, depth), -1, jnp.int32)
-  for _ in range(depth):  # from the accepted node up to the root, one level per round
-    path = path.at[rows, jnp.where(node >= 0, level[rows, node] - 1, depth)].set(node, mode="drop")
-    node = jnp.where(node >= 0, parent[rows, jnp.maximum(node, 0)], -1)
-  next_token = jax.vmap(jax.random.categorical)(keys, jnp.log(p[rows, last + 1]))
-  return path, next_token.astype(jnp.int32)
 
 
 @register

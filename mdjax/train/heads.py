@@ -628,7 +628,7 @@ def train(config: ml_collections.ConfigDict, *, model: Model | None = None,
   spec = heads_config(config, model)
   objective = Objective.from_config(config, model.config)
   optimizer = make_optimizer(config)
-  manager = lm._checkpoint_manager(config, run_dir)
+  manager = lm.checkpoint_manager(config, run_dir)
   start, state = _restore(config, spec, model.config, optimizer, manager)
   log = MetricsLog(run_dir / "metrics.jsonl")
   log.truncate_after(start)
@@ -648,7 +648,7 @@ def train(config: ml_collections.ConfigDict, *, model: Model | None = None,
     if step % config.eval_every == 0 and step < config.steps and not stopped_early:
       log.write({"step": step, **evaluate(state["params"], readers[1], objective, base,
                                           config.batch_size)})
-    if lm._due(step, config.checkpoint_every, config.steps) or stopped_early:
+    if lm.due(step, config.checkpoint_every, config.steps) or stopped_early:
       manager.save(step, args=ocp.args.StandardSave(state), force=True)
     if stopped_early:
       break

@@ -311,7 +311,7 @@ def _write_run_files(config, corpus: data.Corpus, run_dir: pathlib.Path) -> None
        "train_files": len(corpus.train), "heldout": list(corpus.heldout)}, indent=1) + "\n")
 
 
-def _checkpoint_manager(config, run_dir: pathlib.Path) -> ocp.CheckpointManager:
+def checkpoint_manager(config, run_dir: pathlib.Path) -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True,
                                          enable_async_checkpointing=False,
                                          cleanup_tmp_directories=True)
@@ -358,7 +358,7 @@ def train(config: ml_collections.ConfigDict, *, progress: bool = True,
   corpus, tokenizer, run_data = _prepare_run(config, run_dir)
   cfg = model_config(config, tokenizer.backend_tokenizer.get_vocab_size())
   optimizer = make_optimizer(config)
-  manager = _checkpoint_manager(config, run_dir)
+  manager = checkpoint_manager(config, run_dir)
   start, state = _restore(config, cfg, optimizer, manager)
   end = start if restore_only else config.steps
   if restore_only and not start and not config.init_from:
@@ -373,11 +373,11 @@ def train(config: ml_collections.ConfigDict, *, progress: bool = True,
     state, metrics = train_step(state, jnp.asarray(run_data.batches.batch(step - 1)),
                                 teacher and teacher.params)
     losses.add(step, metrics)
-    if _due(step, config.eval_every, end):
+    if due(step, config.eval_every, end):
       log.write({"step": step, **evaluate_heldout(state["params"], cfg, run_data,
                                                   config.batch_size, teacher)})
       plot_losses(log.records(), run_dir / "loss.png", run_dir.name)
-    if _due(step, config.checkpoint_every, end):
+    if due(step, config.checkpoint_every, end):
       manager.save(step, args=ocp.args.StandardSave(state), force=True)
   losses.close()
   manager.wait_until_finished()
@@ -410,7 +410,7 @@ def _restore(config: ml_collections.ConfigDict, cfg: ModelConfig,
   return start, state
 
 
-def _due(step: int, every: int, end: int) -> bool:
+def due(step: int, every: int, end: int) -> bool:
   """Is a periodic action (log, evaluation, checkpoint) due after `step`? Every `every`
   steps and after the last."""
   return step % every == 0 or step == end
@@ -435,7 +435,7 @@ class _LossLog:
 
   def add(self, step: int, metrics: dict[str, jax.Array]) -> None:
     self.loss_sum = self.loss_sum + metrics["loss"]
-    if not _due(step, self.every, self.end):
+    if not due(step, self.every, self.end):
       return
     now = time.perf_counter()
     loss = float(self.loss_sum) / (step - self.last_step)
