@@ -47,6 +47,10 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.unroll = 1  # eagle: steps fed their own predicted features (1 = teacher forcing)
   config.steps = 1000
   config.batch_size = 256  # medusa: positions; eagle, mtp: rows
+  # "data,tensor", e.g. "4,2": the model on a ("data", "tensor") mesh of all the devices
+  # (`mdjax.sharding`), each batch split over data (batch_size a multiple of it), the heads
+  # replicated; "" = one device, no mesh. Checkpoints resume on any mesh.
+  config.mesh = ""
   config.optim = ml_collections.ConfigDict({
       "lr": 1e-3, "warmup_steps": 50, "min_lr_ratio": 0.1, "weight_decay": 0.0, "b1": 0.9,
       "b2": 0.95, "clip_norm": 1.0})

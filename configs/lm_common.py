@@ -36,6 +36,10 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.distill_temperature = 1.0
   config.seq_len = 256
   config.batch_size = 16
+  # "data,tensor", e.g. "2,4": train on a ("data", "tensor") mesh of all the devices (their
+  # count must be data x tensor, batch_size a multiple of data; see `mdjax.train.lm`);
+  # "" = one device, no mesh. Checkpoints resume on any mesh.
+  config.mesh = ""
   config.steps = 1000
   config.model = ml_collections.ConfigDict({
       "hidden_size": 128, "intermediate_size": 384, "num_layers": 2, "num_heads": 4,

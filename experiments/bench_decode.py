@@ -57,7 +57,7 @@ from mdjax import strategies
 from mdjax.cache import KVCache
 from experiments.benchlib import (agreement, load_pair, machine_info, machine_line,
                                   median_after_first_token, memory_bandwidth, plt, save_figure,
-                                  write_results)
+                                  step_bytes, write_results)
 from mdjax.generate import cache_size
 from mdjax.prompts import bucket
 from mdjax.strategies.base import ModelFn
@@ -97,19 +97,6 @@ class Settings:
 
 QUICK = dict(models=("random-llama-tiny",), batches=(2,), prompt_len=16, new_tokens=8,
              repeats=2, bandwidth_mib=64)
-
-
-def step_bytes(model: mdjax.Model, batch: int, keys: float) -> float:
-  """Bytes one decode step must read: every weight except the embedding table, of
-  which only the `batch` gathered rows (all of it when tied to the head), plus the
-  K/V of `keys` cached tokens per row."""
-  params, config = model.params, model.config
-  embed = params["embed"]
-  total = sum(x.nbytes for x in jax.tree.leaves(params))
-  if "lm_head" in params:
-    total += batch * embed.shape[1] * embed.dtype.itemsize - embed.nbytes
-  kv = 2 * config.num_layers * batch * keys * config.num_kv_heads * config.head_dim
-  return total + kv * embed.dtype.itemsize
 
 
 def run_mdjax(model: mdjax.Model, prompts: np.ndarray, new_tokens: int):

@@ -1,9 +1,10 @@
-"""What the benchmark scripts share: the bandwidth probe, the model in both libraries,
-token agreement and the machine description."""
+"""What the benchmark scripts share: the bandwidth probe, the bytes a decode step reads,
+the model in both libraries, token agreement and the machine description."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import platform
@@ -17,8 +18,10 @@ import numpy as np
 import torch
 import tqdm
 import transformers
+from jax.sharding import NamedSharding
 
 import mdjax
+from mdjax import sharding
 from mdjax.models import hf
 
 matplotlib.use("Agg")
@@ -46,6 +49,35 @@ def memory_bandwidth(mib: int, trials: int = 5) -> dict:
     copy_s = best(lambda i: np.copyto(targets[i], sources[i]))
   return dict(read_gbps=source.nbytes / read_s / 1e9, copy_gbps=2 * source.nbytes / copy_s / 1e9,
               array_mib=mib, threads=workers)
+
+
+def step_bytes(model, batch: int, keys: float, per_device: bool = False) -> float:
+  """Bytes one decode step must read: every weight except the embedding table, of
+  which only the `batch` gathered rows (all of it when tied to the head), plus the
+  K/V of `keys` cached tokens per row.
+
+  `per_device`: what one device reads when the model lies on a mesh (`mdjax.shard`):
+  its shard of each weight and of the KV cache (`mdjax.sharding.CACHE_AXES`); a
+  replicated weight (data axis) is read whole by every device. Without a mesh, the same
+  as the total."""
+  params, config = model.params, model.config
+  embed = params["embed"]
+  itemsize = embed.dtype.itemsize
+
+  def size(x) -> int:
+    if not per_device:
+      return x.nbytes
+    return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+
+  total = sum(size(x) for x in jax.tree.leaves(params))
+  if "lm_head" in params:  # at most `batch` rows of the table (of a device's shard)
+    total += batch * embed.shape[1] * itemsize - size(embed)
+  kv_shape = (config.num_layers, batch, 1, config.num_kv_heads, config.head_dim)
+  layout = getattr(model, "layout", None)
+  if per_device and layout is not None:
+    kv_spec = sharding.spec(layout.mesh, sharding.CACHE_AXES["k"], kv_shape)
+    kv_shape = NamedSharding(layout.mesh, kv_spec).shard_shape(kv_shape)
+  return total + 2 * math.prod(kv_shape) * keys * itemsize  # K and V
 
 
 def load_pair(name: str, seed: int, scratch: pathlib.Path):

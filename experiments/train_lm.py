@@ -5,9 +5,12 @@
         --config.tokenizer=/tmp/target/tokenizer
     python -m experiments.train_lm --config=configs/lm_target.py --config.run_dir=/tmp/target \
         --config.export_only=True       # export the latest checkpoint now
+    python -m experiments.train_lm --config=configs/lm_target.py --config.run_dir=/tmp/target \
+        --config.mesh=2,4               # data 2 x tensor 4: a mesh of all 8 devices
 
 Killed at any point, the same command resumes from the latest checkpoint in
-`run_dir` and ends with the parameters an uninterrupted run would have. The final
+`run_dir` (on any `--config.mesh`: checkpoints hold the one-device layout) and ends
+with the parameters an uninterrupted run would have. The final
 line is the training summary as JSON. Bad input: one `error: ...` line, exit 1.
 """
 

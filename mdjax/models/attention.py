@@ -252,15 +252,21 @@ def _absorb_own_regions(carry, qg: Float[Array, "B T K R H"], queries: Queries, 
 
   def gathered(index, carry):
     slot = shared + (region * size + index * chunk)[..., None] + jnp.arange(chunk)  # [B, T, C]
-    return absorb(cache.k[layer][rows, slot], cache.v[layer][rows, slot], cache.seg[rows, slot],
+    # one gather at (layer, row, slot): indexing cache.k[layer] first would copy the whole
+    # layer out of the cache, every chunk, when `layer` is traced (the scan layer loop)
+    return absorb(cache.k[layer, rows, slot], cache.v[layer, rows, slot], cache.seg[rows, slot],
                   cache.pos[rows, slot], carry)
 
   def in_order_chunk(index, carry):
-    def cut(x):  # [B, S, ...] -> [B, T, C, ...]: chunk `index` of the first T regions
-      regions_view = jax.lax.slice_in_dim(x, shared, shared + t * size, axis=1).reshape(
-          b, t, size, *x.shape[2:])
-      return jax.lax.dynamic_slice_in_dim(regions_view, index * chunk, chunk, axis=2)
-    return absorb(cut(cache.k[layer]), cut(cache.v[layer]), cut(cache.seg), cut(cache.pos), carry)
+    def cut(x, axis=1):  # [.., B, S, ...] -> [.., B, T, C, ...]: chunk `index` of T regions
+      regions_view = jax.lax.slice_in_dim(x, shared, shared + t * size, axis=axis).reshape(
+          *x.shape[:axis], t, size, *x.shape[axis + 1:])
+      return jax.lax.dynamic_slice_in_dim(regions_view, index * chunk, chunk, axis=axis + 1)
+
+    def cut_layer(x):  # [L, B, S, K, H] -> [B, T, C, K, H]; the layer picked last, so that
+      # only the chunk is read (picked first, the whole layer would be copied out)
+      return jax.lax.dynamic_index_in_dim(cut(x, axis=2), layer, keepdims=False)
+    return absorb(cut_layer(cache.k), cut_layer(cache.v), cut(cache.seg), cut(cache.pos), carry)
 
   if in_order and shared + t * size > cache.num_slots:
     raise ValueError(f"an in-order pass of {t} queries needs {t} regions of {size} slots after "

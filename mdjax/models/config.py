@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -14,6 +15,11 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 ROPE_TYPES = ("default", "linear", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 WEIGHT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def default_weight_dtype() -> str:
+  """"bfloat16" on accelerators (GPU, TPU), "float32" on CPU."""
+  return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
 def weight_dtype(dtype) -> np.dtype:

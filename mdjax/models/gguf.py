@@ -144,8 +144,10 @@ def _download(repo: str, filename: str) -> pathlib.Path:
 # --------------------------------------------------------------------------- loading
 
 
-def load_gguf(file: str | os.PathLike, dtype="float32", *, name: str | None = None) -> Model:
-  """Loads a GGUF file as a `Model` with weights of `dtype`, converting it on first use."""
+def load_gguf(file: str | os.PathLike, dtype="float32", *, name: str | None = None,
+              mesh=None) -> Model:
+  """Loads a GGUF file as a `Model` with weights of `dtype` (on `mesh` when given),
+  converting it on first use."""
   np_dtype = weight_dtype(dtype)
   file = pathlib.Path(file)
   if not file.is_file():
@@ -155,8 +157,14 @@ def load_gguf(file: str | os.PathLike, dtype="float32", *, name: str | None = No
   converted = (cache_dir() / "gguf"
                / f"{file.stem}-{file.stat().st_size}-{digest[:16]}-v{CACHE_VERSION}")
   if not (converted / "config.json").is_file():
-    hf.save_hf(convert(file), converted)
-  return hf.load_hf_dir(converted, dtype=np_dtype, name=name if name is not None else file.name)
+    model = convert(file)
+    try:
+      hf.save_hf(model, converted)
+    except OSError:  # another process (a test worker) wrote the same copy at the same time
+      if not (converted / "config.json").is_file():
+        raise
+  return hf.load_hf_dir(converted, dtype=np_dtype, name=name if name is not None else file.name,
+                        mesh=mesh)
 
 
 def convert(file: pathlib.Path) -> Model:
@@ -173,7 +181,9 @@ def convert(file: pathlib.Path) -> Model:
   tensors = _Tensors(reader, file, arch)
   config = _config(reader, file, arch, tensors)
   tensors.heads = (config.num_heads, config.num_kv_heads)
-  params = hf._params_from_hf(config, tensors, np.float32)  # noqa: SLF001 -- one HF->params map
+  # host arrays: they are only written to the float32 cache (`load_gguf`), which is then
+  # loaded onto the device(s); nothing is put whole on one device here
+  params = hf._params_from_hf(config, tensors, np.float32, place=dict)  # noqa: SLF001
   tensors.check_all_used()
   return Model(config=config, params=params, tokenizer=_tokenizer(reader, file, arch),
                name=file.name)

@@ -34,17 +34,19 @@ import json
 import os
 import pathlib
 import re
+from collections.abc import Callable
 from typing import Any
 
-import jax.numpy as jnp
 import ml_dtypes  # noqa: F401 -- registers bfloat16 with numpy, which BF16 tensors need
 import numpy as np
 import safetensors
 import safetensors.numpy
 
+from mdjax import sharding
 from mdjax.errors import CheckpointError, MdjaxError
 from mdjax.files import atomic_directory
 from mdjax.models.config import LAYER_TYPES, ModelConfig, RopeScaling, weight_dtype
+from mdjax.models.layer_loop import unstack_layers
 from mdjax.models.model import Model
 from mdjax.models.registry import RANDOM_MODELS
 from mdjax.models.transformer import Params
@@ -396,8 +398,10 @@ def _norms_after_attention(config: ModelConfig) -> dict[str, str]:
   return {"mlp_norm": "post_attention_layernorm"}
 
 
-def _params_from_hf(config: ModelConfig, weights: _Weights, dtype) -> Params:
-  """HF tensors -> the per-layer, fused, transposed params of `transformer`."""
+def _params_from_hf(config: ModelConfig, weights: _Weights, dtype,
+                    place: Callable[[dict], dict] = sharding.placer(None)) -> Params:
+  """HF tensors -> the per-layer, fused, transposed params of `transformer`; `place`
+  puts each layer's weights, then the rest, on the device(s) (`mdjax.sharding.placer`)."""
   c = config
   d, f, h = c.hidden_size, c.intermediate_size, c.head_dim
   qkv_sizes = (c.num_heads * h, c.num_kv_heads * h, c.num_kv_heads * h)
@@ -429,14 +433,14 @@ def _params_from_hf(config: ModelConfig, weights: _Weights, dtype) -> Params:
     if c.qk_norm:
       lp["q_norm"] = get(p + "self_attn.q_norm.weight", h)
       lp["k_norm"] = get(p + "self_attn.k_norm.weight", h)
-    return {name: jnp.asarray(np.ascontiguousarray(w)) for name, w in lp.items()}
+    return place({name: np.ascontiguousarray(w) for name, w in lp.items()})
 
-  params = {"embed": jnp.asarray(get("model.embed_tokens.weight", c.vocab_size, d)),
-            "layers": [layer(f"model.layers.{i}.") for i in range(c.num_layers)],
-            "final_norm": jnp.asarray(get("model.norm.weight", d))}
+  layers = [layer(f"model.layers.{i}.") for i in range(c.num_layers)]
+  top = {"embed": get("model.embed_tokens.weight", c.vocab_size, d),
+         "final_norm": get("model.norm.weight", d)}
   if not c.tie_word_embeddings:
-    params["lm_head"] = jnp.asarray(get("lm_head.weight", c.vocab_size, d).T)  # [D, V]
-  return params
+    top["lm_head"] = np.ascontiguousarray(get("lm_head.weight", c.vocab_size, d).T)  # [D, V]
+  return {**place(top), "layers": layers}
 
 
 def _params_to_hf(config: ModelConfig, params: Params, dtype) -> dict[str, np.ndarray]:
@@ -444,8 +448,9 @@ def _params_to_hf(config: ModelConfig, params: Params, dtype) -> dict[str, np.nd
   c = config
   h = c.head_dim
   qkv_split = np.cumsum([c.num_heads * h, c.num_kv_heads * h])
+  params = sharding.one_device_layout(params, config)
   out = {"model.embed_tokens.weight": np.asarray(params["embed"])}
-  for i, layer in enumerate(params["layers"]):
+  for i, layer in enumerate(unstack_layers(params)["layers"]):  # either layer loop's layout
     p = f"model.layers.{i}."
     lp = {name: np.asarray(w) for name, w in layer.items()}
     out[p + "input_layernorm.weight"] = lp["attn_norm"]
@@ -488,8 +493,10 @@ def _read_json(file: pathlib.Path) -> dict[str, Any]:
   return value
 
 
-def load_hf_dir(path: str | os.PathLike, dtype="float32", *, name: str | None = None) -> Model:
-  """Loads a Hugging Face-format directory as a `Model` with weights of `dtype`."""
+def load_hf_dir(path: str | os.PathLike, dtype="float32", *, name: str | None = None,
+                mesh=None) -> Model:
+  """Loads a Hugging Face-format directory as a `Model` with weights of `dtype`, each
+  weight put straight onto its sharding when a `mesh` is given (`mdjax.sharding`)."""
   directory = pathlib.Path(path)
   if not directory.exists():
     raise CheckpointError(f"no such checkpoint directory: {str(path)!r}")
@@ -511,7 +518,8 @@ def load_hf_dir(path: str | os.PathLike, dtype="float32", *, name: str | None = 
     raise CheckpointError(f"{config_file}: {e}") from None
   weights = _Weights(directory)
   weights.validate()
-  params = _params_from_hf(config, weights, np_dtype)
+  layout = sharding.layout_for(mesh, config)
+  params = _params_from_hf(config, weights, np_dtype, sharding.placer(layout))
   tokenizer = None
   if any((directory / f).is_file() for f in TOKENIZER_FILES):
     import transformers  # only checkpoints with a tokenizer need it
@@ -520,7 +528,7 @@ def load_hf_dir(path: str | os.PathLike, dtype="float32", *, name: str | None = 
     except Exception as e:  # noqa: BLE001 -- transformers raises many types for bad files
       raise CheckpointError(f"cannot load the tokenizer in {directory}: {e}") from None
   return Model(config=config, params=params, tokenizer=tokenizer, path=str(directory),
-               name=name if name is not None else directory.name)
+               name=name if name is not None else directory.name, layout=layout)
 
 
 def save_hf(model: Model, path: str | os.PathLike, dtype="float32",

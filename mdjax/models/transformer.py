@@ -3,7 +3,7 @@
 Params::
 
     embed          [V, D]
-    layers         a list of L per-layer dicts:
+    layers         L per-layer dicts (a list), or one dict of them stacked [L, ...]:
       attn_norm      [D]
       wqkv           [D, (N + 2K) * H]   q, k, v projections fused (one matmul)
       bqkv           [(N + 2K) * H]      qwen2 / llama attention_bias only
@@ -21,6 +21,11 @@ Params::
     final_norm     [D]
     lm_head        [D, V]              absent when the embedding is tied
 
+On a mesh with tensor > 1 (`mdjax.sharding`) each fused projection is stored split,
+so no shard boundary falls inside q|k|v or gate|up: `wq [D, N*H]`, `wk`/`wv [D, K*H]`
+(`bq`, `bk`, `bv`) and `w_gate`/`w_up [D, F]` (`b_gate`, `b_up`); and `embed`/`lm_head`
+are padded to a multiple of the tensor size in V (the logits are cut back to V).
+
 Norm weights are stored as checkpoints hold them: gemma3's RMSNorms scale by
 `1 + weight`, the others by `weight`. One gemma3 layer::
 
@@ -31,11 +36,11 @@ Gemma3 also scales the embeddings by sqrt(D) (rounded to the weights' dtype), an
 layers mix sliding-window and full attention, each kind with its own RoPE
 (`ModelConfig.layer_window`, `ModelConfig.inv_freq(layer)`).
 
-Layers are a list walked by a Python loop, not arrays stacked for `lax.scan`:
-XLA on CPU copies a dynamic slice of stacked weights before every matmul, which
-tripled the bytes a decode step reads (measured: 10.8 ms vs 7.2 ms per step for
-the 31M `random-llama` at batch 1). The KV cache stays stacked `[L, ...]`: each
-layer writes its new K/V into its slots in place, then attends over the cache.
+`layers` is a list walked by a Python loop ("unrolled"), or the same leaves stacked
+`[L, ...]` in one dict and walked by `lax.scan` ("scan", see `mdjax.models.layer_loop`:
+compile time flat in depth; on CPU slower per token, so "unrolled" is CPU's default).
+Both run each layer through `_layer`. The KV cache is stacked `[L, ...]` either way:
+each layer writes its new K/V into its slots in place, then attends over the cache.
 
 The model knows nothing of strategies: it maps tokens at explicit positions, in
 explicit segments, over an explicit cache, to logits.
@@ -54,6 +59,8 @@ from mdjax import cache as cache_ops
 from mdjax.cache import CacheRegions, KVCache
 from mdjax.models.attention import LayerAttention, Queries, attention_fn, masked_attention
 from mdjax.models.config import ModelConfig
+from mdjax.models.layer_loop import layer_loop_of
+from mdjax.sharding import constrain, constrain_cache
 from mdjax.topology import Topology, visibility_limits, visible
 
 Params = dict
@@ -87,13 +94,17 @@ def apply_rope(x: Float[Array, "B T N H"], positions: Int[Array, "B T"],
 def _project_qkv(config: ModelConfig, lp: Params, h: Float[Array, "B T D"], positions,
                  layer: int):
   n, k, hd = config.num_heads, config.num_kv_heads, config.head_dim
-  qkv = h @ lp["wqkv"]  # [B, T, (N + 2K) * H]
-  if config.qkv_bias:
-    qkv = qkv + lp["bqkv"]
-  b, t, _ = qkv.shape
-  q = qkv[..., :n * hd].reshape(b, t, n, hd)
-  key = qkv[..., n * hd:(n + k) * hd].reshape(b, t, k, hd)
-  value = qkv[..., (n + k) * hd:].reshape(b, t, k, hd)
+  b, t, _ = h.shape
+  if "wqkv" in lp:  # fused (one device)
+    qkv = h @ lp["wqkv"]  # [B, T, (N + 2K) * H]
+    if config.qkv_bias:
+      qkv = qkv + lp["bqkv"]
+    q, key, value = jnp.split(qkv, [n * hd, (n + k) * hd], axis=-1)
+  else:  # split (a mesh: see `mdjax.sharding`)
+    q, key, value = (h @ lp["w" + x] + (lp["b" + x] if config.qkv_bias else 0) for x in "qkv")
+  q = constrain(q.reshape(b, t, n, hd), "batch", None, "heads", None)
+  key = constrain(key.reshape(b, t, k, hd), "batch", None, "kv_heads", None)
+  value = constrain(value.reshape(b, t, k, hd), "batch", None, "kv_heads", None)
   if config.qk_norm:
     q = _norm(config, q, lp["q_norm"])
     key = _norm(config, key, lp["k_norm"])
@@ -102,46 +113,111 @@ def _project_qkv(config: ModelConfig, lp: Params, h: Float[Array, "B T D"], posi
 
 
 def _mlp(config: ModelConfig, lp: Params, h: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
-  gate_up = h @ lp["w_gate_up"]  # [B, T, 2F]
-  if config.mlp_bias:
-    gate_up = gate_up + lp["b_gate_up"]
-  gate, up = jnp.split(gate_up, 2, axis=-1)
+  if "w_gate_up" in lp:  # fused (one device)
+    gate_up = h @ lp["w_gate_up"]  # [B, T, 2F]
+    if config.mlp_bias:
+      gate_up = gate_up + lp["b_gate_up"]
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+  else:  # split (a mesh)
+    gate, up = (h @ lp["w_" + x] + (lp["b_" + x] if config.mlp_bias else 0) for x in ("gate", "up"))
   # gemma3: GeGLU with the tanh-approximated GELU (HF's gelu_pytorch_tanh)
   act = jax.nn.gelu(gate, approximate=True) if config.family == "gemma3" else jax.nn.silu(gate)
-  out = (act * up) @ lp["w_down"]
-  return out + lp["b_down"] if config.mlp_bias else out
+  inner = constrain(act * up, "batch", None, "mlp")  # [B, T, F]
+  out = inner @ lp["w_down"]
+  return constrain(out + lp["b_down"] if config.mlp_bias else out, "batch", None, None)
 
 
 def _layers(config: ModelConfig, params: Params, x: Float[Array, "B T D"],
             positions: Int[Array, "B T"], attend: Callable, carry):
-  """The decoder layers, shared by the cached and the training forward.
+  """The decoder layers, shared by the cached and the training forward, in either
+  layout of `params["layers"]` (`mdjax.models.layer_loop`).
 
-  `attend(q, k, v, layer, carry) -> (out, carry)` maps the new tokens' q
+  `attend(q, k, v, layer, spec, carry) -> (out, carry)` maps the new tokens' q
   `[B, T, N, H]` and k, v `[B, T, K, H]` (RoPE applied) to the attention output
-  `[B, T, N, H]`, threading `carry` (the cache) from layer to layer. Returns the
-  final-norm hidden states `[B, T, D]` and the last carry.
+  `[B, T, N, H]`, threading `carry` (the cache) from layer to layer; `layer` is the
+  layer's index (an int, or a traced int32 scalar under scan), `spec` its static
+  `LayerAttention`. Returns the final-norm hidden states `[B, T, D]` and the last carry.
   """
-  for index, lp in enumerate(params["layers"]):
-    h = _norm(config, x, lp["attn_norm"]) if "attn_norm" in lp else x  # (EAGLE-1 has none)
-    q, k, v = _project_qkv(config, lp, h, positions, index)
-    out, carry = attend(q, k, v, index, carry)  # [B, T, N, H]
-    out = out.reshape(*out.shape[:2], -1) @ lp["wo"]
-    if config.o_bias:
-      out = out + lp["bo"]
-    if config.gemma_norms:
-      out = _norm(config, out, lp["post_attn_norm"])
-    x = x + out
-    out = _mlp(config, lp, _norm(config, x, lp["mlp_norm"]))
-    if config.gemma_norms:
-      out = _norm(config, out, lp["post_mlp_norm"])
-    x = x + out
+  if layer_loop_of(params) == "scan":
+    x, carry = _scanned_layers(config, params["layers"], x, positions, attend, carry)
+  else:
+    for index, lp in enumerate(params["layers"]):
+      x, carry = _layer(config, lp, x, positions, attend, carry, index, index)
   return (_norm(config, x, params["final_norm"]) if "final_norm" in params else x), carry
+
+
+def _layer(config: ModelConfig, lp: Params, x: Float[Array, "B T D"],
+           positions: Int[Array, "B T"], attend: Callable, carry, layer, like: int):
+  """One decoder layer: `(x, carry)` after it. `layer` is its index, handed to `attend`
+  (traced under scan); `like` is the static index of a layer with the same static
+  settings (sliding window, score scale, soft-cap, RoPE): itself when unrolled."""
+  h = _norm(config, x, lp["attn_norm"]) if "attn_norm" in lp else x  # (EAGLE-1 has none)
+  q, k, v = _project_qkv(config, lp, h, positions, like)
+  out, carry = attend(q, k, v, layer, layer_attention(config, like), carry)  # [B, T, N, H]
+  out = out.reshape(*out.shape[:2], -1) @ lp["wo"]  # --> [B, T, D]
+  if config.o_bias:
+    out = out + lp["bo"]
+  if config.gemma_norms:
+    out = _norm(config, out, lp["post_attn_norm"])
+  x = x + out
+  out = _mlp(config, lp, _norm(config, x, lp["mlp_norm"]))
+  if config.gemma_norms:
+    out = _norm(config, out, lp["post_mlp_norm"])
+  return x + out, carry
+
+
+def layer_period(config: ModelConfig, num_layers: int) -> int:
+  """The smallest P such that every layer i has the static settings of layer i % P
+  (sliding window, score scale, soft-cap, RoPE frequencies): 1 when all layers are
+  alike (llama), 6 for gemma3's five sliding layers then one full layer."""
+  settings = [(layer_attention(config, i), tuple(config.inv_freq(i).tolist()))
+              for i in range(num_layers)]
+  return next(p for p in range(1, num_layers + 1)
+              if all(settings[i] == settings[i % p] for i in range(num_layers)))
+
+
+def _scanned_layers(config: ModelConfig, layers: Params, x: Float[Array, "B T D"],
+                    positions: Int[Array, "B T"], attend: Callable, carry):
+  """Stacked layers `[L, ...]`: one `lax.scan` over the L // P whole groups of P
+  consecutive layers (P = `layer_period`), each group's P layers unrolled with their
+  static settings; then the L % P layers after the last whole group, unrolled. The
+  compiled program holds P + L % P layers, whatever L. A gemma3 of 26 layers::
+
+      layer   0 ......... 5 | 6 ........ 11 | ... | 18 ....... 23 | 24 25
+      kind    s s s s s f   | s s s s s f   | ... | s s s s s f   | s  s
+              scan step 0   | step 1        | ... | step 3        | unrolled
+
+  Each layer reads its weights out of the stacked arrays by its index inside the
+  loop, never from a `[L // P, P, ...]` view scanned over: when P does not divide L
+  that view is a slice, which XLA copies whole, every step (5x slower forward in a
+  micro-benchmark); the price is a backward pass that accumulates the weights'
+  gradients in the loop (1.6x slower backward there, same result). The cache in
+  `carry` is threaded through the loop and written in place.
+  """
+  count = jax.tree.leaves(layers)[0].shape[0]
+  period = layer_period(config, count)
+  groups = count // period
+
+  def run(x, carry, index, like):
+    lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, index, keepdims=False), layers)
+    return _layer(config, lp, x, positions, attend, carry, index, like)
+
+  def group(state, g):
+    x, carry = state
+    for j in range(period):
+      x, carry = run(x, carry, g * period + j, j)
+    return (x, carry), None
+
+  (x, carry), _ = jax.lax.scan(group, (x, carry), jnp.arange(groups, dtype=jnp.int32))
+  for index in range(groups * period, count):
+    x, carry = run(x, carry, index, index)
+  return x, carry
 
 
 def embed(config: ModelConfig, params: Params, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
   """The tokens' embeddings; gemma3 scales them by sqrt(D), a float32 rounded to the
   embedding's dtype as transformers does (in bfloat16, sqrt(640) = 25.298 becomes 25.25)."""
-  x = params["embed"][tokens]  # [B, T, D]
+  x = constrain(params["embed"][tokens], "batch", None, None)  # [B, T, D]
   if config.family != "gemma3":
     return x
   return x * jnp.asarray(np.float32(config.hidden_size**0.5), x.dtype)
@@ -174,13 +250,13 @@ def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"] | None,
   meta = dict(positions=positions, segments=segments, slots=slot,
               limit=visibility_limits(topology))
 
-  def attend(q, k, v, index, cache):
+  def attend(q, k, v, index, spec, cache):
     cache = cache_ops.write_layer(cache, index, slot, k, v)
-    out = attention_impl(Queries(q=q, **meta), cache, index, layer_attention(config, index))
-    return out, cache
+    return attention_impl(Queries(q=q, **meta), cache, index, spec), cache
 
   x = embed(config, params, tokens) if inputs is None else inputs
-  return _layers(config, params, x, positions, attend, cache)
+  hidden, cache = _layers(config, params, x, positions, attend, constrain_cache(cache))
+  return hidden, constrain_cache(cache)
 
 
 def forward_causal(params: Params, tokens: Int[Array, "B T"] | None, *, config: ModelConfig,
@@ -198,8 +274,7 @@ def forward_causal(params: Params, tokens: Int[Array, "B T"] | None, *, config: 
   masks = {window: visible(limits, segments, positions, segments, positions, window)
            for window in {config.layer_window(i) for i in range(config.num_layers)}}  # [B, T, T]
 
-  def attend(q, k, v, index, carry):  # no cache: the keys are the sequence itself
-    spec = layer_attention(config, index)
+  def attend(q, k, v, index, spec, carry):  # no cache: the keys are the sequence itself
     return masked_attention(q, k, v, masks[spec.sliding_window], scale=spec.scale,
                             softcap=spec.softcap), carry
 
@@ -218,8 +293,10 @@ def causal_logits(params: Params, tokens: Int[Array, "B T"], *,
 def lm_head(params: Params, hidden: Float[Array, "... D"], *,
             config: ModelConfig) -> Float[Array, "... V"]:
   """Logits in float32, soft-capped when the config says so; the tied head reuses the
-  (unscaled) embedding."""
+  (unscaled) embedding. A vocabulary padded for a mesh (`mdjax.sharding`) is cut back
+  to `vocab_size`."""
   weight = params["lm_head"] if "lm_head" in params else params["embed"].T
   logits = jnp.matmul(hidden, weight, preferred_element_type=jnp.float32)
+  logits = logits[..., :config.vocab_size]
   cap = config.final_logit_softcapping
   return logits if cap is None else cap * jnp.tanh(logits / cap)

@@ -28,6 +28,7 @@ from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
 from mdjax.models.config import ModelConfig
+from mdjax.models.layer_loop import take_layers
 from mdjax.models.transformer import Params
 from mdjax.strategies import drafting, layouts
 from mdjax.strategies.base import Limits, ModelFn, Prompt, internal
@@ -46,8 +47,9 @@ def draft_config(config: ModelConfig, draft_layers) -> ModelConfig:
 
 
 def draft_params(params: Params, draft_layers: int) -> Params:
-  """The target's params with only its first `draft_layers` layers (no copy)."""
-  return dict(params, layers=params["layers"][:draft_layers])
+  """The target's params with only its first `draft_layers` layers, in the target's
+  layer layout (`mdjax.models.layer_loop.take_layers`)."""
+  return take_layers(params, draft_layers)
 
 
 @register

@@ -41,13 +41,17 @@ import numpy as np
 
 from mdjax.errors import MdjaxError
 from mdjax.models.config import ModelConfig
+from mdjax.models.layer_loop import layer_loop_of, unstack_layers, with_layer_loop
 from mdjax.models.random_init import init_params
 from mdjax.models.transformer import Params
 
 
 def grow(params: Params, config: ModelConfig, *, num_kv_heads: int | None = None,
          num_layers: int | None = None, seed: int = 0) -> tuple[Params, ModelConfig]:
-  """`(params, config)` grown to `num_kv_heads` and `num_layers` (None = unchanged)."""
+  """`(params, config)` grown to `num_kv_heads` and `num_layers` (None = unchanged);
+  the params keep their layer loop's layout (`mdjax.models.layer_loop`)."""
+  loop = layer_loop_of(params)
+  params = unstack_layers(params)
   num_kv_heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
   num_layers = config.num_layers if num_layers is None else num_layers
   _check(config, num_kv_heads, num_layers)
@@ -64,7 +68,7 @@ def grow(params: Params, config: ModelConfig, *, num_kv_heads: int | None = None
     new_layers = init_params(dataclasses.replace(grown, num_layers=added, layer_types=None),
                              seed)["layers"]
     layers = _interleave(layers, [_silent(lp, config) for lp in new_layers], after)
-  return {**params, "layers": layers}, grown
+  return with_layer_loop({**params, "layers": layers}, loop), grown
 
 
 def _check(config: ModelConfig, num_kv_heads: int, num_layers: int) -> None:

@@ -45,6 +45,13 @@ the batch of step i is a pure function of (seed, i), and the step is one jitted 
 program without randomness. A run killed at any point (or stopped by `max_minutes`)
 and restarted with the same `run_dir` resumes from its latest checkpoint and ends with
 bitwise the parameters of an uninterrupted run.
+
+Devices: `config.mesh = "data,tensor"` (e.g. "4,2"; "" = one device; `lm.device_mesh`)
+puts the frozen model on a `("data", "tensor")` mesh (`mdjax.sharding`: it generates
+and computes its features there), replicates the heads and their optimizer state,
+splits each batch over "data", and traces the step under `sharding.active`. The heads'
+checkpoints are the same arrays whatever the mesh, so a run resumes on any mesh.
+A model passed to `train` already on a mesh trains there.
 """
 
 from __future__ import annotations
@@ -64,10 +71,12 @@ import ml_collections
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 from tqdm import tqdm
 
 import mdjax
+from mdjax import sharding
 from mdjax.chat import chat_ids
 from mdjax.errors import MdjaxError, check_count, check_real
 from mdjax.files import atomic_directory
@@ -183,9 +192,13 @@ def _digest(value) -> str:
 
 def model_digest(model: Model) -> str:
   """sha256 of the model's config and every weight's bytes: the cache's notion of "the
-  same model" (a name alone does not pin a random model's seed or a file's contents)."""
+  same model" (a name alone does not pin a random model's seed or a file's contents).
+  A model on a mesh is digested in the one-device layout: the same model, the same cache."""
   digest = hashlib.sha256(repr(model.config).encode())
-  for leaf in jax.tree.leaves(model.params):
+  params = model.params
+  if model.layout is not None:  # on the host: fusing sharded parts would gather on devices
+    params = sharding.one_device_layout(jax.tree.map(np.asarray, params), model.config)
+  for leaf in jax.tree.leaves(params):
     digest.update(np.asarray(leaf).tobytes())
   return digest.hexdigest()
 
@@ -289,7 +302,8 @@ def write_features(model: Model, rows: list[list[list[int]]], directory: pathlib
     chunk = tokens[start:start + batch_size]
     padded = np.zeros((batch_size, width), np.int32)  # every call the same shape
     padded[:len(chunk)] = chunk
-    h, g = base_features(model.params, jnp.asarray(padded), config=model.config)
+    with sharding.active(model.layout):
+      h, g = base_features(model.params, jnp.asarray(padded), config=model.config)
     hidden[start:start + len(chunk)] = np.asarray(h[:len(chunk)]).astype(dtype)
     greedy[start:start + len(chunk)] = np.asarray(g[:len(chunk)])
   hidden.flush()
@@ -515,11 +529,13 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
                                  mask=lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)))
 
 
-def make_train_step(objective: Objective, optimizer: optax.GradientTransformation):
+def make_train_step(objective: Objective, optimizer: optax.GradientTransformation,
+                    shardings=None):
   """`step(state, batch, base) -> (state, metrics)`, jitted, `state` donated.
 
   state: {"params", "opt_state"} of the heads; base: the model's unembedding (frozen,
   an argument so that jit does not bake it into the program as a constant).
+  `shardings` (on a mesh, a tree like `state`): where the new state is kept.
   """
 
   @functools.partial(jax.jit, donate_argnums=0)
@@ -527,8 +543,11 @@ def make_train_step(objective: Objective, optimizer: optax.GradientTransformatio
     (loss, scores), grads = jax.value_and_grad(objective, has_aux=True)(
         state["params"], batch, base, BAR_TOP)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-    return ({"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state},
-            {"loss": loss, "grad_norm": optax.tree.norm(grads), **scores})
+    new_state = {"params": optax.apply_updates(state["params"], updates),
+                 "opt_state": opt_state}
+    if shardings is not None:
+      new_state = jax.lax.with_sharding_constraint(new_state, shardings)
+    return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **scores}
 
   return step
 
@@ -598,6 +617,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   check_real("config.max_minutes", config.max_minutes, 0.0)
   for name in ("head_decay", "regression_weight", "token_weight"):
     check_real(f"config.{name}", config[name], 0.0)
+  lm.device_mesh(config.mesh, config.batch_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -617,45 +637,53 @@ def train(config: ml_collections.ConfigDict, *, model: Model | None = None,
           progress: bool = True) -> Run:
   """Prepares the data (or finds it cached), trains or resumes the heads up to
   `config.steps` (or `max_minutes`), evaluates them on the held-out prompts and exports
-  them. `model`: the base, already loaded (default: `mdjax.load(config.model)`)."""
+  them. `model`: the base, already loaded (default: `mdjax.load(config.model)`); put on
+  `config.mesh` when it names one."""
   session_start = time.perf_counter()
   validate(config)
   run_dir = pathlib.Path(config.run_dir)
   run_dir.mkdir(parents=True, exist_ok=True)
   (run_dir / "config.json").write_text(config.to_json(indent=2) + "\n")
-  model = model or mdjax.load(config.model, dtype=config.model_dtype)
+  mesh = lm.device_mesh(config.mesh, config.batch_size)
+  model = (on_mesh(model, mesh) if model is not None else
+           mdjax.load(config.model, dtype=config.model_dtype, mesh=mesh))
+  layout = model.layout
+  if layout is not None and config.batch_size % layout.mesh.shape["data"]:
+    raise MdjaxError(f"config.batch_size ({config.batch_size}) must be a multiple of the "
+                     f"model's mesh's data axis ({layout.mesh.shape['data']})")
   run_data = prepare_data(config, model, run_dir, progress)
   spec = heads_config(config, model)
   objective = Objective.from_config(config, model.config)
   optimizer = make_optimizer(config)
   manager = lm.checkpoint_manager(config, run_dir)
-  start, state = _restore(config, spec, model.config, optimizer, manager)
+  start, state = _restore(config, spec, model.config, optimizer, manager, layout)
   log = MetricsLog(run_dir / "metrics.jsonl")
   log.truncate_after(start)
   base = unembedding(model)
   readers = [Reader(f, config.family, config.num_heads, config.mask_prompt)
              for f in (run_data.train, run_data.heldout)]
-  step_fn = make_train_step(objective, optimizer)
+  step_fn = make_train_step(objective, optimizer, lm.state_shardings(state, layout))
   bar = _Progress(config, log, start, progress, run_dir.name, session_start)
   end, stopped_early = start, False
-  for step in range(start + 1, config.steps + 1):
-    state, metrics = step_fn(state, readers[0].batch(config.seed, step - 1, config.batch_size),
-                             base)
-    end = step
-    stopped_early = (config.max_minutes > 0 and step < config.steps and
-                     time.perf_counter() - session_start > 60 * config.max_minutes)
-    bar.add(step, metrics, last=stopped_early)
-    if step % config.eval_every == 0 and step < config.steps and not stopped_early:
-      log.write({"step": step, **evaluate(state["params"], readers[1], objective, base,
-                                          config.batch_size)})
-    if lm.due(step, config.checkpoint_every, config.steps) or stopped_early:
-      manager.save(step, args=ocp.args.StandardSave(state), force=True)
-    if stopped_early:
-      break
-  bar.close()
-  manager.wait_until_finished()
-  heldout = _final_evaluation(log, end, state["params"], readers[1], objective, base,
-                              config.batch_size)
+  with sharding.active(layout):
+    for step in range(start + 1, config.steps + 1):
+      batch = readers[0].batch(config.seed, step - 1, config.batch_size)
+      state, metrics = step_fn(state, lm.shard_batch(batch, layout), base)
+      end = step
+      stopped_early = (config.max_minutes > 0 and step < config.steps and
+                       time.perf_counter() - session_start > 60 * config.max_minutes)
+      bar.add(step, metrics, last=stopped_early)
+      if step % config.eval_every == 0 and step < config.steps and not stopped_early:
+        log.write({"step": step, **evaluate(state["params"], readers[1], objective, base,
+                                            config.batch_size)})
+      if lm.due(step, config.checkpoint_every, config.steps) or stopped_early:
+        manager.save(step, args=ocp.args.StandardSave(state), force=True)
+      if stopped_early:
+        break
+    bar.close()
+    manager.wait_until_finished()
+    heldout = _final_evaluation(log, end, state["params"], readers[1], objective, base,
+                                config.batch_size)
   plot_heads(log.records(), run_dir / "losses.png", run_dir.name)
   train_seconds = bar.wall_seconds()
   directory = pathlib.Path(config.export_dir or run_dir / "export")
@@ -667,16 +695,34 @@ def train(config: ml_collections.ConfigDict, *, model: Model | None = None,
 
 
 def _restore(config: ml_collections.ConfigDict, spec: HeadsConfig, model_config: ModelConfig,
-             optimizer: optax.GradientTransformation,
-             manager: ocp.CheckpointManager) -> tuple[int, dict]:
+             optimizer: optax.GradientTransformation, manager: ocp.CheckpointManager,
+             layout: sharding.Layout | None = None) -> tuple[int, dict]:
   """(step, state) of the latest checkpoint, or (0, the seeded initial state) before any;
-  the initial state is also the template restored into."""
+  the initial state is also the template restored into. With a `layout`, replicated
+  on its mesh (restored straight there: abstract arrays with that sharding)."""
   params = init_heads(spec, model_config, seed=config.seed).params
   state = {"params": params, "opt_state": optimizer.init(params)}
   start = manager.latest_step() or 0
   if start:
-    state = manager.restore(start, args=ocp.args.StandardRestore(state))
-  return start, state
+    target = state if layout is None else jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
+            layout.mesh, PartitionSpec())), state)
+    state = manager.restore(start, args=ocp.args.StandardRestore(target))
+  return start, sharding.on_layout(state, layout)
+
+
+def on_mesh(model: Model, mesh) -> Model:
+  """`model` on `mesh` (`mdjax.shard`); as it is without a mesh, or when it lies there
+  already. `MdjaxError` when it lies on another mesh."""
+  if mesh is None:
+    return model
+  if model.layout is None:
+    return sharding.shard(model, mesh)
+  if model.layout.mesh != sharding.layout_mesh(mesh, model.config.num_kv_heads):
+    raise MdjaxError(f"the model lies on a mesh of {dict(model.layout.mesh.shape)}, not on "
+                     f"config.mesh's {dict(mesh.shape)}: pass it on one device, or set "
+                     "config.mesh to '' to train on its own mesh")
+  return model
 
 
 def _final_evaluation(log: MetricsLog, step: int, params, reader: Reader, objective: Objective,

@@ -21,6 +21,18 @@ pure function of (seed, i) (`data.Batches`), and the step is one jitted XLA prog
 The model has no dropout, so the step itself draws no random numbers. Hence a run
 killed at any point and restarted from its latest checkpoint ends with bitwise the
 same parameters as a run that was never interrupted.
+
+Devices: `config.mesh = "data,tensor"` (e.g. "2,4"; "" = one device, no mesh) trains
+on a `("data", "tensor")` mesh of all the devices (`device_mesh`). The params and the
+optimizer's moments are laid out by `mdjax.sharding` (with tensor > 1 the fused
+`wqkv` / `w_gate_up` split, the vocabulary rows zero-padded to a multiple of the tensor
+size, every matrix sharded by the rules table), step counts replicated, each batch
+split over "data", and the step traced under `sharding.active` so the model's own
+constraints apply. Padded vocabulary rows get no gradient (`lm_head` cuts them from the
+logits, no token embeds them), so Adam and the weight decay leave them at zero.
+Checkpoints always hold the one-device layout (`checkpoint_state`), so a run resumes on
+any mesh, or on one device, whatever wrote its checkpoint: the mesh's losses are the
+one device's up to float reassociation, and a resume on the same mesh is bitwise.
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import pathlib
 import platform
 import time
@@ -38,8 +51,10 @@ import ml_collections
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
+from mdjax import sharding
 from mdjax.errors import MdjaxError
 from mdjax.models import hf
 from mdjax.models.config import ModelConfig
@@ -49,7 +64,9 @@ from mdjax.train import data, distill
 from mdjax.train import tokenizer as tokenizer_lib
 from mdjax.train.metrics import MetricsLog, plot_losses
 
-DECAYED = ("embed", "wqkv", "wo", "w_gate_up", "w_down", "lm_head")  # matrices, not norms/biases
+# matrices, not norms/biases; fused or split (`mdjax.sharding`), per layer or stacked
+DECAYED = ("embed", "wqkv", "wq", "wk", "wv", "wo", "w_gate_up", "w_gate", "w_up", "w_down",
+           "lm_head")
 
 
 def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
@@ -96,12 +113,14 @@ def token_losses(params: Params, sequences: jax.Array, config: ModelConfig):
 
 
 def make_train_step(config: ModelConfig, optimizer: optax.GradientTransformation,
-                    teacher: distill.Teacher | None = None):
+                    teacher: distill.Teacher | None = None, shardings=None):
   """`step(state, batch, teacher_params=None) -> (state, metrics)`, jitted, `state` donated.
 
   state: {"params", "opt_state"}; batch: int32 `[B, T + 1]`. With a `teacher`, the loss
   mixes cross-entropy and the KL to the teacher (`mdjax.train.distill`); pass its
-  params as `teacher_params`.
+  params as `teacher_params`. `shardings` (a tree of shardings like `state`, on a
+  mesh): the new state is kept on them, so every step (and checkpoint) sees one layout.
+  Call the step under `sharding.active(layout)` on a mesh.
   """
 
   def loss_fn(params, batch, teacher_params):
@@ -119,8 +138,10 @@ def make_train_step(config: ModelConfig, optimizer: optax.GradientTransformation
     loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch, teacher_params)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    return ({"params": params, "opt_state": opt_state},
-            {"loss": loss, "grad_norm": optax.tree.norm(grads)})
+    new_state = {"params": params, "opt_state": opt_state}
+    if shardings is not None:
+      new_state = jax.lax.with_sharding_constraint(new_state, shardings)
+    return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
   return step
 
@@ -318,17 +339,116 @@ def checkpoint_manager(config, run_dir: pathlib.Path) -> ocp.CheckpointManager:
   return ocp.CheckpointManager(run_dir / "checkpoints", options=options)
 
 
+# --- Devices: the mesh of `config.mesh`, and a training state laid out on it -------------
+
+
+def device_mesh(spec: str, batch_size: int) -> Mesh | None:
+  """The `("data", "tensor")` mesh of all the devices that a config's `mesh` field names
+  ("2,4": data 2 x tensor 4), or None for "" (one device, no mesh). Both trainers read
+  it; `MdjaxError` when it is malformed, does not match the device count, or does not
+  divide `batch_size` over "data"."""
+  if not spec:
+    return None
+  parts = spec.replace(" ", "").split(",")
+  if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    raise MdjaxError(f"config.mesh must be 'data,tensor', two positive sizes (e.g. '2,4'), "
+                     f"or '' for one device; got {spec!r}")
+  shape = tuple(int(p) for p in parts)
+  devices = jax.devices()
+  if math.prod(shape) != len(devices):
+    raise MdjaxError(f"config.mesh {spec!r} needs {math.prod(shape)} devices, this process has "
+                     f"{len(devices)} ({devices[0].platform}); a CPU simulates n devices with "
+                     "JAX_NUM_CPU_DEVICES=n")
+  if batch_size % shape[0]:
+    raise MdjaxError(f"config.batch_size ({batch_size}) must be a multiple of the mesh's data "
+                     f"axis ({shape[0]}, config.mesh {spec!r}): every data shard takes an equal "
+                     "part of each batch")
+  return jax.make_mesh(shape, sharding.MESH_AXES)
+
+
+def map_param_trees(fn, state: dict, other=lambda x: x) -> dict:
+  """`state` ({"params", "opt_state"}) with `fn` applied to every subtree shaped like
+  `state["params"]` (the params, Adam's moments: dicts of named weights) and `other` to
+  every other leaf (step counts)."""
+  treedef = jax.tree.structure(state["params"])
+
+  def like_params(x) -> bool:
+    return isinstance(x, dict) and jax.tree.structure(x) == treedef
+  return jax.tree.map(lambda x: fn(x) if like_params(x) else other(x), state,
+                      is_leaf=like_params)
+
+
+def state_on_mesh(state: dict, layout: sharding.Layout | None) -> dict:
+  """A state in the one-device layout, laid out on `layout`'s mesh: the params and
+  their moments by `Layout.place` (split, padded, sharded by the rules), the rest
+  replicated. Unchanged without a layout."""
+  if layout is None:
+    return state
+  return map_param_trees(layout.place, state, lambda x: sharding.on_layout(x, layout))
+
+
+SPLIT_PARTS = ("wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up", "b_gate", "b_up")
+
+
+def checkpoint_state(state: dict, config: ModelConfig, layout: sharding.Layout | None) -> dict:
+  """What a checkpoint holds: `state` in the one-device layout (`state_on_mesh`'s
+  inverse), so that any mesh, or one device, restores it. The split parts (and a padded
+  vocabulary) are first gathered whole onto every device: a fused weight's shard
+  boundaries do not fall where its parts' did (left to XLA, that is a "full
+  rematerialization" warning), so a save briefly holds those weights unsharded."""
+  if layout is None:
+    return state
+  gathered = SPLIT_PARTS + (("embed", "lm_head") if layout.padded_vocab != config.vocab_size
+                            else ())
+  replicated = NamedSharding(layout.mesh, PartitionSpec())
+
+  def one_device(params):
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.device_put(x, replicated) if path[-1].key in gathered else x, params)
+    return sharding.one_device_layout(params, config)
+  return map_param_trees(one_device, state)
+
+
+def restore_target(state: dict, layout: sharding.Layout) -> dict:
+  """Abstract arrays to restore a checkpoint of the one-device layout `state` straight
+  onto `layout`'s mesh: each weight (and moment) sharded by the rules where its one-device
+  shape allows (a fused or unpadded one: replicated), the rest replicated; then
+  `state_on_mesh` lays it out."""
+  def abstract(x, where):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)
+
+  def weights(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: abstract(x, layout.sharding(path[-1].key, x.shape)), params)
+  replicated = NamedSharding(layout.mesh, PartitionSpec())
+  return map_param_trees(weights, state, lambda x: abstract(x, replicated))
+
+
+def shard_batch(batch, layout: sharding.Layout | None):
+  """A batch (numpy arrays, batch-major) as the step takes it: on the default device, or
+  split over the mesh's "data" axis straight from the host."""
+  if layout is None:
+    return jax.tree.map(jnp.asarray, batch)
+  return jax.device_put(batch, NamedSharding(layout.mesh, PartitionSpec("data")))
+
+
+def state_shardings(state: dict, layout: sharding.Layout | None):
+  """Where every array of `state` lies (None without a mesh): `make_train_step` keeps it so."""
+  return None if layout is None else jax.tree.map(lambda x: x.sharding, state)
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
   """What a finished `train` hands back."""
 
-  params: Params
+  params: Params  # on a mesh, its layout (`sharding.one_device_layout` gives one device's)
   model_config: ModelConfig
   tokenizer: object  # transformers.PreTrainedTokenizerFast
   corpus: data.Corpus
   data: Data
   step: int
   teacher: distill.Teacher | None = None  # the model it was distilled from, if any
+  layout: sharding.Layout | None = None  # the mesh it trained on (config.mesh), if any
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -343,6 +463,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.export_shard_mb < 0:
     raise MdjaxError(f"config.export_shard_mb must be >= 0 (0: one file), got "
                      f"{config.export_shard_mb}")
+  device_mesh(config.mesh, config.batch_size)
 
 
 def train(config: ml_collections.ConfigDict, *, progress: bool = True,
@@ -357,9 +478,10 @@ def train(config: ml_collections.ConfigDict, *, progress: bool = True,
   run_dir = pathlib.Path(config.run_dir)
   corpus, tokenizer, run_data = _prepare_run(config, run_dir)
   cfg = model_config(config, tokenizer.backend_tokenizer.get_vocab_size())
+  layout = sharding.layout_for(device_mesh(config.mesh, config.batch_size), cfg)
   optimizer = make_optimizer(config)
   manager = checkpoint_manager(config, run_dir)
-  start, state = _restore(config, cfg, optimizer, manager)
+  start, state = _restore(config, cfg, optimizer, manager, layout)
   end = start if restore_only else config.steps
   if restore_only and not start and not config.init_from:
     raise MdjaxError(f"no checkpoint to export in {str(run_dir / 'checkpoints')!r} and no "
@@ -367,22 +489,26 @@ def train(config: ml_collections.ConfigDict, *, progress: bool = True,
   log = MetricsLog(run_dir / "metrics.jsonl")
   log.truncate_after(start)
   teacher = distill.load_teacher(config, cfg)
-  train_step = make_train_step(cfg, optimizer, teacher)
+  teacher_params = teacher and (teacher.params if layout is None else sharding.Layout(
+      mesh=layout.mesh, config=teacher.config).place(teacher.params))
+  train_step = make_train_step(cfg, optimizer, teacher, state_shardings(state, layout))
   losses = _LossLog(config, log, start, end, progress, run_dir.name)
-  for step in range(start + 1, end + 1):
-    state, metrics = train_step(state, jnp.asarray(run_data.batches.batch(step - 1)),
-                                teacher and teacher.params)
-    losses.add(step, metrics)
-    if due(step, config.eval_every, end):
-      log.write({"step": step, **evaluate_heldout(state["params"], cfg, run_data,
-                                                  config.batch_size, teacher)})
-      plot_losses(log.records(), run_dir / "loss.png", run_dir.name)
-    if due(step, config.checkpoint_every, end):
-      manager.save(step, args=ocp.args.StandardSave(state), force=True)
+  with sharding.active(layout):
+    for step in range(start + 1, end + 1):
+      state, metrics = train_step(state, shard_batch(run_data.batches.batch(step - 1), layout),
+                                  teacher_params)
+      losses.add(step, metrics)
+      if due(step, config.eval_every, end):
+        log.write({"step": step, **evaluate_heldout(state["params"], cfg, run_data,
+                                                    config.batch_size, teacher)})
+        plot_losses(log.records(), run_dir / "loss.png", run_dir.name)
+      if due(step, config.checkpoint_every, end):
+        manager.save(step, args=ocp.args.StandardSave(checkpoint_state(state, cfg, layout)),
+                     force=True)
   losses.close()
   manager.wait_until_finished()
   return Run(params=state["params"], model_config=cfg, tokenizer=tokenizer, corpus=corpus,
-             data=run_data, step=max(start, end), teacher=teacher)
+             data=run_data, step=max(start, end), teacher=teacher, layout=layout)
 
 
 def _prepare_run(config: ml_collections.ConfigDict,
@@ -396,18 +522,22 @@ def _prepare_run(config: ml_collections.ConfigDict,
 
 
 def _restore(config: ml_collections.ConfigDict, cfg: ModelConfig,
-             optimizer: optax.GradientTransformation,
-             manager: ocp.CheckpointManager) -> tuple[int, dict]:
-  """(step, state) of the latest checkpoint, or (0, the initial state) before any.
+             optimizer: optax.GradientTransformation, manager: ocp.CheckpointManager,
+             layout: sharding.Layout | None = None) -> tuple[int, dict]:
+  """(step, state) of the latest checkpoint, or (0, the initial state) before any; on
+  `layout`'s mesh when given (`state_on_mesh`).
 
-  state: {"params", "opt_state"}; the initial one is also the template restored into.
+  state: {"params", "opt_state"}; the initial one (one-device layout, as checkpoints
+  hold it) is also the template restored into: on a mesh, its shapes and dtypes with
+  the shardings of `restore_target`.
   """
   params = initial_params(config, cfg)
   state = {"params": params, "opt_state": optimizer.init(params)}
   start = manager.latest_step() or 0
   if start:
-    state = manager.restore(start, args=ocp.args.StandardRestore(state))
-  return start, state
+    target = state if layout is None else restore_target(state, layout)
+    state = manager.restore(start, args=ocp.args.StandardRestore(target))
+  return start, state_on_mesh(state, layout)
 
 
 def due(step: int, every: int, end: int) -> bool:

@@ -1,0 +1,259 @@
+"""Sharding over a device mesh: one rules table, the weights and the KV cache placed
+by it, and sharding constraints inside the step.
+
+Users pass a standard JAX mesh with axes `"data"` and `"tensor"` (either may be 1)::
+
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"))
+    model = mdjax.load("smollm2-135m-instruct", mesh=mesh)    # or mdjax.shard(model, mesh)
+
+and every strategy runs unchanged: `generate` compiles under the mesh, so the
+constraints below apply, and XLA's SPMD partitioner does the rest.
+
+**The layout's mesh.** The tensor axis is split in two, `tensor = tensor_kv x tensor_q`,
+with `tensor_kv = gcd(kv_heads, tensor)`: query heads, MLP and vocabulary are sharded
+over both (the whole tensor axis); key/value heads over `tensor_kv` only, replicated
+over `tensor_q`, so a GQA model with 1, 2 or 8 KV heads shards on 8 devices. Query
+head n reads KV head n // (N / K), and the shard of query heads a device holds always
+reads KV heads of its own shard. E.g. K = 2 on tensor = 8::
+
+    device (tensor index)   0   1   2   3 | 4   5   6   7
+    query heads (N = 8)     0   1   2   3 | 4   5   6   7
+    KV heads                0   0   0   0 | 1   1   1   1      tensor_kv = 2, tensor_q = 4
+
+The mesh is made with auto axis types whatever the user's were (JAX's default,
+explicit, would have every reshape of a sharded dimension annotated by hand).
+
+**Rules.** Logical axis -> layout mesh axes (`RULES`); a weight's logical axes by its
+name (`PARAM_AXES`; a stacked layer has one more, leading, replicated axis); the
+rest (norms) replicated. A dimension is sharded only when its count (heads, not
+heads x head_dim) divides the mesh axes' size; otherwise it is replicated.
+
+**Weights on a mesh with tensor > 1.** Fused projections would put a shard boundary
+inside q|k|v or gate|up, so they are split: `wqkv` -> `wq`, `wk`, `wv` (biases too),
+`w_gate_up` -> `w_gate`, `w_up` (`mdjax.models.transformer` reads either layout). The
+vocabulary rows of `embed` (and `lm_head`'s columns) are padded with zeros to a
+multiple of the tensor size; `lm_head` cuts the logits back to `vocab_size`.
+
+**The KV cache** `[L, B, S, K, H]`: batch over data, KV heads over tensor_kv;
+`pos`/`seg` `[B, S]` and `length` `[B]` over data; the topology replicated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from mdjax.errors import MdjaxError
+from mdjax.models.config import ModelConfig
+
+MESH_AXES = ("data", "tensor")
+LAYOUT_AXES = ("data", "tensor_kv", "tensor_q")
+
+# logical axis -> the layout mesh's axes it is sharded over
+RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data",),
+    "heads": ("tensor_kv", "tensor_q"),
+    "kv_heads": ("tensor_kv",),
+    "mlp": ("tensor_kv", "tensor_q"),
+    "vocab": ("tensor_kv", "tensor_q"),
+}
+
+# weight name -> logical axis per dimension (of one layer); unnamed weights: replicated
+PARAM_AXES: dict[str, tuple[str | None, ...]] = {
+    "embed": ("vocab", None), "lm_head": (None, "vocab"),
+    "wq": (None, "heads"), "wk": (None, "kv_heads"), "wv": (None, "kv_heads"),
+    "bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",),
+    "wo": ("heads", None),
+    "w_gate": (None, "mlp"), "w_up": (None, "mlp"), "b_gate": ("mlp",), "b_up": ("mlp",),
+    "w_down": ("mlp", None),
+}
+
+# the KV cache's fields -> logical axes
+CACHE_AXES = {"k": (None, "batch", None, "kv_heads", None),
+              "v": (None, "batch", None, "kv_heads", None),
+              "pos": ("batch", None), "seg": ("batch", None), "length": ("batch",)}
+
+
+def layout_mesh(mesh: Mesh, num_kv_heads: int) -> Mesh:
+  """The `("data", "tensor_kv", "tensor_q")` mesh of `mesh`'s devices for a model with
+  `num_kv_heads` (auto axis types). A mesh already in layout form is returned as is."""
+  if tuple(mesh.axis_names) == LAYOUT_AXES:
+    return mesh
+  if not isinstance(mesh, Mesh) or set(mesh.axis_names) != set(MESH_AXES):
+    raise MdjaxError(f"mdjax needs a jax.sharding.Mesh with axes {MESH_AXES} (either may have "
+                     f"size 1), e.g. jax.make_mesh((1, {len(jax.devices())}), "
+                     f"('data', 'tensor')); got {mesh!r}")
+  devices = np.moveaxis(mesh.devices, [mesh.axis_names.index(a) for a in MESH_AXES], [0, 1])
+  data, tensor = devices.shape
+  kv = math.gcd(num_kv_heads, tensor)
+  return Mesh(devices.reshape(data, kv, tensor // kv), LAYOUT_AXES,
+              axis_types=(AxisType.Auto,) * 3)
+
+
+def _axis_size(mesh, axes: tuple[str, ...]) -> int:
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def spec(mesh, logical: tuple[str | None, ...], counts: tuple[int, ...]) -> PartitionSpec:
+  """The partition spec of a value whose dimension i has logical axis `logical[i]` and
+  holds `counts[i]` units (heads, tokens, rows): sharded by `RULES` where the units
+  divide the mesh axes' size, replicated otherwise."""
+  parts = []
+  for name, count in zip(logical, counts):
+    axes = RULES.get(name, ()) if name else ()
+    size = _axis_size(mesh, axes)
+    parts.append(None if size == 1 or count % size else (axes if len(axes) > 1 else axes[0]))
+  return PartitionSpec(*parts)
+
+
+def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
+  """`x` constrained to its logical axes' sharding when a layout mesh is active (inside
+  `generate`, `mdjax.forward_logits`); unchanged otherwise. Counts are `x`'s own sizes,
+  so use it on activations whose dimensions count heads, not heads x head_dim."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or tuple(mesh.axis_names) != LAYOUT_AXES:
+    return x
+  return jax.lax.with_sharding_constraint(x, spec(mesh, logical, x.shape))
+
+
+def constrain_cache(cache):
+  """The KV cache (`mdjax.cache.KVCache`) with every field constrained by `CACHE_AXES`."""
+  return cache.replace(**{name: constrain(getattr(cache, name), *axes)
+                          for name, axes in CACHE_AXES.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How one model's weights lie on a layout mesh (static, hashable)."""
+
+  mesh: Mesh  # axes LAYOUT_AXES
+  config: ModelConfig
+
+  @property
+  def tensor(self) -> int:
+    return _axis_size(self.mesh, ("tensor_kv", "tensor_q"))
+
+  @property
+  def padded_vocab(self) -> int:
+    return -(-self.config.vocab_size // self.tensor) * self.tensor
+
+  def counts(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Units per dimension of the weight `name`: heads for head axes, else the size."""
+    units = {"heads": self.config.num_heads, "kv_heads": self.config.num_kv_heads}
+    axes = PARAM_AXES.get(name, ())
+    axes = (None,) * (len(shape) - len(axes)) + tuple(axes)
+    return tuple(units.get(a, n) for a, n in zip(axes, shape))
+
+  def sharding(self, name: str, shape: tuple[int, ...]) -> NamedSharding:
+    """Where the weight `name` of `shape` lies (a leading stacked-layer axis replicated)."""
+    axes = PARAM_AXES.get(name, ())
+    logical = (None,) * (len(shape) - len(axes)) + tuple(axes)
+    return NamedSharding(self.mesh, spec(self.mesh, logical, self.counts(name, shape)))
+
+  def split(self, name: str, value) -> dict[str, Any]:
+    """One stored weight as the mesh stores it: fused projections split (tensor > 1),
+    the vocabulary padded. Works on numpy and jax arrays alike (last axis = outputs)."""
+    c = self.config
+    if self.tensor > 1 and name in ("wqkv", "bqkv"):
+      sizes = np.cumsum([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim])
+      prefix = name[0]
+      return dict(zip((prefix + "q", prefix + "k", prefix + "v"),
+                      np.split(value, sizes, axis=-1) if isinstance(value, np.ndarray)
+                      else jnp.split(value, sizes, axis=-1)))
+    if self.tensor > 1 and name in ("w_gate_up", "b_gate_up"):
+      prefix = name.split("_gate_up")[0]
+      halves = np.split(value, 2, axis=-1) if isinstance(value, np.ndarray) else jnp.split(
+          value, 2, axis=-1)
+      return {prefix + "_gate": halves[0], prefix + "_up": halves[1]}
+    pad = self.padded_vocab - c.vocab_size
+    if pad and name in ("embed", "lm_head"):
+      axis = 0 if name == "embed" else value.ndim - 1
+      widths = [(0, pad if i == axis else 0) for i in range(value.ndim)]
+      return {name: np.pad(value, widths) if isinstance(value, np.ndarray)
+              else jnp.pad(value, widths)}
+    return {name: value}
+
+  def place(self, tree: dict[str, Any]) -> dict[str, Any]:
+    """A dict of named weights (a layer's, or the top-level ones; numpy or jax leaves)
+    split and put on their shardings one by one: a numpy weight goes from the host to
+    each device's shard, never whole onto one device."""
+    placed = {}
+    for name, value in tree.items():
+      if name == "layers":
+        placed[name] = ([self.place(layer) for layer in value] if isinstance(value, list)
+                        else self.place(value))
+        continue
+      for part, array in self.split(name, value).items():
+        placed[part] = jax.device_put(array, self.sharding(part, array.shape))
+    return placed
+
+
+def layout_for(mesh: Mesh | None, config: ModelConfig) -> Layout | None:
+  """The `Layout` of a model of `config` on `mesh` (None: one device)."""
+  if mesh is None:
+    return None
+  return Layout(mesh=layout_mesh(mesh, config.num_kv_heads), config=config)
+
+
+def shard(model, mesh: Mesh):
+  """`model` (an `mdjax.Model`, on one device or already on a mesh) with its weights
+  placed on `mesh` by the rules table."""
+  layout = layout_for(mesh, model.config)
+  params = one_device_layout(model.params, model.config) if model.layout else model.params
+  return dataclasses.replace(model, params=layout.place(params), layout=layout)
+
+
+def placer(layout: Layout | None) -> Callable[[dict], dict]:
+  """What a checkpoint loader calls on each dict of weights it reads (numpy): put on
+  the default device, or, with a layout, straight onto their shardings."""
+  if layout is None:
+    return lambda tree: {name: jnp.asarray(value) for name, value in tree.items()}
+  return layout.place
+
+
+def one_device_layout(params: dict, config: ModelConfig) -> dict:
+  """`params` as one device stores them (the inverse of `Layout.split`): split
+  projections fused again, a padded vocabulary cut (e.g. to save a sharded model)."""
+  def fuse(layer: dict) -> dict:
+    layer = dict(layer)
+    for fused, parts in (("wqkv", ("wq", "wk", "wv")), ("bqkv", ("bq", "bk", "bv")),
+                         ("w_gate_up", ("w_gate", "w_up")), ("b_gate_up", ("b_gate", "b_up"))):
+      if parts[0] in layer:
+        layer[fused] = jnp.concatenate([layer.pop(p) for p in parts], axis=-1)
+    return layer
+
+  out = dict(params)
+  layers = params["layers"]
+  out["layers"] = [fuse(lp) for lp in layers] if isinstance(layers, list) else fuse(layers)
+  out["embed"] = params["embed"][:config.vocab_size]
+  if "lm_head" in params:
+    out["lm_head"] = params["lm_head"][:, :config.vocab_size]
+  return out
+
+
+def on_layout(tree, layout: Layout | None):
+  """Every array of `tree` (e.g. a draft model's or heads' params) on the layout's mesh:
+  those already there stay, the others are replicated over it."""
+  if layout is None:
+    return tree
+  replicated = NamedSharding(layout.mesh, PartitionSpec())
+
+  def put(x):
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding) and sharding.mesh == layout.mesh:
+      return x
+    return jax.device_put(x, replicated)
+  return jax.tree.map(put, tree)
+
+
+def active(layout: Layout | None):
+  """The context under which programs for `layout` are traced (a no-op without one)."""
+  return jax.set_mesh(layout.mesh) if layout is not None else contextlib.nullcontext()

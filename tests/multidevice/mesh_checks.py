@@ -1,0 +1,246 @@
+"""Sharded == one device, on a simulated mesh of 8 CPU devices.
+
+JAX fixes its device count when its backend starts, so these run in a process of
+their own: `tests/test_sharding.py` starts pytest on this file (its name keeps the
+main run from collecting it). Without 8 devices every check fails at import.
+"""
+
+import dataclasses
+import re
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+if len(jax.devices()) != 8:
+  raise RuntimeError(f"the mesh checks need 8 CPU devices, got {jax.devices()}")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+
+import mdjax  # noqa: E402
+from mdjax import sharding  # noqa: E402
+from mdjax.heads import Heads, HeadsConfig, init_heads  # noqa: E402
+from mdjax.models import hf  # noqa: E402
+from mdjax.models.layer_loop import with_layer_loop  # noqa: E402
+from mdjax.models.registry import RANDOM_MODELS  # noqa: E402
+
+MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
+VOCAB = 250  # not divisible by a tensor axis of 4 or 8: padded and masked
+PROMPTS = [[5, 6, 7, 8, 9, 10], [3, 4, 5], [7, 7, 7, 7], [1, 2]]  # 4 ragged rows
+
+
+def tiny_config(num_kv_heads: int, num_layers: int = 2):
+  return dataclasses.replace(RANDOM_MODELS["random-llama-tiny"], num_heads=8,
+                             num_kv_heads=num_kv_heads, head_dim=8, vocab_size=VOCAB,
+                             num_layers=num_layers)
+
+
+def random_model(num_kv_heads: int, num_layers: int = 2, seed: int = 0) -> mdjax.Model:
+  config = tiny_config(num_kv_heads, num_layers)
+  return mdjax.Model(config=config, params=mdjax.init_params(config, seed, std=0.2),
+                     name=f"tiny-kv{num_kv_heads}")
+
+
+def random_heads(model: mdjax.Model) -> Heads:
+  c = model.config
+  config = HeadsConfig(family="medusa", base_model=model.name, base_family=c.family,
+                       hidden_size=c.hidden_size, vocab_size=c.vocab_size, num_heads=2)
+  heads = init_heads(config, c, seed=0)
+  blocks = heads.params["blocks"]
+  w = 0.3 * jax.random.normal(jax.random.key(1), blocks["w"].shape) / np.sqrt(c.hidden_size)
+  return Heads(config=heads.config, params={"blocks": dict(blocks, w=w)})
+
+
+def requests(model: mdjax.Model, draft: mdjax.Model) -> dict:
+  """Every strategy family the issue names: name -> generate's keyword arguments."""
+  return {
+      "greedy": dict(prompts=PROMPTS),
+      "sample": dict(prompts=PROMPTS, strategy="sample", temperature=0.9, top_k=40, top_p=0.9,
+                     min_p=0.02, seed=3),
+      "beam": dict(prompts=PROMPTS[:2], strategy="beam", num_beams=3),
+      "multi_question": dict(prompts=[[4, 5, 6, 7, 8]], strategy="multi_question",
+                             questions=[[[9, 10], [11], [12, 13, 14], [15]]]),
+      "speculative": dict(prompts=PROMPTS, strategy="speculative", draft=draft,
+                          num_draft_tokens=3),
+      "medusa": dict(prompts=PROMPTS, strategy="medusa", heads=random_heads(model)),
+  }
+
+
+def outputs(model, draft, names=None) -> dict:
+  """name -> (sequences, beam hypotheses' tokens, their scores) of each request."""
+  result = {}
+  for name, request in requests(model, draft).items():
+    if names is not None and name not in names:
+      continue
+    request = dict(request)
+    out = mdjax.generate(model, request.pop("prompts"), max_new_tokens=10, eos_token_id=[],
+                         **request)
+    beams = [h for hypotheses in out.beams or [] for h in hypotheses]
+    result[name] = (out.sequences, [h["tokens"] for h in beams], [h["score"] for h in beams])
+  return result
+
+
+def assert_same(got: dict, expected: dict):
+  """Identical tokens; beam scores (float sums) within 1e-5."""
+  for name, (sequences, beam_tokens, beam_scores) in got.items():
+    assert sequences == expected[name][0], name
+    assert beam_tokens == expected[name][1], name
+    np.testing.assert_allclose(beam_scores, expected[name][2], atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def one_device():
+  """Per KV-head count: the unsharded model, its draft, logits and every strategy's output."""
+  found = {}
+  for kv in (1, 2, 8):
+    model, draft = random_model(kv), random_model(kv, num_layers=1, seed=1)
+    found[kv] = (model, draft, mdjax.forward_logits(model, PROMPTS[0]), outputs(model, draft))
+  return found
+
+
+# every strategy on every mesh shape, each with another KV-head count; the logits and
+# greedy on every (mesh, KV heads) pair (the whole product compiles too long for CI)
+EVERY_STRATEGY = {(1, 8): 1, (2, 4): 2, (4, 2): 8, (8, 1): 2}
+
+
+@pytest.mark.parametrize("kv", [1, 2, 8])
+@pytest.mark.parametrize("shape", MESHES)
+def test_a_mesh_gives_the_logits_and_tokens_of_one_device(one_device, shape, kv):
+  model, draft, logits, expected = one_device[kv]
+  mesh = jax.make_mesh(shape, ("data", "tensor"))  # JAX's default axis types: explicit
+  sharded, sharded_draft = mdjax.shard(model, mesh), mdjax.shard(draft, mesh)
+  np.testing.assert_allclose(mdjax.forward_logits(sharded, PROMPTS[0]), logits, atol=1e-5,
+                             rtol=0)
+  names = None if EVERY_STRATEGY[shape] == kv else ["greedy"]
+  assert_same(outputs(sharded, sharded_draft, names), expected)
+
+
+def test_an_auto_mesh_and_an_unsharded_draft_work_too(one_device):
+  model, draft, _, expected = one_device[2]
+  mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+  got = outputs(mdjax.shard(model, mesh), draft, ["greedy", "speculative"])
+  assert_same(got, expected)  # the unsharded draft was replicated on the mesh
+
+
+def assert_spec(x: jax.Array, *parts):
+  spec = tuple(x.sharding.spec)
+  assert spec + (None,) * (x.ndim - len(spec)) == parts + (None,) * (x.ndim - len(parts))
+
+
+def test_a_scan_model_on_a_mesh_equals_one_device(one_device):
+  model, draft, logits, expected = one_device[2]
+  scan = dataclasses.replace(model, params=with_layer_loop(model.params, "scan"))
+  sharded = mdjax.shard(scan, jax.make_mesh((2, 4), ("data", "tensor")))
+  assert_spec(sharded.params["layers"]["wq"], None, None, ("tensor_kv", "tensor_q"))
+  np.testing.assert_allclose(mdjax.forward_logits(sharded, PROMPTS[0]), logits, atol=1e-5,
+                             rtol=0)
+  assert_same(outputs(sharded, draft, ["greedy", "beam", "speculative"]), expected)
+
+
+def test_weights_and_cache_are_sharded_by_the_rules():
+  model = mdjax.shard(random_model(2), jax.make_mesh((2, 4), ("data", "tensor")))
+  layer = model.params["layers"][0]
+  tensor = ("tensor_kv", "tensor_q")
+  assert_spec(layer["wq"], None, tensor)  # 8 query heads over 4
+  assert_spec(layer["wk"], None, "tensor_kv")  # 2 KV heads over a sub-axis of 2
+  assert_spec(layer["wo"], tensor, None)
+  assert_spec(layer["w_down"], tensor, None)
+  assert_spec(layer["attn_norm"], None)
+  assert model.params["embed"].shape == (252, 64)  # 250 padded to a multiple of 4
+  assert_spec(model.params["embed"], tensor, None)
+  assert model.layout.mesh.shape == {"data": 2, "tensor_kv": 2, "tensor_q": 2}
+  with sharding.active(model.layout):
+    cache = jax.jit(lambda: mdjax.KVCache.create(model.config, 4, 16))()
+  assert_spec(cache.k, None, "data", None, "tensor_kv", None)
+  assert_spec(cache.seg, "data", None)
+  assert_spec(cache.length, "data")
+  shard_shape = cache.k.sharding.shard_shape(cache.k.shape)
+  assert shard_shape == (2, 2, 16, 1, 8)
+
+
+def test_decode_step_donates_a_sharded_cache(recwarn):
+  model = mdjax.load("random-llama-tiny", mesh=jax.make_mesh((2, 4), ("data", "tensor")))
+  tokens = np.ones((4, 3), np.int32)
+  positions = np.tile(np.arange(3, dtype=np.int32), (4, 1))
+  with sharding.active(model.layout):
+    cache = mdjax.KVCache.create(model.config, 4, 32)
+    logits, _, new_cache = mdjax.decode_step(model.params, cache, tokens, positions,
+                                             np.zeros((4, 3), np.int32),
+                                             mdjax.Topology.causal(4), config=model.config)
+  assert cache.k.is_deleted()  # donated and reused in place
+  assert not [w for w in recwarn if "donated" in str(w.message)]
+  assert_spec(new_cache.k, None, "data", None, "tensor_kv")
+  assert_spec(logits, "data", None, ("tensor_kv", "tensor_q"))  # vocabulary-sharded logits
+
+
+def _all_gather_shapes(hlo: str) -> set[tuple[int, ...]]:
+  """The result shapes of every all-gather in an HLO text."""
+  shapes = set()
+  for match in re.finditer(r"= \w+\[([\d,]*)\]\S* all-gather\(", hlo):
+    shapes.add(tuple(int(d) for d in match.group(1).split(",") if d))
+  return shapes
+
+
+@pytest.mark.parametrize("kv", [2, 8])
+def test_no_step_gathers_a_weight_or_the_cache(kv):
+  model = mdjax.shard(random_model(kv), jax.make_mesh((2, 4), ("data", "tensor")))
+  mdjax.clear_compiled()
+  out = mdjax.generate(model, PROMPTS, max_new_tokens=10, eos_token_id=[])
+  (program,) = mdjax.compiled_programs()
+  gathered = _all_gather_shapes(program.as_text())
+  assert gathered, "expected some all-gathers of activations; the parser found none"
+  weights = {tuple(x.shape) for x in jax.tree.leaves(model.params)}
+  weights |= {s[1:] for s in weights if len(s) > 1}  # a stacked layer's one layer
+  c = model.config
+  slots = out.stats["kv_cache_bytes"] // (2 * c.num_layers * 4 * kv * c.head_dim * 4)
+  cache = {(c.num_layers, 4, slots, kv, 8), (4, slots, kv, 8), (1, 4, slots, kv, 8)}
+  assert not gathered & weights, f"weights all-gathered: {gathered & weights}"
+  assert not gathered & cache, f"the cache all-gathered: {gathered & cache}"
+
+
+def test_a_program_compiled_for_one_mesh_is_not_reused_on_another(one_device):
+  model, _, _, expected = one_device[8]
+  mdjax.clear_compiled()
+  for shape in [(2, 4), (4, 2), (2, 4)]:
+    sharded = mdjax.shard(model, jax.make_mesh(shape, ("data", "tensor")))
+    out = mdjax.generate(sharded, PROMPTS, max_new_tokens=10, eos_token_id=[])
+    assert out.sequences == expected["greedy"][0]
+  assert len(mdjax.compiled_programs()) == 2  # one per mesh; the third call reused the first
+
+
+def test_loading_onto_a_mesh_puts_each_weight_straight_onto_its_shards(tmp_path, monkeypatch):
+  model = random_model(2)
+  hf.save_hf(model, tmp_path / "ckpt")
+  mesh = jax.make_mesh((2, 4), ("data", "tensor"))
+  placed = []
+  real_put = jax.device_put
+
+  def spy(x, device=None, **kwargs):
+    placed.append((type(x), device))
+    return real_put(x, device, **kwargs)
+
+  def whole_on_one_device(*args, **kwargs):
+    raise AssertionError("a weight was put whole on one device")
+
+  monkeypatch.setattr(jax, "device_put", spy)
+  monkeypatch.setattr(sharding.jnp, "asarray", whole_on_one_device)
+  loaded = mdjax.load(str(tmp_path / "ckpt"), mesh=mesh)
+  monkeypatch.undo()
+  assert len(placed) == len(jax.tree.leaves(loaded.params))
+  assert all(kind is np.ndarray and isinstance(where, NamedSharding) for kind, where in placed)
+  np.testing.assert_allclose(mdjax.forward_logits(loaded, PROMPTS[0]),
+                             mdjax.forward_logits(model, PROMPTS[0]), atol=1e-5, rtol=0)
+
+
+def test_a_sharded_model_saves_as_the_one_device_checkpoint(tmp_path):
+  model = random_model(2)
+  sharded = mdjax.shard(model, jax.make_mesh((1, 8), ("data", "tensor")))
+  hf.save_hf(sharded, tmp_path / "ckpt")
+  reloaded = mdjax.load(str(tmp_path / "ckpt"))
+  jax.tree.map(np.testing.assert_array_equal, reloaded.params, model.params)
+
+
+def test_a_mesh_without_the_axes_is_a_clear_error():
+  with pytest.raises(mdjax.MdjaxError, match="axes"):
+    mdjax.shard(random_model(2), jax.make_mesh((8,), ("x",)))
