@@ -36,7 +36,8 @@ def decode_step(params: Params, cache: KVCache, tokens: Int[Array, "B T"],
   hidden: final-norm hidden states `[B, T, D]` (what multi-token heads read).
   cache:  the input cache (donated) with the tokens of segment >= 0 appended.
   attention: "block_sparse" (visits only visible key blocks of at most `block_size`
-    slots) or "dense" (the reference); both give the same logits.
+    slots), "dense" (the reference) or "fused" (`jax.nn.dot_product_attention`, for
+    accelerators); all give the same logits.
   slots: the cache slot of each token (default: the next free ones of its row).
   regions: when the cache holds one region per branch after the shared slots
     (`mdjax.cache.CacheRegions`) and no token sees another branch's region: each

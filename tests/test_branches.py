@@ -18,7 +18,7 @@ def sequential(model, context, questions, **kwargs):
   return [mdjax.generate(model, context + q, **kwargs).sequences[0] for q in questions]
 
 
-@pytest.mark.parametrize("attention", ["block_sparse", "dense"])
+@pytest.mark.parametrize("attention", ["block_sparse", "dense", "fused"])
 def test_multi_question_answers_equal_greedy_on_context_plus_question(models, attention):
   rng = np.random.default_rng(0)
   for model in models:

@@ -63,7 +63,7 @@ def assert_parity(model, torch_model, ids=IDS):
   """The largest |mdjax - transformers| logit, over both attention paths and
   `forward_logits`, is within float32 rounding of the logits' scale."""
   expected = torch_logits(torch_model, ids)  # [T, V]
-  got = [mdjax_logits(model, ids, attention) for attention in ("block_sparse", "dense")]
+  got = [mdjax_logits(model, ids, attention) for attention in ("block_sparse", "dense", "fused")]
   got.append(mdjax.forward_logits(model, list(ids)))
   assert all(g.shape == expected.shape for g in got)
   diff = max(float(np.abs(g - expected).max()) for g in got)

@@ -72,7 +72,7 @@ def broken(checkpoint, tmp_path):
 
 def assert_parity(model, torch_model, ids=IDS):
   expected = torch_logits(torch_model, ids)  # [T, V]
-  for attention in ("block_sparse", "dense"):
+  for attention in ("block_sparse", "dense", "fused"):
     got = mdjax_logits(model, ids, attention)
     assert got.shape == expected.shape
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0, err_msg=attention)

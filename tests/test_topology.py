@@ -114,7 +114,7 @@ def schedule(rng, tree):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("attention", ["block_sparse", "dense"])
+@pytest.mark.parametrize("attention", ["block_sparse", "dense", "fused"])
 def test_random_trees_equal_paths_decoded_alone(name, attention):
   config = CONFIGS[name]
   params = _params(config)

@@ -5,10 +5,12 @@ each query attends over the cache: visibility of every slot, the query's own and
 its fellow new tokens' included, comes from `mdjax.topology.visible` on
 `(seg, pos)`; no dense mask ever crosses an API.
 
-Two implementations with the same signature and the same result up to float
+Implementations with the same signature and the same result up to float
 summation order:
 
 * `dense_attention` — the readable reference: one `[T, S]` masked softmax.
+* `fused_attention` — the same product through `jax.nn.dot_product_attention` (the
+  platform's fused kernel; for accelerators).
 * `block_sparse_attention` — walks the cache in blocks of `block_size` slots, only
   up to the fullest row's length, and skips every block that no query of the batch
   can see (other branches' tokens, dead slots); an online softmax merges blocks.
@@ -104,6 +106,24 @@ def dense_attention(queries: Queries, cache: KVCache, layer: int,
                  spec.sliding_window)  # [B, T, S]
   return masked_attention(queries.q, cache.k[layer], cache.v[layer], mask, scale=spec.scale,
                           softcap=spec.softcap)
+
+
+def fused_attention(queries: Queries, cache: KVCache, layer, spec: LayerAttention
+                    ) -> Float[Array, "B T N H"]:
+  """Every slot of `layer` through `jax.nn.dot_product_attention` with the visibility
+  mask `[B, 1, T, S]`: the platform's fused kernel (XLA's; cuDNN's on a GPU where it
+  takes the mask), for accelerators, where one large product beats a walk over blocks.
+  A soft-capped layer (which the fused kernel cannot cap) uses `dense_attention`.
+  Queries that see nothing give 0, as in the others."""
+  if spec.softcap is not None:
+    return dense_attention(queries, cache, layer, spec)
+  mask = visible(queries.limit, queries.segments, queries.positions, cache.seg, cache.pos,
+                 spec.sliding_window)  # [B, T, S]
+  q = queries.q
+  out = jax.nn.dot_product_attention(q, cache.k[layer].astype(q.dtype),
+                                     cache.v[layer].astype(q.dtype), mask=mask[:, None],
+                                     scale=spec.scale)  # [B, T, N, H]
+  return jnp.where(mask.any(-1)[..., None, None], out, 0).astype(q.dtype)
 
 
 def _absorb(carry, scores: Float[Array, "B K R T S"], weigh):
@@ -275,18 +295,20 @@ def _absorb_own_regions(carry, qg: Float[Array, "B T K R H"], queries: Queries, 
                            carry)
 
 
-ATTENTION_IMPLS = ("block_sparse", "dense")
+ATTENTION_IMPLS = ("block_sparse", "dense", "fused")
 
 
 def attention_fn(impl: str, num_slots: int, max_block_size: int = 128,
                  regions: CacheRegions | None = None):
   """The attention of `impl`; the block size is the largest divisor of `num_slots`
   not above `max_block_size` (blocks must tile the cache exactly). With `regions`,
-  "block_sparse" becomes `cascade_attention`; "dense" reads every slot anyway."""
+  "block_sparse" becomes `cascade_attention`; "dense" and "fused" read every slot anyway."""
   if impl not in ATTENTION_IMPLS:
     raise ValueError(f"unknown attention impl {impl!r}; valid: {ATTENTION_IMPLS}")
   if impl == "dense":
     return dense_attention
+  if impl == "fused":
+    return fused_attention
   if regions is not None:
     return functools.partial(cascade_attention, regions=regions)
   block_size = max(d for d in range(1, min(max_block_size, num_slots) + 1) if num_slots % d == 0)

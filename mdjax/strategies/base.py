@@ -47,7 +47,7 @@ from mdjax.sampling import SAMPLING_OPTIONS, SamplingParams
 from mdjax.step import decode_step
 from mdjax.topology import Topology
 
-ATTENTIONS = ("block_sparse", "dense")
+ATTENTIONS = ("block_sparse", "dense", "fused")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,7 +61,7 @@ class ModelFn:
 
   def __post_init__(self):
     if self.attention not in ATTENTIONS:
-      raise MdjaxError(f"attention must be 'block_sparse' or 'dense', got {self.attention!r}")
+      raise MdjaxError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
 
   def __call__(self, params, cache: KVCache, tokens: Int[Array, "B T"],
                positions: Int[Array, "B T"], segments: Int[Array, "B T"], topology: Topology,
