@@ -46,7 +46,7 @@ program without randomness. A run killed at any point (or stopped by `max_minute
 and restarted with the same `run_dir` resumes from its latest checkpoint and ends with
 bitwise the parameters of an uninterrupted run.
 
-Devices: `config.mesh = "data,tensor"` (e.g. "4,2"; "" = one device; `lm.device_mesh`)
+Devices: `config.mesh = "data,tensor"` (e.g. "4,2"; "" = one device; `devices.device_mesh`)
 puts the frozen model on a `("data", "tensor")` mesh (`mdjax.sharding`: it generates
 and computes its features there), replicates the heads and their optimizer state,
 splits each batch over "data", and traces the step under `sharding.active`. The heads'
@@ -88,7 +88,7 @@ from mdjax.models.config import ModelConfig, weight_dtype
 from mdjax.models.model import Model
 from mdjax.models.transformer import Params, forward_causal, lm_head
 from mdjax.prompts import encode_prompts
-from mdjax.train import distill, head_prompts, lm
+from mdjax.train import devices, distill, head_prompts, lm
 from mdjax.train.metrics import MetricsLog
 
 LOSSES = ("ce", "kl")
@@ -617,7 +617,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   check_real("config.max_minutes", config.max_minutes, 0.0)
   for name in ("head_decay", "regression_weight", "token_weight"):
     check_real(f"config.{name}", config[name], 0.0)
-  lm.device_mesh(config.mesh, config.batch_size)
+  devices.device_mesh(config.mesh, config.batch_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -644,7 +644,7 @@ def train(config: ml_collections.ConfigDict, *, model: Model | None = None,
   run_dir = pathlib.Path(config.run_dir)
   run_dir.mkdir(parents=True, exist_ok=True)
   (run_dir / "config.json").write_text(config.to_json(indent=2) + "\n")
-  mesh = lm.device_mesh(config.mesh, config.batch_size)
+  mesh = devices.device_mesh(config.mesh, config.batch_size)
   model = (on_mesh(model, mesh) if model is not None else
            mdjax.load(config.model, dtype=config.model_dtype, mesh=mesh))
   layout = model.layout
@@ -662,13 +662,13 @@ def train(config: ml_collections.ConfigDict, *, model: Model | None = None,
   base = unembedding(model)
   readers = [Reader(f, config.family, config.num_heads, config.mask_prompt)
              for f in (run_data.train, run_data.heldout)]
-  step_fn = make_train_step(objective, optimizer, lm.state_shardings(state, layout))
+  step_fn = make_train_step(objective, optimizer, devices.state_shardings(state, layout))
   bar = _Progress(config, log, start, progress, run_dir.name, session_start)
   end, stopped_early = start, False
   with sharding.active(layout):
     for step in range(start + 1, config.steps + 1):
       batch = readers[0].batch(config.seed, step - 1, config.batch_size)
-      state, metrics = step_fn(state, lm.shard_batch(batch, layout), base)
+      state, metrics = step_fn(state, devices.shard_batch(batch, layout), base)
       end = step
       stopped_early = (config.max_minutes > 0 and step < config.steps and
                        time.perf_counter() - session_start > 60 * config.max_minutes)

@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import pathlib
 import platform
 import time
@@ -51,7 +50,6 @@ import ml_collections
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from mdjax import sharding
@@ -60,7 +58,7 @@ from mdjax.models import hf
 from mdjax.models.config import ModelConfig
 from mdjax.models.random_init import init_params
 from mdjax.models.transformer import Params, causal_logits
-from mdjax.train import data, distill
+from mdjax.train import data, devices, distill
 from mdjax.train import tokenizer as tokenizer_lib
 from mdjax.train.metrics import MetricsLog, plot_losses
 
@@ -339,104 +337,6 @@ def checkpoint_manager(config, run_dir: pathlib.Path) -> ocp.CheckpointManager:
   return ocp.CheckpointManager(run_dir / "checkpoints", options=options)
 
 
-# --- Devices: the mesh of `config.mesh`, and a training state laid out on it -------------
-
-
-def device_mesh(spec: str, batch_size: int) -> Mesh | None:
-  """The `("data", "tensor")` mesh of all the devices that a config's `mesh` field names
-  ("2,4": data 2 x tensor 4), or None for "" (one device, no mesh). Both trainers read
-  it; `MdjaxError` when it is malformed, does not match the device count, or does not
-  divide `batch_size` over "data"."""
-  if not spec:
-    return None
-  parts = spec.replace(" ", "").split(",")
-  if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-    raise MdjaxError(f"config.mesh must be 'data,tensor', two positive sizes (e.g. '2,4'), "
-                     f"or '' for one device; got {spec!r}")
-  shape = tuple(int(p) for p in parts)
-  devices = jax.devices()
-  if math.prod(shape) != len(devices):
-    raise MdjaxError(f"config.mesh {spec!r} needs {math.prod(shape)} devices, this process has "
-                     f"{len(devices)} ({devices[0].platform}); a CPU simulates n devices with "
-                     "JAX_NUM_CPU_DEVICES=n")
-  if batch_size % shape[0]:
-    raise MdjaxError(f"config.batch_size ({batch_size}) must be a multiple of the mesh's data "
-                     f"axis ({shape[0]}, config.mesh {spec!r}): every data shard takes an equal "
-                     "part of each batch")
-  return jax.make_mesh(shape, sharding.MESH_AXES)
-
-
-def map_param_trees(fn, state: dict, other=lambda x: x) -> dict:
-  """`state` ({"params", "opt_state"}) with `fn` applied to every subtree shaped like
-  `state["params"]` (the params, Adam's moments: dicts of named weights) and `other` to
-  every other leaf (step counts)."""
-  treedef = jax.tree.structure(state["params"])
-
-  def like_params(x) -> bool:
-    return isinstance(x, dict) and jax.tree.structure(x) == treedef
-  return jax.tree.map(lambda x: fn(x) if like_params(x) else other(x), state,
-                      is_leaf=like_params)
-
-
-def state_on_mesh(state: dict, layout: sharding.Layout | None) -> dict:
-  """A state in the one-device layout, laid out on `layout`'s mesh: the params and
-  their moments by `Layout.place` (split, padded, sharded by the rules), the rest
-  replicated. Unchanged without a layout."""
-  if layout is None:
-    return state
-  return map_param_trees(layout.place, state, lambda x: sharding.on_layout(x, layout))
-
-
-SPLIT_PARTS = ("wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up", "b_gate", "b_up")
-
-
-def checkpoint_state(state: dict, config: ModelConfig, layout: sharding.Layout | None) -> dict:
-  """What a checkpoint holds: `state` in the one-device layout (`state_on_mesh`'s
-  inverse), so that any mesh, or one device, restores it. The split parts (and a padded
-  vocabulary) are first gathered whole onto every device: a fused weight's shard
-  boundaries do not fall where its parts' did (left to XLA, that is a "full
-  rematerialization" warning), so a save briefly holds those weights unsharded."""
-  if layout is None:
-    return state
-  gathered = SPLIT_PARTS + (("embed", "lm_head") if layout.padded_vocab != config.vocab_size
-                            else ())
-  replicated = NamedSharding(layout.mesh, PartitionSpec())
-
-  def one_device(params):
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.device_put(x, replicated) if path[-1].key in gathered else x, params)
-    return sharding.one_device_layout(params, config)
-  return map_param_trees(one_device, state)
-
-
-def restore_target(state: dict, layout: sharding.Layout) -> dict:
-  """Abstract arrays to restore a checkpoint of the one-device layout `state` straight
-  onto `layout`'s mesh: each weight (and moment) sharded by the rules where its one-device
-  shape allows (a fused or unpadded one: replicated), the rest replicated; then
-  `state_on_mesh` lays it out."""
-  def abstract(x, where):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)
-
-  def weights(params):
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: abstract(x, layout.sharding(path[-1].key, x.shape)), params)
-  replicated = NamedSharding(layout.mesh, PartitionSpec())
-  return map_param_trees(weights, state, lambda x: abstract(x, replicated))
-
-
-def shard_batch(batch, layout: sharding.Layout | None):
-  """A batch (numpy arrays, batch-major) as the step takes it: on the default device, or
-  split over the mesh's "data" axis straight from the host."""
-  if layout is None:
-    return jax.tree.map(jnp.asarray, batch)
-  return jax.device_put(batch, NamedSharding(layout.mesh, PartitionSpec("data")))
-
-
-def state_shardings(state: dict, layout: sharding.Layout | None):
-  """Where every array of `state` lies (None without a mesh): `make_train_step` keeps it so."""
-  return None if layout is None else jax.tree.map(lambda x: x.sharding, state)
-
-
 @dataclasses.dataclass(frozen=True)
 class Run:
   """What a finished `train` hands back."""
@@ -463,7 +363,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.export_shard_mb < 0:
     raise MdjaxError(f"config.export_shard_mb must be >= 0 (0: one file), got "
                      f"{config.export_shard_mb}")
-  device_mesh(config.mesh, config.batch_size)
+  devices.device_mesh(config.mesh, config.batch_size)
 
 
 def train(config: ml_collections.ConfigDict, *, progress: bool = True,
@@ -478,7 +378,7 @@ def train(config: ml_collections.ConfigDict, *, progress: bool = True,
   run_dir = pathlib.Path(config.run_dir)
   corpus, tokenizer, run_data = _prepare_run(config, run_dir)
   cfg = model_config(config, tokenizer.backend_tokenizer.get_vocab_size())
-  layout = sharding.layout_for(device_mesh(config.mesh, config.batch_size), cfg)
+  layout = sharding.layout_for(devices.device_mesh(config.mesh, config.batch_size), cfg)
   optimizer = make_optimizer(config)
   manager = checkpoint_manager(config, run_dir)
   start, state = _restore(config, cfg, optimizer, manager, layout)
@@ -491,20 +391,20 @@ def train(config: ml_collections.ConfigDict, *, progress: bool = True,
   teacher = distill.load_teacher(config, cfg)
   teacher_params = teacher and (teacher.params if layout is None else sharding.Layout(
       mesh=layout.mesh, config=teacher.config).place(teacher.params))
-  train_step = make_train_step(cfg, optimizer, teacher, state_shardings(state, layout))
+  train_step = make_train_step(cfg, optimizer, teacher, devices.state_shardings(state, layout))
   losses = _LossLog(config, log, start, end, progress, run_dir.name)
   with sharding.active(layout):
     for step in range(start + 1, end + 1):
-      state, metrics = train_step(state, shard_batch(run_data.batches.batch(step - 1), layout),
-                                  teacher_params)
+      batch = devices.shard_batch(run_data.batches.batch(step - 1), layout)
+      state, metrics = train_step(state, batch, teacher_params)
       losses.add(step, metrics)
       if due(step, config.eval_every, end):
         log.write({"step": step, **evaluate_heldout(state["params"], cfg, run_data,
                                                     config.batch_size, teacher)})
         plot_losses(log.records(), run_dir / "loss.png", run_dir.name)
       if due(step, config.checkpoint_every, end):
-        manager.save(step, args=ocp.args.StandardSave(checkpoint_state(state, cfg, layout)),
-                     force=True)
+        saved = devices.checkpoint_state(state, cfg, layout)
+        manager.save(step, args=ocp.args.StandardSave(saved), force=True)
   losses.close()
   manager.wait_until_finished()
   return Run(params=state["params"], model_config=cfg, tokenizer=tokenizer, corpus=corpus,
@@ -535,9 +435,9 @@ def _restore(config: ml_collections.ConfigDict, cfg: ModelConfig,
   state = {"params": params, "opt_state": optimizer.init(params)}
   start = manager.latest_step() or 0
   if start:
-    target = state if layout is None else restore_target(state, layout)
+    target = state if layout is None else devices.restore_target(state, layout)
     state = manager.restore(start, args=ocp.args.StandardRestore(target))
-  return start, state_on_mesh(state, layout)
+  return start, devices.state_on_mesh(state, layout)
 
 
 def due(step: int, every: int, end: int) -> bool:

@@ -1,0 +1,116 @@
+"""The trainers on a device mesh: the `("data", "tensor")` mesh a config's `mesh` field
+names, and a training state (`{"params", "opt_state"}`) laid out on it.
+
+On a mesh the params and the optimizer's moments lie as `mdjax.sharding` lays out a
+model (fused projections split, the vocabulary padded, every matrix sharded by the
+rules table), step counts replicated, and each batch split over "data". Checkpoints
+always hold the one-device layout (`checkpoint_state`), so a run resumes on any mesh,
+or on one device, whatever wrote its checkpoint (`restore_target`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mdjax import sharding
+from mdjax.errors import MdjaxError
+from mdjax.models.config import ModelConfig
+
+
+def device_mesh(spec: str, batch_size: int) -> Mesh | None:
+  """The `("data", "tensor")` mesh of all the devices that a config's `mesh` field names
+  ("2,4": data 2 x tensor 4), or None for "" (one device, no mesh). Both trainers read
+  it; `MdjaxError` when it is malformed, does not match the device count, or does not
+  divide `batch_size` over "data"."""
+  if not spec:
+    return None
+  parts = spec.replace(" ", "").split(",")
+  if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    raise MdjaxError(f"config.mesh must be 'data,tensor', two positive sizes (e.g. '2,4'), "
+                     f"or '' for one device; got {spec!r}")
+  shape = tuple(int(p) for p in parts)
+  devices = jax.devices()
+  if math.prod(shape) != len(devices):
+    raise MdjaxError(f"config.mesh {spec!r} needs {math.prod(shape)} devices, this process has "
+                     f"{len(devices)} ({devices[0].platform}); a CPU simulates n devices with "
+                     "JAX_NUM_CPU_DEVICES=n")
+  if batch_size % shape[0]:
+    raise MdjaxError(f"config.batch_size ({batch_size}) must be a multiple of the mesh's data "
+                     f"axis ({shape[0]}, config.mesh {spec!r}): every data shard takes an equal "
+                     "part of each batch")
+  return jax.make_mesh(shape, sharding.MESH_AXES)
+
+
+def map_param_trees(fn, state: dict, other=lambda x: x) -> dict:
+  """`state` ({"params", "opt_state"}) with `fn` applied to every subtree shaped like
+  `state["params"]` (the params, Adam's moments: dicts of named weights) and `other` to
+  every other leaf (step counts)."""
+  treedef = jax.tree.structure(state["params"])
+
+  def like_params(x) -> bool:
+    return isinstance(x, dict) and jax.tree.structure(x) == treedef
+  return jax.tree.map(lambda x: fn(x) if like_params(x) else other(x), state,
+                      is_leaf=like_params)
+
+
+def state_on_mesh(state: dict, layout: sharding.Layout | None) -> dict:
+  """A state in the one-device layout, laid out on `layout`'s mesh: the params and
+  their moments by `Layout.place` (split, padded, sharded by the rules), the rest
+  replicated. Unchanged without a layout."""
+  if layout is None:
+    return state
+  return map_param_trees(layout.place, state, lambda x: sharding.on_layout(x, layout))
+
+
+SPLIT_PARTS = ("wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up", "b_gate", "b_up")
+
+
+def checkpoint_state(state: dict, config: ModelConfig, layout: sharding.Layout | None) -> dict:
+  """What a checkpoint holds: `state` in the one-device layout (`state_on_mesh`'s
+  inverse), so that any mesh, or one device, restores it. The split parts (and a padded
+  vocabulary) are first gathered whole onto every device: a fused weight's shard
+  boundaries do not fall where its parts' did (left to XLA, that is a "full
+  rematerialization" warning), so a save briefly holds those weights unsharded."""
+  if layout is None:
+    return state
+  gathered = SPLIT_PARTS + (("embed", "lm_head") if layout.padded_vocab != config.vocab_size
+                            else ())
+  replicated = NamedSharding(layout.mesh, PartitionSpec())
+
+  def one_device(params):
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.device_put(x, replicated) if path[-1].key in gathered else x, params)
+    return sharding.one_device_layout(params, config)
+  return map_param_trees(one_device, state)
+
+
+def restore_target(state: dict, layout: sharding.Layout) -> dict:
+  """Abstract arrays to restore a checkpoint of the one-device layout `state` straight
+  onto `layout`'s mesh: each weight (and moment) sharded by the rules where its one-device
+  shape allows (a fused or unpadded one: replicated), the rest replicated; then
+  `state_on_mesh` lays it out."""
+  def abstract(x, where):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)
+
+  def weights(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: abstract(x, layout.sharding(path[-1].key, x.shape)), params)
+  replicated = NamedSharding(layout.mesh, PartitionSpec())
+  return map_param_trees(weights, state, lambda x: abstract(x, replicated))
+
+
+def shard_batch(batch, layout: sharding.Layout | None):
+  """A batch (numpy arrays, batch-major) as the step takes it: on the default device, or
+  split over the mesh's "data" axis straight from the host."""
+  if layout is None:
+    return jax.tree.map(jnp.asarray, batch)
+  return jax.device_put(batch, NamedSharding(layout.mesh, PartitionSpec("data")))
+
+
+def state_shardings(state: dict, layout: sharding.Layout | None):
+  """Where every array of `state` lies (None without a mesh): `make_train_step` keeps it so."""
+  return None if layout is None else jax.tree.map(lambda x: x.sharding, state)
