@@ -195,3 +195,62 @@ def cycle_model() -> Model:
             for lp in params["layers"]]
   return Model(config=config, name="cycle-llama-tiny",
                params={**params, "layers": layers, "lm_head": states[np.argsort(successor)].T})
+
+
+# --- every registered strategy, with options that exercise it on a tiny model ------------
+
+LOSSLESS = {"speculative", "speculative_tree", "prompt_lookup", "lookahead", "jacobi",
+            "self_speculative", "medusa", "blockwise", "eagle"}  # greedy's tokens at temperature 0
+STRATEGY_PROMPTS = [list(range(3, 19)), [9, 10, 11, 12, 13]]  # ragged
+CHUNKS = [[[5, 6, 7], [8, 9]], [[10, 11], [12]]]  # skeleton_fill / margin_notes prompts
+
+
+def strategy_heads(base: Model) -> dict:
+  """Random medusa (residual blocks not zero), mtp and eagle heads for `base`."""
+  from mdjax.heads import Heads, HeadsConfig, init_heads
+  c = base.config
+
+  def heads(family, **fields):
+    return init_heads(HeadsConfig(family=family, base_model=base.name, base_family=c.family,
+                                  hidden_size=c.hidden_size, vocab_size=c.vocab_size, **fields),
+                      c, seed=1)
+
+  medusa = heads("medusa", num_heads=3)
+  w = medusa.params["blocks"]["w"]  # init_heads leaves it at zero
+  medusa = Heads(config=medusa.config, params={"blocks": dict(
+      medusa.params["blocks"], w=0.3 / np.sqrt(w.shape[-1]) * jax.random.normal(
+          jax.random.key(2), w.shape))})
+  return {"medusa": medusa, "mtp": heads("mtp", num_heads=2), "eagle": heads("eagle")}
+
+
+def every_strategy(draft: Model, heads: dict) -> dict:
+  """Per registered strategy: (its own prompts, or [] for `STRATEGY_PROMPTS`, and options)."""
+  return {
+      "greedy": ([], {}),
+      "sample": ([], dict(temperature=0.8, top_k=40)),
+      "beam": ([], dict(num_beams=3)),
+      "multi_question": ([], dict(questions=[[20, 21], [22], [23, 24, 25]])),
+      "parallel_sample": ([], dict(num_samples=3, temperature=0.9)),
+      "skeleton_fill": (CHUNKS, {}),
+      "margin_notes": (CHUNKS, dict(instruction=[7, 8, 9])),
+      "entropy_branching": ([], dict(num_branches=2, branch_tokens=3, branch_entropy=0.0)),
+      "speculative": ([], dict(draft=draft, num_draft_tokens=3)),
+      "speculative_tree": ([], dict(draft=draft, tree_depth=2, tree_top_k=2, tree_budget=4)),
+      "prompt_lookup": ([], dict(prompt_lookup_num_tokens=3, max_ngram_size=2)),
+      "lookahead": ([], dict(window=3, ngram=3, guess_set=2)),
+      "jacobi": ([], dict(window=3)),
+      "self_speculative": ([], dict(draft_layers=1, num_draft_tokens=3)),
+      "medusa": ([], dict(heads=heads["medusa"])),
+      "blockwise": ([], dict(heads=heads["mtp"])),
+      "eagle": ([], dict(heads=heads["eagle"], tree_depth=2, tree_top_k=2, tree_budget=4)),
+  }
+
+
+def run_strategy(model: Model, strategy: str, request: tuple, max_new_tokens: int = 12):
+  """`mdjax.generate` of one `every_strategy` entry (seed 3, no EOS)."""
+  import mdjax
+  prompts, options = request
+  prompts = prompts or (STRATEGY_PROMPTS[:1] if strategy == "multi_question"
+                        else STRATEGY_PROMPTS)
+  return mdjax.generate(model, prompts, strategy=strategy, max_new_tokens=max_new_tokens,
+                        eos_token_id=[], seed=3, **options)

@@ -19,7 +19,6 @@ import pytest
 
 import mdjax
 from configs import lm_tiny_test
-from mdjax.heads import Heads, HeadsConfig, init_heads
 from mdjax.models import hf
 from mdjax.models.layer_loop import (LAYER_LOOPS, layer_loop_of, stack_layers, take_layers,
                                      unstack_layers, with_layer_loop)
@@ -28,16 +27,12 @@ from mdjax.models.transformer import causal_logits, forward_causal, layer_period
 from mdjax.strategies import STRATEGIES
 from mdjax.train import lm
 from mdjax.train.grow import grow
-from tests.helpers import GEMMA3_MIXED, random_model
+from tests.helpers import (GEMMA3_MIXED, LOSSLESS, every_strategy, random_model, run_strategy,
+                           strategy_heads)
 
 # sliding, full, sliding, full, sliding: period 2, two scanned groups and one layer after
 GEMMA3_FIVE = dict(GEMMA3_MIXED, layer_types=("sliding_attention", "full_attention") * 2
                    + ("sliding_attention",))
-PROMPTS = [list(range(3, 19)), [9, 10, 11, 12, 13]]  # ragged
-CHUNKS = [[[5, 6, 7], [8, 9]], [[10, 11], [12]]]  # skeleton_fill / margin_notes prompts
-NEW = 12
-LOSSLESS = {"speculative", "speculative_tree", "prompt_lookup", "lookahead", "jacobi",
-            "self_speculative", "medusa", "blockwise", "eagle"}  # at temperature 0
 
 
 def in_layout(model: Model, loop: str) -> Model:
@@ -153,45 +148,13 @@ def runs():
   """Per layout: the model, and the options of every strategy (drafts and heads built
   on that layout's model). Heads keep their own layers as lists."""
   base = mdjax.load("random-llama-tiny")
-  c = base.config
-  draft = random_model("llama", 5, vocab_size=c.vocab_size, layers=1, std=0.05)
-
-  def heads(family, **fields):
-    return init_heads(HeadsConfig(family=family, base_model=base.name, base_family=c.family,
-                                  hidden_size=c.hidden_size, vocab_size=c.vocab_size, **fields),
-                      c, seed=1)
-
-  medusa = heads("medusa", num_heads=3)
-  w = medusa.params["blocks"]["w"]  # init_heads leaves it at zero
-  medusa = Heads(config=medusa.config, params={"blocks": dict(
-      medusa.params["blocks"], w=0.3 / np.sqrt(w.shape[-1]) * jax.random.normal(
-          jax.random.key(2), w.shape))})
-  mtp = heads("mtp", num_heads=2)
-  eagle = heads("eagle")
+  draft = random_model("llama", 5, vocab_size=base.config.vocab_size, layers=1, std=0.05)
+  heads = strategy_heads(base)
   out = {}
   for loop in LAYER_LOOPS:
     model = mdjax.load("random-llama-tiny", layer_loop=loop)
     assert layer_loop_of(model.params) == loop
-    out[loop] = (model, {
-        "greedy": ([], {}),
-        "sample": ([], dict(temperature=0.8, top_k=40)),
-        "beam": ([], dict(num_beams=3)),
-        "multi_question": ([], dict(questions=[[20, 21], [22], [23, 24, 25]])),
-        "parallel_sample": ([], dict(num_samples=3, temperature=0.9)),
-        "skeleton_fill": (CHUNKS, {}),
-        "margin_notes": (CHUNKS, dict(instruction=[7, 8, 9])),
-        "entropy_branching": ([], dict(num_branches=2, branch_tokens=3, branch_entropy=0.0)),
-        "speculative": ([], dict(draft=in_layout(draft, loop), num_draft_tokens=3)),
-        "speculative_tree": ([], dict(draft=in_layout(draft, loop), tree_depth=2, tree_top_k=2,
-                                      tree_budget=4)),
-        "prompt_lookup": ([], dict(prompt_lookup_num_tokens=3, max_ngram_size=2)),
-        "lookahead": ([], dict(window=3, ngram=3, guess_set=2)),
-        "jacobi": ([], dict(window=3)),
-        "self_speculative": ([], dict(draft_layers=1, num_draft_tokens=3)),
-        "medusa": ([], dict(heads=medusa)),
-        "blockwise": ([], dict(heads=mtp)),
-        "eagle": ([], dict(heads=eagle, tree_depth=2, tree_top_k=2, tree_budget=4)),
-    })
+    out[loop] = (model, every_strategy(in_layout(draft, loop), heads))
   return out
 
 
@@ -201,10 +164,7 @@ def test_every_strategy_is_covered(runs):
 
 def run(runs, loop: str, strategy: str) -> mdjax.GenerationOutput:
   model, options = runs[loop]
-  prompts, kwargs = options[strategy]
-  prompts = prompts or (PROMPTS[:1] if strategy == "multi_question" else PROMPTS)
-  return mdjax.generate(model, prompts, strategy=strategy, max_new_tokens=NEW, eos_token_id=[],
-                        seed=3, **kwargs)
+  return run_strategy(model, strategy, options[strategy])
 
 
 @pytest.mark.parametrize("strategy", sorted(set(STRATEGIES) - LOSSLESS))

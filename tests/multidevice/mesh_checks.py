@@ -24,6 +24,8 @@ from mdjax.heads import Heads, HeadsConfig, init_heads  # noqa: E402
 from mdjax.models import hf  # noqa: E402
 from mdjax.models.layer_loop import with_layer_loop  # noqa: E402
 from mdjax.models.registry import RANDOM_MODELS  # noqa: E402
+from mdjax.strategies import STRATEGIES  # noqa: E402
+from tests import helpers  # noqa: E402
 
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
 VOCAB = 250  # not divisible by a tensor axis of 4 or 8: padded and masked
@@ -114,6 +116,29 @@ def test_a_mesh_gives_the_logits_and_tokens_of_one_device(one_device, shape, kv)
                              rtol=0)
   names = None if EVERY_STRATEGY[shape] == kv else ["greedy"]
   assert_same(outputs(sharded, sharded_draft, names), expected)
+
+
+@pytest.fixture(scope="module")
+def registry_runs():
+  """random-llama-tiny (4 query heads, 2 KV heads) on one device and on a 2x4 mesh, and
+  every registered strategy's request (its draft and heads unsharded: replicated)."""
+  base = mdjax.load("random-llama-tiny")
+  draft = helpers.random_model("llama", 5, vocab_size=base.config.vocab_size, layers=1,
+                               std=0.05)
+  requests = helpers.every_strategy(draft, helpers.strategy_heads(base))
+  return base, mdjax.shard(base, jax.make_mesh((2, 4), ("data", "tensor"))), requests
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_every_registered_strategy_on_a_mesh_gives_the_tokens_of_one_device(registry_runs,
+                                                                            strategy):
+  """A lossy strategy against itself on one device; a lossless one against one device's
+  greedy (its own tests prove it returns greedy's tokens there)."""
+  base, sharded, requests = registry_runs
+  got = helpers.run_strategy(sharded, strategy, requests[strategy])
+  reference = "greedy" if strategy in helpers.LOSSLESS else strategy
+  expected = helpers.run_strategy(base, reference, requests[reference])
+  assert got.sequences == expected.sequences and sum(map(len, got.sequences)) > 0
 
 
 def test_an_auto_mesh_and_an_unsharded_draft_work_too(one_device):
