@@ -5,6 +5,7 @@ No timing is asserted: benchmarks measure, tests check that they can.
 """
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -113,7 +114,9 @@ def test_bench_compile_quick(tmp_path):
           seconds[depths[-1]] / seconds[depths[0]])
   assert set(results["decode"]) == {"scan", "unrolled"}
   assert all(cell["layers"] == settings["depths"][0] for cell in results["decode"].values())
-  assert results["decode_scan_over_unrolled"] > 0
+  # a ratio of paired timing differences: its value (even its sign, in a quick run on a
+  # loaded machine) is noise here; that it is computed from both loops is the check
+  assert math.isfinite(results["decode_scan_over_unrolled"])
 
 
 def test_bench_heads_quick(tmp_path):
