@@ -76,6 +76,11 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "w_down": ("mlp", None),
 }
 
+# a fused weight -> the parts a mesh with tensor > 1 stores instead (`Layout.split`)
+FUSED: dict[str, tuple[str, ...]] = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"),
+                                     "w_gate_up": ("w_gate", "w_up"),
+                                     "b_gate_up": ("b_gate", "b_up")}
+
 # the KV cache's fields -> logical axes
 CACHE_AXES = {"k": (None, "batch", None, "kv_heads", None),
               "v": (None, "batch", None, "kv_heads", None),
@@ -161,24 +166,15 @@ class Layout:
   def split(self, name: str, value) -> dict[str, Any]:
     """One stored weight as the mesh stores it: fused projections split (tensor > 1),
     the vocabulary padded. Works on numpy and jax arrays alike (last axis = outputs)."""
-    c = self.config
-    if self.tensor > 1 and name in ("wqkv", "bqkv"):
-      sizes = np.cumsum([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim])
-      prefix = name[0]
-      return dict(zip((prefix + "q", prefix + "k", prefix + "v"),
-                      np.split(value, sizes, axis=-1) if isinstance(value, np.ndarray)
-                      else jnp.split(value, sizes, axis=-1)))
-    if self.tensor > 1 and name in ("w_gate_up", "b_gate_up"):
-      prefix = name.split("_gate_up")[0]
-      halves = np.split(value, 2, axis=-1) if isinstance(value, np.ndarray) else jnp.split(
-          value, 2, axis=-1)
-      return {prefix + "_gate": halves[0], prefix + "_up": halves[1]}
+    c, xp = self.config, (np if isinstance(value, np.ndarray) else jnp)
+    if self.tensor > 1 and name in FUSED:
+      q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+      cuts = [q, q + kv] if name in ("wqkv", "bqkv") else 2  # q|k|v, gate|up
+      return dict(zip(FUSED[name], xp.split(value, cuts, axis=-1)))
     pad = self.padded_vocab - c.vocab_size
     if pad and name in ("embed", "lm_head"):
       axis = 0 if name == "embed" else value.ndim - 1
-      widths = [(0, pad if i == axis else 0) for i in range(value.ndim)]
-      return {name: np.pad(value, widths) if isinstance(value, np.ndarray)
-              else jnp.pad(value, widths)}
+      return {name: xp.pad(value, [(0, pad if i == axis else 0) for i in range(value.ndim)])}
     return {name: value}
 
   def place(self, tree: dict[str, Any]) -> dict[str, Any]:
@@ -224,8 +220,7 @@ def one_device_layout(params: dict, config: ModelConfig) -> dict:
   projections fused again, a padded vocabulary cut (e.g. to save a sharded model)."""
   def fuse(layer: dict) -> dict:
     layer = dict(layer)
-    for fused, parts in (("wqkv", ("wq", "wk", "wv")), ("bqkv", ("bq", "bk", "bv")),
-                         ("w_gate_up", ("w_gate", "w_up")), ("b_gate_up", ("b_gate", "b_up"))):
+    for fused, parts in FUSED.items():
       if parts[0] in layer:
         layer[fused] = jnp.concatenate([layer.pop(p) for p in parts], axis=-1)
     return layer

@@ -181,6 +181,14 @@ def edit_config(path, edit):
 CYCLE = np.arange(3, 19)  # the synthetic base writes these ids in this order, round and round
 
 
+def write_cycle_prompts(path, count: int, seed: int = 0):
+  """`count` prompts, each a stretch of `CYCLE` (2..5 ids from a random start), as JSONL."""
+  rng = np.random.default_rng(seed)
+  lines = [np.roll(CYCLE, -rng.integers(16))[:rng.integers(2, 6)].tolist() for _ in range(count)]
+  path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+  return path
+
+
 def cycle_model() -> Model:
   """`random-llama-tiny` turned predictable: zero attention and MLP outputs (hidden state
   at t = RMSNorm(embedding of x[t])) and an untied lm_head whose column for id j is that
@@ -205,22 +213,31 @@ STRATEGY_PROMPTS = [list(range(3, 19)), [9, 10, 11, 12, 13]]  # ragged
 CHUNKS = [[[5, 6, 7], [8, 9]], [[10, 11], [12]]]  # skeleton_fill / margin_notes prompts
 
 
+def heads_config(model: Model, family: str, **fields):
+  """A `HeadsConfig` of `family` for `model`."""
+  from mdjax.heads import HeadsConfig
+  c = model.config
+  return HeadsConfig(family=family, base_model=model.name, base_family=c.family,
+                     hidden_size=c.hidden_size, vocab_size=c.vocab_size, **fields)
+
+
+def random_medusa_heads(model: Model, num_heads: int = 3, seed: int = 0, std: float = 0.3):
+  """Medusa heads with random residual blocks (`init_heads` leaves `w` at zero): many
+  rejections, some acceptances."""
+  from mdjax.heads import Heads, init_heads
+  heads = init_heads(heads_config(model, "medusa", num_heads=num_heads), model.config, seed=seed)
+  blocks = heads.params["blocks"]
+  w = std / np.sqrt(blocks["w"].shape[-1]) * jax.random.normal(jax.random.key(seed + 1),
+                                                              blocks["w"].shape)
+  return Heads(config=heads.config, params={"blocks": dict(blocks, w=w)})
+
+
 def strategy_heads(base: Model) -> dict:
   """Random medusa (residual blocks not zero), mtp and eagle heads for `base`."""
-  from mdjax.heads import Heads, HeadsConfig, init_heads
-  c = base.config
-
-  def heads(family, **fields):
-    return init_heads(HeadsConfig(family=family, base_model=base.name, base_family=c.family,
-                                  hidden_size=c.hidden_size, vocab_size=c.vocab_size, **fields),
-                      c, seed=1)
-
-  medusa = heads("medusa", num_heads=3)
-  w = medusa.params["blocks"]["w"]  # init_heads leaves it at zero
-  medusa = Heads(config=medusa.config, params={"blocks": dict(
-      medusa.params["blocks"], w=0.3 / np.sqrt(w.shape[-1]) * jax.random.normal(
-          jax.random.key(2), w.shape))})
-  return {"medusa": medusa, "mtp": heads("mtp", num_heads=2), "eagle": heads("eagle")}
+  from mdjax.heads import init_heads
+  return {"medusa": random_medusa_heads(base, 3, seed=1),
+          "mtp": init_heads(heads_config(base, "mtp", num_heads=2), base.config, seed=1),
+          "eagle": init_heads(heads_config(base, "eagle"), base.config, seed=1)}
 
 
 def every_strategy(draft: Model, heads: dict) -> dict:

@@ -22,27 +22,18 @@ from mdjax.sampling import typical_accept
 from mdjax.step import decode_step
 from mdjax.strategies.base import ModelFn
 from mdjax.strategies.medusa import Blockwise, Medusa
-from tests.helpers import GEMMA3_MIXED, chi_square_p_value, random_model, target_law
+from tests.helpers import (GEMMA3_MIXED, chi_square_p_value, heads_config, random_medusa_heads,
+                           random_model, target_law)
 
 PROMPTS = [list(range(3, 19)), [9, 10, 11, 12, 13], [40]]  # ragged
 NEW = 40
 
 
 def medusa_config(model: Model, num_heads: int, **fields) -> HeadsConfig:
-  c = model.config
-  return HeadsConfig(family="medusa", base_model=model.name, base_family=c.family,
-                     hidden_size=c.hidden_size, vocab_size=c.vocab_size, num_heads=num_heads,
-                     **fields)
+  return heads_config(model, "medusa", num_heads=num_heads, **fields)
 
 
-def random_heads(model: Model, num_heads: int = 3, seed: int = 0, std: float = 0.3) -> Heads:
-  """Heads with random residual blocks (`init_heads` leaves `w` at zero): many
-  rejections, some acceptances."""
-  heads = init_heads(medusa_config(model, num_heads), model.config, seed=seed)
-  blocks = heads.params["blocks"]
-  w = std / np.sqrt(blocks["w"].shape[-1]) * jax.random.normal(jax.random.key(seed + 1),
-                                                              blocks["w"].shape)
-  return Heads(config=heads.config, params={"blocks": dict(blocks, w=w)})
+random_heads = random_medusa_heads
 
 
 def permutation_model_and_heads(num_heads: int = 3, seed: int = 0) -> tuple[Model, Heads]:

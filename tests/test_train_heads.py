@@ -25,7 +25,7 @@ from configs import heads_tiny_test
 from mdjax.train import data, head_prompts
 from mdjax.heads import load_heads, save_heads
 from mdjax.train import heads as heads_lib
-from tests.helpers import CYCLE, cycle_model
+from tests.helpers import cycle_model, write_cycle_prompts
 
 REPO = data.pathlib.Path(__file__).resolve().parent.parent
 
@@ -37,12 +37,8 @@ def base():
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
-  """40 prompts, each a stretch of the cycle (2..5 ids from a random start), as JSONL."""
-  rng = np.random.default_rng(0)
-  path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-  lines = [np.roll(CYCLE, -rng.integers(16))[:rng.integers(2, 6)].tolist() for _ in range(40)]
-  path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-  return path
+  """40 prompts, each a stretch of the cycle, as JSONL."""
+  return write_cycle_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", 40)
 
 
 def tiny_config(run_dir, prompts_file, /, **overrides):

@@ -101,7 +101,9 @@ def _project_qkv(config: ModelConfig, lp: Params, h: Float[Array, "B T D"], posi
       qkv = qkv + lp["bqkv"]
     q, key, value = jnp.split(qkv, [n * hd, (n + k) * hd], axis=-1)
   else:  # split (a mesh: see `mdjax.sharding`)
-    q, key, value = (h @ lp["w" + x] + (lp["b" + x] if config.qkv_bias else 0) for x in "qkv")
+    q, key, value = (h @ lp["w" + x] for x in "qkv")
+    if config.qkv_bias:
+      q, key, value = q + lp["bq"], key + lp["bk"], value + lp["bv"]
   q = constrain(q.reshape(b, t, n, hd), "batch", None, "heads", None)
   key = constrain(key.reshape(b, t, k, hd), "batch", None, "kv_heads", None)
   value = constrain(value.reshape(b, t, k, hd), "batch", None, "kv_heads", None)
@@ -119,7 +121,9 @@ def _mlp(config: ModelConfig, lp: Params, h: Float[Array, "B T D"]) -> Float[Arr
       gate_up = gate_up + lp["b_gate_up"]
     gate, up = jnp.split(gate_up, 2, axis=-1)
   else:  # split (a mesh)
-    gate, up = (h @ lp["w_" + x] + (lp["b_" + x] if config.mlp_bias else 0) for x in ("gate", "up"))
+    gate, up = h @ lp["w_gate"], h @ lp["w_up"]  # [B, T, F] each
+    if config.mlp_bias:
+      gate, up = gate + lp["b_gate"], up + lp["b_up"]
   # gemma3: GeGLU with the tanh-approximated GELU (HF's gelu_pytorch_tanh)
   act = jax.nn.gelu(gate, approximate=True) if config.family == "gemma3" else jax.nn.silu(gate)
   inner = constrain(act * up, "batch", None, "mlp")  # [B, T, F]

@@ -66,7 +66,7 @@ def state_on_mesh(state: dict, layout: sharding.Layout | None) -> dict:
   return map_param_trees(layout.place, state, lambda x: sharding.on_layout(x, layout))
 
 
-SPLIT_PARTS = ("wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up", "b_gate", "b_up")
+SPLIT_PARTS = tuple(part for parts in sharding.FUSED.values() for part in parts)
 
 
 def checkpoint_state(state: dict, config: ModelConfig, layout: sharding.Layout | None) -> dict:

@@ -20,7 +20,6 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 
 import mdjax  # noqa: E402
 from mdjax import sharding  # noqa: E402
-from mdjax.heads import Heads, HeadsConfig, init_heads  # noqa: E402
 from mdjax.models import hf  # noqa: E402
 from mdjax.models.layer_loop import with_layer_loop  # noqa: E402
 from mdjax.models.registry import RANDOM_MODELS  # noqa: E402
@@ -44,16 +43,6 @@ def random_model(num_kv_heads: int, num_layers: int = 2, seed: int = 0) -> mdjax
                      name=f"tiny-kv{num_kv_heads}")
 
 
-def random_heads(model: mdjax.Model) -> Heads:
-  c = model.config
-  config = HeadsConfig(family="medusa", base_model=model.name, base_family=c.family,
-                       hidden_size=c.hidden_size, vocab_size=c.vocab_size, num_heads=2)
-  heads = init_heads(config, c, seed=0)
-  blocks = heads.params["blocks"]
-  w = 0.3 * jax.random.normal(jax.random.key(1), blocks["w"].shape) / np.sqrt(c.hidden_size)
-  return Heads(config=heads.config, params={"blocks": dict(blocks, w=w)})
-
-
 def requests(model: mdjax.Model, draft: mdjax.Model) -> dict:
   """Every strategy family the issue names: name -> generate's keyword arguments."""
   return {
@@ -65,7 +54,7 @@ def requests(model: mdjax.Model, draft: mdjax.Model) -> dict:
                              questions=[[[9, 10], [11], [12, 13, 14], [15]]]),
       "speculative": dict(prompts=PROMPTS, strategy="speculative", draft=draft,
                           num_draft_tokens=3),
-      "medusa": dict(prompts=PROMPTS, strategy="medusa", heads=random_heads(model)),
+      "medusa": dict(prompts=PROMPTS, strategy="medusa", heads=helpers.random_medusa_heads(model, 2)),
   }
 
 

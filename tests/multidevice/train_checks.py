@@ -32,7 +32,7 @@ from mdjax.models.layer_loop import unstack_layers  # noqa: E402
 from mdjax.models.model import Model  # noqa: E402
 from mdjax.train import data, export, lm  # noqa: E402
 from mdjax.train import heads as heads_lib  # noqa: E402
-from tests.helpers import CYCLE, cycle_model  # noqa: E402
+from tests.helpers import cycle_model, write_cycle_prompts  # noqa: E402
 
 LM_STEPS, LM_KEPT = 6, 3  # checkpoints at 3 and 6; a resume starts after step 3
 LM_VOCAB = 298  # not a multiple of the tensor axis (4): the mesh pads it to 300
@@ -219,11 +219,7 @@ def base() -> Model:
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
-  rng = np.random.default_rng(0)
-  path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-  lines = [np.roll(CYCLE, -rng.integers(16))[:rng.integers(2, 6)].tolist() for _ in range(24)]
-  path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-  return path
+  return write_cycle_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", 24)
 
 
 @pytest.fixture(scope="module")
