@@ -33,6 +33,7 @@ from jaxtyping import Array, Float, Int
 from mdjax.cache import KVCache
 from mdjax.heads.base import HeadsConfig
 from mdjax.models.config import ModelConfig
+from mdjax.models.numerics import full_float32
 from mdjax.models.random_init import init_params
 from mdjax.models.transformer import Params, embed, forward, forward_causal, lm_head
 from mdjax.topology import Topology
@@ -55,6 +56,7 @@ def init_eagle(config: HeadsConfig, model_config: ModelConfig, seed: int = 0, dt
           "final_norm": decoder["final_norm"]}
 
 
+@full_float32
 def eagle_inputs(heads_params: Params, model_params: Params, tokens: Int[Array, "B T"],
                  features: Float[Array, "B T D"], *, model_config: ModelConfig
                  ) -> Float[Array, "B T D"]:

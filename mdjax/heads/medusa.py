@@ -19,6 +19,7 @@ from jaxtyping import Array, Float
 
 from mdjax.heads.base import HeadsConfig
 from mdjax.models.config import ModelConfig
+from mdjax.models.numerics import full_float32
 from mdjax.models.transformer import Params, lm_head
 
 
@@ -35,6 +36,7 @@ def init_medusa(config: HeadsConfig, seed: int = 0, dtype=jnp.float32,
   return params
 
 
+@full_float32
 def medusa_features(heads_params: Params, hidden: Float[Array, "... D"]
                     ) -> Float[Array, "... K D"]:
   """Every head's residual blocks over `hidden`: what its unembedding reads."""
@@ -47,6 +49,7 @@ def medusa_features(heads_params: Params, hidden: Float[Array, "... D"]
   return x
 
 
+@full_float32
 def medusa_logits(heads_params: Params, model_params: Params, hidden: Float[Array, "... D"], *,
                   model_config: ModelConfig) -> Float[Array, "... K V"]:
   """Head k's logits (float32) for token t + 1 + k from the model's hidden state at t."""

@@ -60,6 +60,7 @@ from mdjax.cache import CacheRegions, KVCache
 from mdjax.models.attention import LayerAttention, Queries, attention_fn, masked_attention
 from mdjax.models.config import ModelConfig
 from mdjax.models.layer_loop import layer_loop_of
+from mdjax.models.numerics import full_float32
 from mdjax.sharding import constrain, constrain_cache
 from mdjax.topology import Topology, visibility_limits, visible
 
@@ -233,6 +234,7 @@ def layer_attention(config: ModelConfig, layer: int) -> LayerAttention:
                         softcap=config.attn_logit_softcapping)
 
 
+@full_float32
 def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"] | None,
             positions: Int[Array, "B T"], segments: Int[Array, "B T"], topology: Topology, *,
             config: ModelConfig, attention: str = "block_sparse", block_size: int = 128,
@@ -263,6 +265,7 @@ def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"] | None,
   return hidden, constrain_cache(cache)
 
 
+@full_float32
 def forward_causal(params: Params, tokens: Int[Array, "B T"] | None, *, config: ModelConfig,
                    inputs: Float[Array, "B T D"] | None = None) -> Float[Array, "B T D"]:
   """Plain causal forward of whole sequences without a cache (training, evaluation);
@@ -294,6 +297,7 @@ def causal_logits(params: Params, tokens: Int[Array, "B T"], *,
   return lm_head(params, forward_causal(params, tokens, config=config), config=config)
 
 
+@full_float32
 def lm_head(params: Params, hidden: Float[Array, "... D"], *,
             config: ModelConfig) -> Float[Array, "... V"]:
   """Logits in float32, soft-capped when the config says so; the tied head reuses the
