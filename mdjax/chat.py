@@ -14,7 +14,7 @@ that one chat alone.
 
 from __future__ import annotations
 
-from mdjax.errors import MdjaxError
+from mdjax.errors import MdjaxError, require
 from mdjax.models.model import Model
 
 
@@ -23,6 +23,7 @@ def _template(model: Model):
   if tokenizer is None or not getattr(tokenizer, "chat_template", None):
     raise MdjaxError(f"chat=True needs a chat template, and the model {model.name or model.path!r} "
                      "has none (use a plain prompt, or an instruct model)")
+  require("jinja2", "a chat template")  # transformers renders templates with it
   return tokenizer
 
 

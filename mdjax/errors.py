@@ -6,6 +6,7 @@ keep working; the CLI catches it and prints its message on one line.
 
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
 
@@ -16,6 +17,23 @@ class MdjaxError(ValueError):
 
 class CheckpointError(MdjaxError):
   """A checkpoint directory is missing, incomplete, corrupt or unsupported."""
+
+
+class MissingPackageError(MdjaxError, ImportError):
+  """A package that one feature needs (and mdjax itself does not) is not installed; the
+  message names it and the pip command. An `ImportError` too, for callers that catch
+  those."""
+
+
+def require(module: str, purpose: str, pip_spec: str | None = None):
+  """Imports and returns `module`, or raises `MissingPackageError` saying that `purpose`
+  needs it and how to install it (`pip_spec`, e.g. "torch==2.13.0"; default: `module`)."""
+  try:
+    return importlib.import_module(module)
+  except ImportError as e:
+    raise MissingPackageError(
+        f"{purpose} needs the package {module!r}, which is not installed: "
+        f"python3 -m pip install {pip_spec or module}") from e
 
 
 def check_options(kind: str, name: str, options, allowed: tuple[str, ...]) -> None:

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from experiments import decode
+from mdjax.models.registry import GGUF_MODELS
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.py")
@@ -38,6 +39,7 @@ def greedy_summary():
   return decode.decode(_config("greedy"))
 
 
+@pytest.mark.real_models  # configs/greedy.py asks SmolLM2-135M-Instruct
 def test_cli_prints_text_then_one_json_summary(greedy_summary):
   result = subprocess.run([sys.executable, "-m", "experiments.decode", "--config=configs/greedy.py",
                            f"--config.max_new_tokens={NEW_TOKENS}"], cwd=REPO, capture_output=True,
@@ -49,7 +51,13 @@ def test_cli_prints_text_then_one_json_summary(greedy_summary):
   assert summary["texts"][0] in "\n".join(text)
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+def _needs_real_model(name: str) -> bool:
+  return _config(name).model in GGUF_MODELS
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.real_models) if _needs_real_model(name) else name
+    for name in CONFIGS])
 def test_config_runs(name, capsys):
   summary = decode.decode(_config(name))
   json.dumps(summary)  # what the CLI prints must be JSON

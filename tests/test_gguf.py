@@ -635,6 +635,7 @@ def test_missing_package_names_the_pip_command(monkeypatch):
     mdjax.load("absent-model")
 
 
+@pytest.mark.real_models
 def test_gemma3_package_assembles_its_file(tmp_path):
   """The gemma3 GGUF joined from its part packages."""
   path = GGUF_MODELS["gemma3-270m"].locate(tmp_path)

@@ -8,6 +8,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+pytestmark = pytest.mark.real_models  # both notebooks run SmolLM2-135M-Instruct
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # notebook -> the CPU devices its first cell asks JAX for (its kernel is a process of its own)
 SIMULATED_DEVICES = {"tpu_colab.ipynb": 8}

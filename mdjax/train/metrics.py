@@ -10,6 +10,8 @@ import json
 import os
 import pathlib
 
+from mdjax.errors import require
+
 
 class MetricsLog:
   """Append-only JSONL at `path`."""
@@ -41,8 +43,7 @@ ACCURACIES = (("heldout_accuracy", "held-out top-1"),
 def plot_losses(records: list[dict], path: str | os.PathLike, title: str) -> None:
   """Left: train loss (every logged step), held-out loss and held-out copy loss (every
   evaluation) against step. Right: the evaluations' accuracies (`ACCURACIES`)."""
-  import matplotlib
-  matplotlib.use("Agg")
+  require("matplotlib", "a training plot").use("Agg")
   import matplotlib.pyplot as plt
 
   train = [(r["step"], r["loss"]) for r in records if "loss" in r]
