@@ -47,4 +47,11 @@ def get_base_config(strategy: str) -> ml_collections.ConfigDict:
   config.system = ""  # with chat: a system message ("" = none)
   config.question_separator = "\n\n"  # with chat: between the prompt and each question
   config.compare_sequential = False  # multi_question: also answer each question alone, timed
+  # "data,tensor", e.g. "2,4": the model on a ("data", "tensor") mesh of all the devices
+  # (every process's); "" = one device, no mesh
+  config.mesh = ""
+  # "" = one process; "auto" = JAX's cluster detection (TPU pod, SLURM, Kubernetes);
+  # "HOST:PORT,NUM_PROCESSES,PROCESS_ID" = explicit. Every process runs the same command;
+  # only process 0 prints and writes files (`mdjax.distributed`)
+  config.distributed = ""
   return config

@@ -34,13 +34,13 @@ import time
 
 from absl import app, flags
 import numpy as np
-import torch
 import tqdm
 import transformers
 
 import mdjax
+from experiments.cli import one_line_errors
 from experiments.benchlib import (load_pair, machine_info, machine_line, memory_bandwidth, plt,
-                                  save_figure, write_json, write_results)
+                                  save_figure, torch_oracle, write_json, write_results)
 
 
 _MODEL = flags.DEFINE_string("model", "random-llama", "Anything `mdjax.load` takes: a random, "
@@ -94,6 +94,7 @@ def sequential(model, context, questions, new_tokens: int) -> dict:
 
 
 def hf(reference, rows: np.ndarray, new_tokens: int) -> dict:
+  torch = torch_oracle()
   ids = torch.from_numpy(rows.astype(np.int64))
   start = time.perf_counter()
   out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -215,4 +216,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(one_line_errors(main))

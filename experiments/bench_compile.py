@@ -24,6 +24,7 @@ from absl import app, flags
 import tqdm
 
 import mdjax
+from experiments.cli import one_line_errors
 from experiments.benchlib import (machine_info, machine_line, median_after_first_token, plt,
                                   save_figure, write_results)
 from mdjax.models.layer_loop import LAYER_LOOPS, with_layer_loop
@@ -186,4 +187,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(one_line_errors(main))

@@ -48,16 +48,16 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
 import tqdm
 import transformers
 
 import mdjax
+from experiments.cli import one_line_errors
 from mdjax import strategies
 from mdjax.cache import KVCache
 from experiments.benchlib import (agreement, load_pair, machine_info, machine_line,
                                   median_after_first_token, memory_bandwidth, plt, save_figure,
-                                  step_bytes, write_results)
+                                  step_bytes, torch_oracle, write_results)
 from mdjax.generate import cache_size
 from mdjax.prompts import bucket
 from mdjax.strategies.base import ModelFn
@@ -109,10 +109,12 @@ def run_mdjax(model: mdjax.Model, prompts: np.ndarray, new_tokens: int):
   return out.stats["wall_s"], out.sequences, out.stats["compile_s"]
 
 
-def run_transformers(reference, prompts: torch.Tensor, new_tokens: int):
-  """One greedy transformers `generate`: (seconds, generated ids `[B, new_tokens]`)."""
+def run_transformers(reference, prompts, new_tokens: int):
+  """One greedy transformers `generate` of the int64 tensor `prompts` `[B, L]`: (seconds,
+  generated ids `[B, new_tokens]`)."""
+  mask = torch_oracle().ones_like(prompts)
   start = time.perf_counter()
-  out = reference.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+  out = reference.generate(prompts, attention_mask=mask, do_sample=False,
                            max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
   seconds = time.perf_counter() - start
   if out.shape != (prompts.shape[0], prompts.shape[1] + new_tokens):
@@ -164,7 +166,7 @@ def bench_batch(model: mdjax.Model, reference, batch: int, settings: Settings,
   rng = np.random.default_rng(settings.seed)
   prompts = rng.integers(FIRST_PROMPT_ID, model.config.vocab_size,
                          (batch, settings.prompt_len)).astype(np.int32)
-  torch_prompts = torch.from_numpy(prompts.astype(np.int64))
+  torch_prompts = torch_oracle().from_numpy(prompts.astype(np.int64))
   n = settings.new_tokens
 
   # First calls compile (mdjax) or warm up (transformers); they are not timed.
@@ -314,6 +316,7 @@ def main(argv):
   settings = settings_from_flags()
   if settings.new_tokens < 2:
     raise app.UsageError("--new_tokens must be >= 2 (decode time is measured against 1)")
+  torch = torch_oracle()  # before any work, and before machine_info records its threads
   if _TORCH_THREADS.value:
     torch.set_num_threads(_TORCH_THREADS.value)
   results = run(settings)
@@ -322,4 +325,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(one_line_errors(main))

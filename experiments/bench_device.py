@@ -62,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mdjax
+from experiments.cli import one_line_errors
 from experiments.benchlib import (machine_info, machine_line, memory_bandwidth, plt,
                                   run_mdjax, save_figure, step_bytes, summarize, timed,
                                   write_results)
@@ -437,4 +438,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(one_line_errors(main))

@@ -23,6 +23,7 @@ from absl import app, flags
 import numpy as np
 
 import mdjax
+from experiments.cli import one_line_errors
 from experiments.benchlib import (machine_info, machine_line, memory_bandwidth, plt, run_mdjax,
                                   save_figure, summarize, timed, write_results)
 from mdjax import chat
@@ -210,4 +211,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(one_line_errors(main))

@@ -39,13 +39,13 @@ import time
 
 from absl import app, flags
 import numpy as np
-import torch
 import transformers
 
 import mdjax
+from experiments.cli import one_line_errors
 from experiments.benchlib import (agreement, load_pair, machine_info, machine_line,
                                   memory_bandwidth, plt, run_mdjax, save_figure, summarize, timed,
-                                  write_results)
+                                  torch_oracle, write_results)
 from mdjax.train import data
 
 
@@ -101,6 +101,8 @@ def copy_prompts(model: mdjax.Model, count: int, length: int) -> tuple[np.ndarra
 def run_transformers(reference, groups: np.ndarray, new_tokens: int, **options) -> dict:
   """One transformers greedy `generate` per row of `groups` [G, 1, L] (assisted
   generation takes one row), then the same cut at one token: seconds of each."""
+  torch = torch_oracle()
+
   def generate(ids, tokens):
     start = time.perf_counter()
     out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -162,7 +164,7 @@ def bench_batch(target, draft, reference, batch: int, settings: Settings) -> dic
   if batch == 1:  # assisted generation at mdjax's best gamma, timed in a second round
     best = max(settings.gammas, key=lambda g: -results[f"gamma_{g}"]["seconds"])
     draft_torch = transformers.AutoModelForCausalLM.from_pretrained(
-        str(draft.path), dtype=torch.float32).eval()
+        str(draft.path), dtype=torch_oracle().float32).eval()
     draft_torch.generation_config.num_assistant_tokens = best
     draft_torch.generation_config.num_assistant_tokens_schedule = "constant"
     draft_torch.generation_config.assistant_confidence_threshold = 0.0
@@ -273,6 +275,7 @@ def main(argv):
   if settings.new_tokens < 2:
     raise app.UsageError(f"--new_tokens must be >= 2 (decode time is measured after the first "
                          f"token), got {settings.new_tokens}")
+  torch = torch_oracle()  # before any work
   if _TORCH_THREADS.value:
     torch.set_num_threads(_TORCH_THREADS.value)
   results = run(settings)
@@ -280,4 +283,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(one_line_errors(main))

@@ -9,19 +9,20 @@ import os
 import pathlib
 import platform
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import matplotlib
 import numpy as np
-import torch
 import tqdm
 import transformers
 from jax.sharding import NamedSharding
 
 import mdjax
 from mdjax import sharding
+from mdjax.errors import require
 from mdjax.models import hf
 
 matplotlib.use("Agg")
@@ -80,6 +81,13 @@ def step_bytes(model, batch: int, keys: float, per_device: bool = False) -> floa
   return total + 2 * math.prod(kv_shape) * keys * itemsize  # K and V
 
 
+def torch_oracle():
+  """The `torch` module, which the transformers oracle runs on: a development package
+  (requirements-dev.txt), imported only by the scripts that compare against transformers
+  so that the others run without it; missing, a `MissingPackageError` naming it."""
+  return require("torch", "the transformers oracle", "torch==2.13.0")
+
+
 def load_pair(name: str, seed: int, scratch: pathlib.Path):
   """The model in mdjax and in transformers with identical float32 weights: anything
   `mdjax.load` takes. What it read from a Hugging Face directory (a shipped model, a
@@ -92,7 +100,7 @@ def load_pair(name: str, seed: int, scratch: pathlib.Path):
     directory = scratch / name
     hf.save_hf(model, directory)
   reference = transformers.AutoModelForCausalLM.from_pretrained(str(directory),
-                                                                dtype=torch.float32).eval()
+                                                                dtype=torch_oracle().float32).eval()
   # No EOS: every row runs the full budget in both libraries and the logits are untouched.
   reference.generation_config.eos_token_id = None
   return model, reference
@@ -116,13 +124,16 @@ def median_after_first_token(whole: list[float], first: list[float]) -> float:
 
 def machine_info(bandwidth: dict) -> dict:
   """Versions, threads and the bandwidth probe; `load_average` (1 min) tells how busy
-  the machine was, i.e. how far to trust absolute times."""
+  the machine was, i.e. how far to trust absolute times. torch's version and threads
+  only when the script imported it (`torch_oracle`): it ran the transformers oracle."""
+  torch = sys.modules.get("torch")
+  oracle = {} if torch is None else dict(torch=torch.__version__,
+                                         torch_threads=torch.get_num_threads())
   return dict(cpu_count=os.cpu_count(), load_average=os.getloadavg()[0],
               processor=platform.processor() or platform.machine(),
               python=platform.python_version(), jax=jax.__version__, numpy=np.__version__,
-              torch=torch.__version__, transformers=transformers.__version__,
-              torch_threads=torch.get_num_threads(), jax_devices=[str(d) for d in jax.devices()],
-              bandwidth=bandwidth)
+              transformers=transformers.__version__, **oracle,
+              jax_devices=[str(d) for d in jax.devices()], bandwidth=bandwidth)
 
 
 def machine_line(machine: dict) -> str:

@@ -20,6 +20,7 @@ import pathlib
 from absl import app, flags, logging
 
 from configs import lm_draft
+from experiments.cli import one_line_errors
 from mdjax.train import data, lm
 from mdjax.train import tokenizer as tokenizer_lib
 
@@ -86,4 +87,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(one_line_errors(main))

@@ -4,6 +4,11 @@
     python -m experiments.decode --config=configs/sample.py --config.temperature=0.7 \
         --config.model=path/to/hf_dir --config.prompt="Once upon a time"
 
+Many hosts (the same command on every one; `mdjax.distributed`): `--config.mesh=2,4
+--config.distributed=auto` on a TPU pod slice or under SLURM, or, two processes of 4
+CPU devices on one machine, `JAX_NUM_CPU_DEVICES=4 ... --config.distributed=localhost:1234,2,I`
+for I = 0 and 1. Only process 0 prints and writes `--output_json`.
+
 Output (stdout): the model's description line (it says RANDOM WEIGHTS for a random
 model), the generated text (the ids when the model has no tokenizer), then one JSON
 line: model, strategy, prompt_tokens (the prompt's ids), sequences, texts, stats.
@@ -16,27 +21,21 @@ config file or config override exits with 2.
 from __future__ import annotations
 
 import json
-import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 import mdjax
-from mdjax import chat, pipelines, strategies
+from mdjax import chat, distributed, pipelines, strategies
 from mdjax.prompts import encode_continuation
 from mdjax.strategies import skeleton
+from experiments.cli import fail, one_line_errors, start_processes
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Decode config, e.g. configs/greedy.py.")
 _OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Also write the JSON summary here.")
 flags.mark_flag_as_required("config")
 
 USAGE_ERROR = 2
-
-
-def _fail(message: object, code: int):
-  """Prints `message` as one `error: ...` line on stderr and exits with `code`."""
-  print("error: " + " ".join(str(message).split()), file=sys.stderr)
-  sys.exit(code)
 
 
 def _last_line(error: Exception) -> str:
@@ -57,15 +56,15 @@ def parse_flags(argv: list[str]) -> list[str]:
     remaining = flags.FLAGS(argv)
     _CONFIG.value.lock()  # a config file that failed to load raises OSError on any access
   except flags.Error as e:
-    _fail(_last_line(e) if "Traceback" in str(e) else e, USAGE_ERROR)
+    fail(_last_line(e) if "Traceback" in str(e) else e, USAGE_ERROR)
   except OSError as e:
-    _fail(f"cannot load the config file: {_last_line(e)}", USAGE_ERROR)
+    fail(f"cannot load the config file: {_last_line(e)}", USAGE_ERROR)
   except (AttributeError, KeyError) as e:  # config_flags, for --config.<field> of no field
-    _fail(f"unknown config field {_key_error_message(e)}", USAGE_ERROR)
+    fail(f"unknown config field {_key_error_message(e)}", USAGE_ERROR)
   except Exception as e:  # noqa: BLE001 -- a config file is Python: any error in it is the config's
-    _fail(f"cannot load the config file: {type(e).__name__}: {e}", USAGE_ERROR)
+    fail(f"cannot load the config file: {type(e).__name__}: {e}", USAGE_ERROR)
   if len(remaining) > 1:
-    _fail(f"unexpected arguments {remaining[1:]!r}", USAGE_ERROR)
+    fail(f"unexpected arguments {remaining[1:]!r}", USAGE_ERROR)
   return remaining
 
 
@@ -120,7 +119,8 @@ def decode(config) -> dict:
   options = {k: config[k] for k in names if k in config}
   if "questions" in options:
     options["questions"] = list(options["questions"])
-  model = mdjax.load(config.model, dtype=config.dtype)
+  model = mdjax.load(config.model, dtype=config.dtype,
+                     mesh=mdjax.sharding.mesh_from_spec(config.mesh))
   print(model.description)
   if "draft" in options:  # a model name or directory in the config
     options["draft"] = mdjax.load(options["draft"], dtype=config.dtype)
@@ -159,18 +159,16 @@ def decode(config) -> dict:
   return summary
 
 
+@one_line_errors
 def main(argv):
   del argv  # parse_flags rejected any positional argument
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # not JAX's INFO lines: stderr is for errors
-  try:
-    summary = decode(_CONFIG.value)
-    text = json.dumps(summary)
-    if _OUTPUT_JSON.value:
-      with open(_OUTPUT_JSON.value, "w") as f:
-        f.write(text + "\n")
-  except (ValueError, OSError) as e:  # MdjaxError is a ValueError; OSError: files
-    _fail(e, 1)
+  start_processes(_CONFIG.value)
+  text = json.dumps(decode(_CONFIG.value))
+  if _OUTPUT_JSON.value and distributed.is_main_process():
+    with open(_OUTPUT_JSON.value, "w") as f:
+      f.write(text + "\n")
   print(text)
 
 

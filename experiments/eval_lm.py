@@ -38,6 +38,7 @@ from absl import app, flags
 import numpy as np
 
 import mdjax
+from experiments.cli import one_line_errors
 from mdjax.train import data, lm
 
 _TARGET = flags.DEFINE_string("target", "code-tiny", "Target model (name or directory).")
@@ -275,4 +276,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(one_line_errors(main))

@@ -20,6 +20,7 @@ import shutil
 from absl import app, flags
 
 from mdjax.models import hf
+from experiments.cli import one_line_errors
 from mdjax.train import export, grow
 
 _MODEL = flags.DEFINE_string("model", "code-tiny", "shipped model name or model directory")
@@ -49,4 +50,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(one_line_errors(main))

@@ -61,13 +61,14 @@ import time
 
 from absl import app, flags
 import numpy as np
-import torch
 import tqdm
 import transformers
 
 import mdjax
+from experiments.cli import one_line_errors
 from experiments.benchlib import (agreement, load_pair, machine_info, machine_line,
-                                  memory_bandwidth, plt, save_figure, write_json, write_results)
+                                  memory_bandwidth, plt, save_figure, torch_oracle, write_json,
+                                  write_results)
 from mdjax.chat import chat_questions
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Anything `mdjax.load` takes.")
@@ -233,6 +234,7 @@ def sequential_run(model, work: Workload, questions: int, new_tokens: int) -> di
 
 def hf_run(reference, rows: list[list[int]], new_tokens: int) -> dict:
   """transformers greedy on the rows, left-padded to one length."""
+  torch = torch_oracle()
   width = max(map(len, rows))
   ids = torch.zeros((len(rows), width), dtype=torch.int64)  # pad id 0: masked out
   mask = torch.zeros_like(ids)
@@ -460,6 +462,7 @@ def main(argv):
     raise app.UsageError("--ns, --new_tokens and --repeats must be >= 1")
   if not set(settings.baselines) <= set(BASELINES):
     raise app.UsageError(f"--baselines: choose among {', '.join(BASELINES)}")
+  torch = torch_oracle()  # before any work
   if _TORCH_THREADS.value:
     torch.set_num_threads(_TORCH_THREADS.value)
   out_dir = pathlib.Path(_OUT_DIR.value)
@@ -470,4 +473,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(one_line_errors(main))

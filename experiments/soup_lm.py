@@ -20,6 +20,7 @@ import shutil
 from absl import app, flags
 
 from mdjax.errors import MdjaxError
+from experiments.cli import one_line_errors
 from mdjax.models import hf
 from mdjax.train import export, soup
 
@@ -56,4 +57,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(one_line_errors(main))

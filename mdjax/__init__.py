@@ -11,29 +11,27 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
+from mdjax import chat, distributed, pipelines, sharding
 from mdjax.cache import KVCache
-from mdjax.errors import CheckpointError, MdjaxError
-from mdjax.generate import (GenerationOutput, clear_compiled, compiled_programs, generate,
-                            stream)
+from mdjax.errors import CheckpointError, MdjaxError, MissingPackageError
+from mdjax.forward import forward_logits
+from mdjax.generate import GenerationOutput, compiled_programs, generate, stream
 from mdjax.heads import Heads, HeadsConfig, load_heads, save_heads
 from mdjax.models.config import ModelConfig, RopeScaling, default_weight_dtype, weight_dtype
 from mdjax.models.layer_loop import check_layer_loop, default_layer_loop, with_layer_loop
 from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
 from mdjax.models.registry import RANDOM_MODELS
-from mdjax.prompts import bucket, check_context, encode_prompts
+from mdjax.programs import clear_compiled, compiled_cache_size, set_compiled_cache_size
+from mdjax.prompts import encode_prompts
 from mdjax.sharding import shard
 from mdjax.step import decode_step
 from mdjax.topology import Topology
 
-from mdjax import chat, pipelines, sharding  # noqa: E402 -- after generate: pipelines are above it
-
-__all__ = ["load", "shard", "sharding", "load_heads", "save_heads", "Heads", "HeadsConfig", "forward_logits", "generate", "stream", "chat", "pipelines", "clear_compiled",
-           "compiled_programs", "Model", "ModelConfig", "RopeScaling",
-           "KVCache", "Topology", "decode_step", "GenerationOutput", "MdjaxError",
-           "CheckpointError"]
+__all__ = ["load", "shard", "sharding", "distributed", "load_heads", "save_heads", "Heads", "HeadsConfig", "forward_logits", "generate", "stream", "chat", "pipelines", "clear_compiled",
+           "compiled_programs", "compiled_cache_size", "set_compiled_cache_size", "Model", "ModelConfig", "RopeScaling",
+           "KVCache", "Topology", "decode_step", "encode_prompts", "GenerationOutput", "MdjaxError",
+           "CheckpointError", "MissingPackageError"]
 
 
 def load(path_or_name: str, dtype=None, seed: int = 0, gguf_file: str | None = None,
@@ -70,19 +68,3 @@ def load(path_or_name: str, dtype=None, seed: int = 0, gguf_file: str | None = N
 def _laid_out(model: Model, layer_loop: str) -> Model:
   """`model` with its layers laid out for `layer_loop` (stacking keeps their shardings)."""
   return dataclasses.replace(model, params=with_layer_loop(model.params, layer_loop))
-
-
-def forward_logits(model: Model, ids) -> np.ndarray:
-  """Plain causal forward of one sequence: float32 numpy `[len(ids), vocab]`."""
-  (ids,) = encode_prompts(model, [ids])
-  check_context(model, [ids], 0)
-  slots = bucket(len(ids))
-  tokens = np.zeros((1, slots), np.int32)
-  tokens[0, :len(ids)] = ids
-  segments = np.where(np.arange(slots) < len(ids), 0, -1)[None].astype(np.int32)
-  positions = np.arange(slots, dtype=np.int32)[None]
-  with sharding.active(model.layout):
-    cache = KVCache.create(model.config, 1, slots, model.params["embed"].dtype)
-    logits, _, _ = decode_step(model.params, cache, tokens, positions, segments,
-                               Topology.causal(1), config=model.config)
-  return np.asarray(logits[0, :len(ids)])

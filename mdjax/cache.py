@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from mdjax import programs
 from mdjax.models.config import ModelConfig
 from mdjax.sharding import constrain_cache
 
@@ -102,14 +103,14 @@ def write_layer(cache: KVCache, layer: int, slot: Int[Array, "B T"], k: Float[Ar
                        v=cache.v.at[layer, rows, slot].set(v.astype(cache.v.dtype), mode="drop"))
 
 
-@jax.jit
+@programs.jit
 def rollback(cache: KVCache, length: Int[Array, "B"]) -> KVCache:
   """Forgets every slot at or after `length` (e.g. rejected draft tokens)."""
   slot = jnp.arange(cache.num_slots)[None, :]  # [1, S]
   return cache.replace(seg=jnp.where(slot < length[:, None], cache.seg, -1), length=length)
 
 
-@jax.jit
+@programs.jit
 def remap_segments(cache: KVCache, mapping: Int[Array, "B G"]) -> KVCache:
   """Every slot of segment `g` now belongs to segment `mapping[b, g]` (-1: dead).
 
@@ -120,7 +121,7 @@ def remap_segments(cache: KVCache, mapping: Int[Array, "B G"]) -> KVCache:
   return cache.replace(seg=jnp.where(cache.seg >= 0, remapped, -1))
 
 
-@jax.jit
+@programs.jit
 def kill_segments(cache: KVCache, dead: Bool[Array, "B G"]) -> KVCache:
   """Marks the slots of the segments flagged in `dead` as dead (a pruned branch).
 
@@ -130,7 +131,7 @@ def kill_segments(cache: KVCache, dead: Bool[Array, "B G"]) -> KVCache:
   return remap_segments(cache, jnp.where(dead, -1, same))
 
 
-@functools.partial(jax.jit, static_argnames=("width",))
+@functools.partial(programs.jit, static_argnames=("width",))
 def compact(cache: KVCache, start: Int[Array, "B"], width: int) -> KVCache:
   """Moves the live slots of `[start, start + width)` to its front, in order.
 
@@ -152,7 +153,7 @@ def compact(cache: KVCache, start: Int[Array, "B"], width: int) -> KVCache:
   return _move_slots(cache, window, source, keep).replace(length=start + num_live)
 
 
-@functools.partial(jax.jit, static_argnames=("width",))
+@functools.partial(programs.jit, static_argnames=("width",))
 def gather_slots(cache: KVCache, start: Int[Array, "B"], source: Int[Array, "B W"],
                  width: int) -> KVCache:
   """Copies K/V and positions of slot `source[b, i]` into slot `start[b] + i`.

@@ -1,9 +1,11 @@
 """Writing directories atomically: a reader sees the old directory or the new one,
-never half of either."""
+never half of either; and a lock for writing one entry once when several processes
+(test workers, the processes of a `jax.distributed` run) race to write it."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pathlib
 import shutil
@@ -35,3 +37,19 @@ def atomic_directory(path: str | os.PathLike):
   finally:
     if staging.exists():
       shutil.rmtree(staging)
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | os.PathLike):
+  """Holds an exclusive `flock` on the file `path` (created if missing) for the block:
+  one process at a time on this host, and across hosts on a filesystem that supports
+  it (NFSv4, Lustre). Write-once entries check, under it, whether another process
+  already wrote them."""
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with open(path, "a") as handle:
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(handle, fcntl.LOCK_UN)

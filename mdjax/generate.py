@@ -1,9 +1,10 @@
 """`mdjax.generate`: validate input, size the cache, run a strategy as one program.
 
-Compiled programs are cached by (strategy, shapes, placements: see `mdjax.sharding`). Prompt lengths and
-`max_new_tokens` are padded to buckets (`bucket`) so a new prompt length or a
-different `max_new_tokens` rarely recompiles; the real values travel as traced
-arguments.
+Compiled programs are cached by (strategy, shapes, placements: see `mdjax.sharding`),
+the least recently used dropped past `mdjax.compiled_cache_size()` (`mdjax.programs`).
+Prompt lengths and `max_new_tokens` are padded to buckets (`bucket`) so a new prompt
+length or a different `max_new_tokens` rarely recompiles; the real values travel as
+traced arguments.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mdjax import sharding, strategies
+from mdjax import distributed, programs, sharding, strategies
 from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
+from mdjax.models.attention import ATTENTION_BLOCK
 from mdjax.models.model import Model
 from mdjax.prompts import bucket, eos_ids
 from mdjax.strategies import metadata
@@ -54,23 +56,15 @@ def _run(strategy, params, prompt: Prompt, limits: Limits, **static):
   return strategy.result(state)
 
 
-_run_jit = jax.jit(_run, static_argnames=("strategy", "num_slots", "capacity", "cache_dtype"))
-_compiled: dict = {}
+_programs = programs.Table()  # generate's whole-generation programs
+_steppers = programs.Table()  # stream's jitted (first state, step) pairs
 
 
 def compiled_programs() -> list[jax.stages.Compiled]:
-  """The whole-generation programs `generate` has compiled since the last
-  `clear_compiled`, oldest first: how many a workload needed, and each one's HLO
-  (`.as_text()`) or XLA's cost estimate (`.cost_analysis()`)."""
-  return list(_compiled.values())
-
-
-def clear_compiled() -> None:
-  """Forgets every compiled program, `generate`'s and `stream`'s, and JAX's own jit
-  caches (frees their memory and code mappings; the next call compiles again)."""
-  _compiled.clear()
-  _stepper.cache_clear()
-  jax.clear_caches()
+  """The whole-generation programs `generate` keeps (at most
+  `mdjax.compiled_cache_size()`), least recently used first: how many a workload
+  needed, and each one's HLO (`.as_text()`) or XLA's cost estimate (`.cost_analysis()`)."""
+  return _programs.values()
 
 
 def _signature(tree) -> tuple:
@@ -85,12 +79,14 @@ def _compile(strategy, params, prompt, limits, layout=None, **static):
   """The compiled program for these shapes and placements (cached), and the seconds
   compiling took; traced under `layout`'s mesh when the model lies on one."""
   key = (strategy, layout, tuple(sorted(static.items())), _signature((params, prompt, limits)))
-  if key in _compiled:
-    return _compiled[key], 0.0
+  program = _programs.get(key)
+  if program is not None:
+    return program, 0.0
   start = time.perf_counter()
-  with sharding.active(layout):
-    program = _run_jit.lower(strategy, params, prompt, limits, **static).compile()
-  _compiled[key] = program
+  with sharding.active(layout):  # a jit of its own: see `mdjax.programs`
+    program = jax.jit(functools.partial(_run, strategy, **static)).lower(
+        params, prompt, limits).compile()
+  _programs.put(key, program)
   return program, time.perf_counter() - start
 
 
@@ -106,6 +102,11 @@ class _Plan:
   static: dict
   prompt_tokens: int
   output_rows: list[int]  # buffer rows that are real branches, prompt-major
+
+
+def _plain(option) -> bool:
+  """Numbers, strings or lists of them (what `check_same` compares; not a model or heads)."""
+  return all(isinstance(x, (int, float, str)) for x in jax.tree.leaves(option))
 
 
 def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_token_id, seed: int,
@@ -124,6 +125,9 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_toke
     raise MdjaxError(f"strategy {strategy!r} needs the option {layout.option!r}")
   laid = layout.lay_out(model, prompts, layout_value, max_new_tokens)
   eos = eos_ids(model, eos_token_id)
+  distributed.check_same("generate's arguments (prompts, strategy, options)",
+                         *jax.tree.leaves(laid.prompt), strategy, max_new_tokens, eos or [], seed,
+                         repr(sorted((k, v) for k, v in options.items() if _plain(v))))
   limits = Limits(max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
                   eos_ids=jnp.asarray(eos or (-1,), jnp.int32), key=jax.random.key(seed))
   capacity = bucket(max_new_tokens)
@@ -136,9 +140,6 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_toke
   return _Plan(decoder=decoder, params=params, layout=model.layout, prompt=laid.prompt,
                limits=limits, static=static,
                prompt_tokens=laid.prompt_tokens, output_rows=output_rows)
-
-
-ATTENTION_BLOCK = 128  # the largest block of the block-sparse attention (`decode_step`)
 
 
 def cache_size(decoder, prompt_width: int, capacity: int, branches: int) -> int:
@@ -180,11 +181,12 @@ def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: in
                                 plan.layout, **plan.static)
   start = time.perf_counter()
   buffer, stats = program(plan.params, plan.prompt, plan.limits)
-  tokens, counts, scores = jax.device_get((buffer.tokens, buffer.count, buffer.scores))
+  (tokens, counts, scores), stats = distributed.to_host(
+      ((buffer.tokens, buffer.count, buffer.scores), stats))
   wall_s = time.perf_counter() - start
   sequences = [tokens[r, :counts[r]].tolist() for r in plan.output_rows]
   token_metadata = stats.pop("metadata", None)
-  stats = {k: np.asarray(v).tolist() for k, v in jax.device_get(stats).items()}
+  stats = {k: v.tolist() for k, v in stats.items()}
   stats.update(generated_tokens=sum(len(s) for s in sequences), prompt_tokens=plan.prompt_tokens,
                kv_cache_bytes=_kv_cache_bytes(model, plan), wall_s=wall_s, compile_s=compile_s)
   stats["tokens_per_pass"] = stats["generated_tokens"] / max(1, stats["target_passes"] + 1)
@@ -199,11 +201,14 @@ def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: in
                           metadata=token_metadata)
 
 
-@functools.lru_cache(maxsize=32)
-def _stepper(decoder, static_items):
+def _stepper(decoder, static: dict):
   """Jitted first state and step of `decoder`, for the Python-driven `stream`."""
-  start = functools.partial(_start, decoder, **dict(static_items))
-  return jax.jit(start), jax.jit(decoder.step)
+  key = (decoder, tuple(sorted(static.items())))
+  pair = _steppers.get(key)
+  if pair is None:
+    pair = jax.jit(functools.partial(_start, decoder, **static)), jax.jit(decoder.step)
+    _steppers.put(key, pair)
+  return pair
 
 
 def stream(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int = 32,
@@ -217,13 +222,13 @@ def stream(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int 
   if not strategies.get(strategy).streams:
     raise MdjaxError(f"stream does not support strategy {strategy!r}; use generate")
   plan = _prepare(model, prompts, strategy, max_new_tokens, eos_token_id, seed, options)
-  init, step = _stepper(plan.decoder, tuple(sorted(plan.static.items())))
+  init, step = _stepper(plan.decoder, plan.static)
   with sharding.active(plan.layout):
     state = init(plan.params, plan.prompt, plan.limits)
   shown = np.zeros(len(plan.output_rows), np.int64)
   while True:
     buffer, _ = plan.decoder.result(state)
-    tokens, counts, done = jax.device_get((buffer.tokens, buffer.count, buffer.done))
+    tokens, counts, done = distributed.to_host((buffer.tokens, buffer.count, buffer.done))
     counts = counts[plan.output_rows]
     yield [tokens[r, s:n].tolist() for r, s, n in zip(plan.output_rows, shown, counts)]
     shown = counts

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from mdjax import distributed
 from mdjax.errors import MdjaxError
 from mdjax.models.config import ModelConfig
 
@@ -87,6 +88,25 @@ CACHE_AXES = {"k": (None, "batch", None, "kv_heads", None),
               "pos": ("batch", None), "seg": ("batch", None), "length": ("batch",)}
 
 
+def mesh_from_spec(spec: str) -> Mesh | None:
+  """The `("data", "tensor")` mesh of all the devices (every process's) that a config's
+  `mesh` field names ("2,4": data 2 x tensor 4), or None for "" (one device, no mesh);
+  `MdjaxError` when it is malformed or does not match the device count."""
+  if not spec:
+    return None
+  parts = spec.replace(" ", "").split(",")
+  if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    raise MdjaxError(f"config.mesh must be 'data,tensor', two positive sizes (e.g. '2,4'), "
+                     f"or '' for one device; got {spec!r}")
+  shape = tuple(int(p) for p in parts)
+  devices = jax.devices()
+  if math.prod(shape) != len(devices):
+    raise MdjaxError(f"config.mesh {spec!r} needs {math.prod(shape)} devices, there are "
+                     f"{len(devices)} ({devices[0].platform}, {jax.process_count()} process(es)); "
+                     "a CPU simulates n devices with JAX_NUM_CPU_DEVICES=n")
+  return jax.make_mesh(shape, MESH_AXES)
+
+
 def layout_mesh(mesh: Mesh, num_kv_heads: int) -> Mesh:
   """The `("data", "tensor_kv", "tensor_q")` mesh of `mesh`'s devices for a model with
   `num_kv_heads` (auto axis types). A mesh already in layout form is returned as is."""
@@ -96,6 +116,7 @@ def layout_mesh(mesh: Mesh, num_kv_heads: int) -> Mesh:
     raise MdjaxError(f"mdjax needs a jax.sharding.Mesh with axes {MESH_AXES} (either may have "
                      f"size 1), e.g. jax.make_mesh((1, {len(jax.devices())}), "
                      f"('data', 'tensor')); got {mesh!r}")
+  distributed.check_mesh(mesh)
   devices = np.moveaxis(mesh.devices, [mesh.axis_names.index(a) for a in MESH_AXES], [0, 1])
   data, tensor = devices.shape
   kv = math.gcd(num_kv_heads, tensor)

@@ -11,22 +11,23 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from mdjax import programs
 from mdjax.cache import CacheRegions, KVCache
+from mdjax.models.attention import ATTENTION_BLOCK
 from mdjax.models.config import ModelConfig
 from mdjax.models.transformer import Params, forward, lm_head
 from mdjax.topology import Topology
 
 
-@functools.partial(jax.jit, static_argnames=("config", "attention", "block_size", "regions"),
+@functools.partial(programs.jit, static_argnames=("config", "attention", "block_size", "regions"),
                    donate_argnames=("cache",))
 def decode_step(params: Params, cache: KVCache, tokens: Int[Array, "B T"],
                 positions: Int[Array, "B T"], segments: Int[Array, "B T"], topology: Topology,
                 *, config: ModelConfig, logits_at: Int[Array, "B R"] | None = None,
-                attention: str = "block_sparse", block_size: int = 128,
+                attention: str = "block_sparse", block_size: int = ATTENTION_BLOCK,
                 slots: Int[Array, "B T"] | None = None, regions: CacheRegions | None = None
                 ) -> tuple[Float[Array, "B R V"], Float[Array, "B T D"], KVCache]:
   """One model pass: returns `(logits, hidden, cache)`.

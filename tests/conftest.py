@@ -11,21 +11,41 @@ import pathlib
 os.environ["XLA_FLAGS"] = " ".join(
     filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 import mdjax  # noqa: E402
+
+# The fixtures that load a real model from its GGUF package (requirements-models.txt).
+REAL_MODEL_FIXTURES = {"smollm2", "gemma3_270m"}
+
+
+def pytest_collection_modifyitems(items):
+  """A test that uses a real model's fixture is marked `real_models`."""
+  for item in items:
+    if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+      item.add_marker(pytest.mark.real_models)
+
 
 MAPS = pathlib.Path("/proc/self/maps")
 MAX_MAPPINGS = 30_000  # of the kernel's usual vm.max_map_count of 65530
 
 
+def _free_programs():
+  """mdjax's programs and, as only the process's owner may, every other JAX cache."""
+  mdjax.clear_compiled()
+  jax.clear_caches()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs_per_module():
-  """The suite compiles hundreds of XLA programs in one process; keeping all of them
+  """The suite compiles hundreds of XLA programs in one process. mdjax keeps at most
+  `mdjax.compiled_cache_size()` of its own per table, but the tests' own jitted
+  functions and JAX's caches of eager operations keep theirs; keeping all of them
   mapped exhausts vm.max_map_count, which aborts the compiler mid-suite. Each
   module's programs are freed after it."""
   yield
-  mdjax.clear_compiled()
+  _free_programs()
 
 
 @pytest.fixture(autouse=True)
@@ -33,4 +53,4 @@ def _free_compiled_programs_when_many():
   """Within a long module too, once the process holds many memory mappings."""
   yield
   if MAPS.exists() and MAPS.read_text().count("\n") > MAX_MAPPINGS:
-    mdjax.clear_compiled()
+    _free_programs()

@@ -23,7 +23,7 @@ from mdjax.models.transformer import causal_logits, rms_norm
 from mdjax.step import decode_step
 from mdjax.topology import Topology
 
-NEAR_TIE = 1e-5  # ARCHITECTURE §4: a divergence is allowed only at such a near-tie
+NEAR_TIE = 1e-5  # docs/design.md §9: a divergence is allowed only at such a near-tie
 # gemma3 layers 0..2 of `random_model("gemma3", layers=3, ...)`: sliding, full, sliding
 GEMMA3_MIXED = dict(layer_types=("sliding_attention", "full_attention", "sliding_attention"),
                     sliding_window=4, sliding_rope_theta=100.0, query_pre_attn_scalar=12)

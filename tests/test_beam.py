@@ -3,7 +3,7 @@
 Each case compares mdjax's ranked hypotheses (`out.beams`) with transformers'
 `num_return_sequences=k` on the same tiny random checkpoint, token for token, and
 their scores to 1e-4. No divergence is tolerated: these seeds have no near-tie
-(ARCHITECTURE §4 would allow one only at a reference near-tie below 1e-5).
+(docs/design.md §9 would allow one only at a reference near-tie below 1e-5).
 """
 
 import jax

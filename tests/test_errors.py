@@ -1,4 +1,4 @@
-"""Bad input raises one clear `MdjaxError` naming the offending value (ARCHITECTURE §4),
+"""Bad input raises one clear `MdjaxError` naming the offending value (docs/design.md §11),
 through the API and through `python -m experiments.decode` (one stderr line, exit != 0,
 no traceback).
 

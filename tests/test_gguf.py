@@ -5,6 +5,7 @@ cache, bad input, and the real SmolLM2 and Gemma 3 models."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import pathlib
@@ -450,6 +451,24 @@ def test_second_load_reads_the_cache(written, monkeypatch):
   assert again.path == first.path and again.config == first.config
   for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(first.params)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_loads_that_race_to_convert_one_file_convert_it_once(written, tmp_path, monkeypatch):
+  """Two loads at once (threads: `flock` locks an open file, so two opens exclude each
+  other as two processes' do): one conversion, and both read its copy."""
+  monkeypatch.setenv("MDJAX_CACHE", str(tmp_path / "race"))
+  path, _ = written("llama")
+  conversions, real_convert = [], mdjax_gguf.convert
+
+  def slow_convert(file):
+    conversions.append(file)
+    time.sleep(0.5)  # the other load arrives while this one converts
+    return real_convert(file)
+
+  monkeypatch.setattr(mdjax_gguf, "convert", slow_convert)
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    first, second = pool.map(lambda _: mdjax.load(str(path)), range(2))
+  assert len(conversions) == 1 and first.path == second.path
 
 
 def test_changed_file_is_not_served_stale(written, tmp_path):

@@ -20,7 +20,7 @@ import transformers
 
 from helpers import edit_config, mdjax_logits, torch_logits, write_tiny_checkpoint
 from mdjax.errors import CheckpointError, MdjaxError
-from mdjax.models import hf
+from mdjax.models import hf, hf_layout
 from mdjax.models.config import RopeScaling
 from mdjax.models.model import Model
 
@@ -144,7 +144,8 @@ def test_old_config_layout(checkpoint, tmp_path, variant, key, scaling):
 
 def test_sharded_checkpoint(tmp_path):
   torch_model = write_tiny_checkpoint(tmp_path, "llama", seed=3, max_shard_size="20KB")
-  assert (tmp_path / hf.INDEX_FILE).is_file() and not (tmp_path / hf.WEIGHTS_FILE).exists()
+  assert (tmp_path / hf_layout.INDEX_FILE).is_file()
+  assert not (tmp_path / hf_layout.WEIGHTS_FILE).exists()
   assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
   assert_parity(hf.load_hf_dir(tmp_path), torch_model)
 
@@ -296,13 +297,13 @@ def test_missing_config(broken):
 
 
 def test_missing_weights(broken):
-  (broken / hf.WEIGHTS_FILE).unlink()
-  with pytest.raises(CheckpointError, match=hf.WEIGHTS_FILE):
+  (broken / hf_layout.WEIGHTS_FILE).unlink()
+  with pytest.raises(CheckpointError, match=hf_layout.WEIGHTS_FILE):
     hf.load_hf_dir(broken)
 
 
 def test_truncated_safetensors(broken):
-  file = broken / hf.WEIGHTS_FILE
+  file = broken / hf_layout.WEIGHTS_FILE
   data = file.read_bytes()
   file.write_bytes(data[:len(data) // 2])
   with pytest.raises(CheckpointError, match=r"model\.safetensors.*truncated"):
@@ -311,7 +312,7 @@ def test_truncated_safetensors(broken):
 
 @pytest.mark.parametrize("where,garbage", [(0, b"\xff" * 8), (8, b"\x00\xfe{]\x01")])
 def test_corrupt_safetensors_header(broken, where, garbage):
-  file = broken / hf.WEIGHTS_FILE
+  file = broken / hf_layout.WEIGHTS_FILE
   data = bytearray(file.read_bytes())
   data[where:where + len(garbage)] = garbage
   file.write_bytes(bytes(data))
@@ -337,7 +338,7 @@ def test_unsupported_rope_type(broken):
     ("lm_head.weight", "lm_head.weight"),  # the model is untied: the head is required
 ])
 def test_missing_tensor(broken, tensor, match):
-  file = broken / hf.WEIGHTS_FILE
+  file = broken / hf_layout.WEIGHTS_FILE
   tensors = safetensors.numpy.load_file(file)
   del tensors[tensor]
   safetensors.numpy.save_file(tensors, file)
@@ -346,7 +347,7 @@ def test_missing_tensor(broken, tensor, match):
 
 
 def test_tensor_dtype_numpy_cannot_hold(broken):
-  file = broken / hf.WEIGHTS_FILE
+  file = broken / hf_layout.WEIGHTS_FILE
   tensors = safetensors.numpy.load_file(file)
   tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(ml_dtypes.float8_e4m3fn)
   safetensors.numpy.save_file(tensors, file)
@@ -356,9 +357,9 @@ def test_tensor_dtype_numpy_cannot_hold(broken):
 
 def test_missing_tensor_in_shard_index(tmp_path):
   write_tiny_checkpoint(tmp_path, "llama", seed=3, max_shard_size="20KB")
-  index = json.loads((tmp_path / hf.INDEX_FILE).read_text())
+  index = json.loads((tmp_path / hf_layout.INDEX_FILE).read_text())
   del index["weight_map"]["model.norm.weight"]
-  (tmp_path / hf.INDEX_FILE).write_text(json.dumps(index))
+  (tmp_path / hf_layout.INDEX_FILE).write_text(json.dumps(index))
   with pytest.raises(CheckpointError, match=r"model\.norm\.weight.*index"):
     hf.load_hf_dir(tmp_path)
 

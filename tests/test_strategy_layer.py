@@ -125,7 +125,7 @@ def test_only_declared_strategy_dataclasses_register():
   assert "undecorated" not in strategies.STRATEGIES
 
 
-# The options the public API contract names (../shared/ARCHITECTURE.md, section 3).
+# The options the public API contract names (docs/design.md §10).
 CONTRACT_OPTIONS = {
     "sample": {"temperature", "top_k", "top_p", "min_p"},
     "beam": {"num_beams", "length_penalty", "early_stopping"},

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from mdjax import programs
 from mdjax.cache import KVCache
 from mdjax.heads.base import HeadsConfig
 from mdjax.models.config import ModelConfig
@@ -66,7 +67,7 @@ def eagle_inputs(heads_params: Params, model_params: Params, tokens: Int[Array, 
   return x @ heads_params["fc"] + heads_params["fc_bias"]
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "num_layers", "attention"),
+@functools.partial(programs.jit, static_argnames=("model_config", "num_layers", "attention"),
                    donate_argnames=("cache",))
 def eagle_step(heads_params: Params, model_params: Params, cache: KVCache,
                tokens: Int[Array, "B T"], features: Float[Array, "B T D"],

@@ -44,14 +44,14 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import safetensors
 import safetensors.numpy
 
 from mdjax.errors import CheckpointError, MdjaxError
 from mdjax.files import atomic_directory
 from mdjax.heads.base import CARD_FILE, Heads, HeadsConfig
 from mdjax.heads.eagle import eagle_config
-from mdjax.models import hf
+from mdjax.models import hf, hf_layout
+from mdjax.models.hf_layout import SafetensorsFile
 from mdjax.models.config import ModelConfig, weight_dtype
 from mdjax.models.model import Model
 from mdjax.models.registry import RANDOM_MODELS
@@ -59,63 +59,17 @@ from mdjax.models.transformer import Params
 
 CONFIG_FILE = "config.json"
 MEDUSA_FILE, MEDUSA_TORCH_FILE = "medusa_lm_head.safetensors", "medusa_lm_head.pt"
-WEIGHTS_FILE, TORCH_FILE = hf.WEIGHTS_FILE, "pytorch_model.bin"
+WEIGHTS_FILE, TORCH_FILE = hf_layout.WEIGHTS_FILE, "pytorch_model.bin"
 # each medusa layout's name of block (k, l) and of head k's unembedding (L: layers per head)
 FASTERDECODING_NAMES = ("{k}.{l}.linear", "{k}.{L}")
 VLLM_NAMES = ("blocks.{k}.layers.{l}", "lm_heads.{k}")
-# what `hf._params_from_hf` reads of a model and an EAGLE head lacks
+# what `hf_layout.params_from_hf` reads of a model and an EAGLE head lacks
 EAGLE_STAND_INS = ("model.embed_tokens.weight", "model.norm.weight",
                    "model.layers.0.input_layernorm.weight")
 # the fields of a decoder layer an EAGLE config.json must share with the model
 LAYER_FIELDS = ("family", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
                 "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "qkv_bias", "o_bias",
                 "mlp_bias", "qk_norm")
-
-
-class _Tensors:
-  """One safetensors file's tensors by name, shape-checked as they are read; what was
-  never read is reported by `check_all_read` (a config that does not describe its file)."""
-
-  def __init__(self, file: pathlib.Path):
-    try:
-      # pread, not a memory map: a file changed under a map faults (SIGBUS) when read
-      self._opened = safetensors.safe_open(file, framework="np", backend="pread")
-    except safetensors.SafetensorError as e:
-      raise CheckpointError(f"corrupt safetensors file {file} (truncated or not safetensors): "
-                            f"{e}") from None
-    self.file, self.names, self.read = file, set(self._opened.keys()), set()
-
-  def __contains__(self, name: str) -> bool:
-    return name in self.names
-
-  def shape(self, name: str, ndim: int) -> tuple[int, ...]:
-    """The shape of tensor `name`, which must have `ndim` dimensions."""
-    if name not in self.names:
-      raise CheckpointError(f"missing tensor {name!r} in {self.file}")
-    shape = tuple(self._opened.get_slice(name).get_shape())
-    if len(shape) != ndim:
-      raise CheckpointError(f"tensor {name!r} in {self.file} has shape {list(shape)}, expected "
-                            f"{ndim} dimensions")
-    return shape
-
-  def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """Tensor `name`, checked to have `shape`."""
-    found = self.shape(name, len(shape))
-    if found != tuple(shape):
-      raise CheckpointError(f"tensor {name!r} in {self.file} has shape {list(found)}, expected "
-                            f"{list(shape)}")
-    try:
-      tensor = self._opened.get_tensor(name)
-    except (safetensors.SafetensorError, AttributeError) as e:  # AttributeError: no numpy dtype
-      raise CheckpointError(f"cannot read tensor {name!r} from {self.file}: {e}") from None
-    self.read.add(name)
-    return tensor
-
-  def check_all_read(self, ignored: tuple[str, ...] = ()) -> None:
-    left = sorted(self.names - self.read - set(ignored))
-    if left:
-      raise CheckpointError(f"unexpected tensor {left[0]!r} in {self.file} ({len(left)} in all): "
-                            "its config.json describes no such tensor")
 
 
 # --------------------------------------------------------------------------- shared
@@ -125,7 +79,7 @@ def _config_json(directory: pathlib.Path) -> dict:
   file = directory / CONFIG_FILE
   if not file.is_file():
     raise CheckpointError(f"no {CONFIG_FILE} in heads directory {str(directory)!r}")
-  return hf._read_json(file)
+  return hf.read_json(file)
 
 
 def _weights_file(directory: pathlib.Path, name: str, torch_name: str) -> pathlib.Path:
@@ -153,7 +107,7 @@ def _local_family(name: str) -> str | None:
     return RANDOM_MODELS[name].family
   for directory in (pathlib.Path(name), hf.ASSETS_DIR / name):
     if (directory / CONFIG_FILE).is_file():
-      return _family(hf._read_json(directory / CONFIG_FILE).get("model_type"))
+      return _family(hf.read_json(directory / CONFIG_FILE).get("model_type"))
   return None
 
 
@@ -200,7 +154,7 @@ def _model_unembedding(heads: Heads, model: Model | None, layout: str) -> np.nda
 # --------------------------------------------------------------------------- medusa
 
 
-def _medusa_blocks(tensors: _Tensors, block: str, *, heads: int, layers: int, hidden: int,
+def _medusa_blocks(tensors: SafetensorsFile, block: str, *, heads: int, layers: int, hidden: int,
                    bias: bool) -> Params:
   """blocks.w [K, L, D, D] (each torch weight transposed) and blocks.b [K, L, D] (zero
   where the layout has no biases)."""
@@ -211,7 +165,7 @@ def _medusa_blocks(tensors: _Tensors, block: str, *, heads: int, layers: int, hi
   return {"w": w, "b": b}
 
 
-def _medusa_unembeddings(tensors: _Tensors, head: str, *, heads: int, layers: int,
+def _medusa_unembeddings(tensors: SafetensorsFile, head: str, *, heads: int, layers: int,
                          hidden: int, vocab: int) -> np.ndarray:
   """Each head's own unembedding, lm_head [K, D, V]."""
   return np.array([tensors.get(f"{head.format(k=k, L=layers)}.weight", (vocab, hidden)).T
@@ -231,8 +185,8 @@ def _medusa_blocks_to_hf(params: Params, block: str) -> dict[str, np.ndarray]:
 def _read_medusa(directory: pathlib.Path, model_config: ModelConfig | None,
                  dtype) -> tuple[HeadsConfig, Params]:
   cfg = _config_json(directory)
-  tensors = _Tensors(_weights_file(directory, MEDUSA_FILE, MEDUSA_TORCH_FILE))
-  heads, layers = hf._int(cfg, "medusa_num_heads"), hf._int(cfg, "medusa_num_layers")
+  tensors = SafetensorsFile(_weights_file(directory, MEDUSA_FILE, MEDUSA_TORCH_FILE))
+  heads, layers = hf.config_int(cfg, "medusa_num_heads"), hf.config_int(cfg, "medusa_num_layers")
   block, head = FASTERDECODING_NAMES
   vocab, hidden = tensors.shape(f"{head.format(k=0, L=layers)}.weight", 2)
   base_model, base_family = _medusa_base(cfg, model_config, directory)
@@ -257,7 +211,7 @@ def _write_medusa(heads: Heads, directory: pathlib.Path, model: Model | None, dt
   tensors.update({f"{head.format(k=k, L=c.num_layers)}.weight": u
                   for k, u in enumerate(unembeddings)})
   safetensors.numpy.save_file(_cast(tensors, dtype), directory / MEDUSA_FILE,
-                              metadata=hf.WEIGHTS_METADATA)
+                              metadata=hf_layout.WEIGHTS_METADATA)
   _write_config(directory, {"medusa_num_heads": c.num_heads, "medusa_num_layers": c.num_layers,
                             "base_model_name_or_path": c.base_model})
 
@@ -266,8 +220,8 @@ def _read_vllm_medusa(directory: pathlib.Path, model_config: ModelConfig | None,
                       dtype) -> tuple[HeadsConfig, Params]:
   file = _weights_file(directory, WEIGHTS_FILE, TORCH_FILE)
   cfg = _config_json(directory)
-  heads, layers = hf._int(cfg, "num_heads"), hf._int(cfg, "num_hidden_layers")
-  hidden, vocab = hf._int(cfg, "hidden_size"), hf._int(cfg, "vocab_size")
+  heads, layers = hf.config_int(cfg, "num_heads"), hf.config_int(cfg, "num_hidden_layers")
+  hidden, vocab = hf.config_int(cfg, "hidden_size"), hf.config_int(cfg, "vocab_size")
   if cfg.get("truncated_vocab_size") not in (None, vocab):
     raise CheckpointError(f"{directory / CONFIG_FILE}: truncated_vocab_size="
                           f"{cfg['truncated_vocab_size']!r} (a draft vocabulary with a token_map) "
@@ -277,7 +231,7 @@ def _read_vllm_medusa(directory: pathlib.Path, model_config: ModelConfig | None,
   config = HeadsConfig(family="medusa", base_model=base_model, base_family=base_family,
                        hidden_size=hidden, vocab_size=vocab, num_heads=heads, num_layers=layers,
                        own_unembedding=not shared)
-  tensors = _Tensors(file)
+  tensors = SafetensorsFile(file)
   block, head = VLLM_NAMES
   sizes = dict(heads=heads, layers=layers, hidden=hidden)
   params = {"blocks": _medusa_blocks(tensors, block, bias=bool(cfg.get("medusa_fc_bias", False)),
@@ -299,7 +253,7 @@ def _write_vllm_medusa(heads: Heads, directory: pathlib.Path, model: Model | Non
                     for k, u in enumerate(np.asarray(heads.params["lm_head"]))})
   else:
     tensors[f"{head.format(k=0)}.weight"] = _model_unembedding(heads, model, "vllm-medusa")
-  hf._write_weights(directory, _cast(tensors, dtype), None)
+  hf_layout.write_weights(directory, _cast(tensors, dtype), None)
   _write_config(directory, {
       "architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": c.num_heads,
       "num_hidden_layers": c.num_layers, "hidden_size": c.hidden_size,
@@ -311,11 +265,11 @@ def _write_vllm_medusa(heads: Heads, directory: pathlib.Path, model: Model | Non
 
 
 class _EagleAsModel:
-  """An EAGLE checkpoint as `hf._params_from_hf` reads a model's: HF's `model.layers.{i}.`
+  """An EAGLE checkpoint as a `TensorSource` of a model's tensors: HF's `model.layers.{i}.`
   is EAGLE's `layers.{i}.`, and what EAGLE lacks (`EAGLE_STAND_INS`) reads as ones, for
   the caller to drop."""
 
-  def __init__(self, tensors: _Tensors):
+  def __init__(self, tensors: SafetensorsFile):
     self.tensors = tensors
 
   def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -324,11 +278,11 @@ class _EagleAsModel:
     return self.tensors.get(name.removeprefix("model."), shape)
 
 
-def _eagle_layers(draft: ModelConfig, tensors: _Tensors, dtype) -> list[Params]:
+def _eagle_layers(draft: ModelConfig, tensors: SafetensorsFile, dtype) -> list[Params]:
   """The decoder layers in `transformer`'s layout, layer 0 without attn_norm."""
   # a one-token vocabulary keeps the stand-in embedding [1, D]
   reader = dataclasses.replace(draft, vocab_size=1, tie_word_embeddings=True)
-  layers = hf._params_from_hf(reader, _EagleAsModel(tensors), dtype)["layers"]
+  layers = hf_layout.params_from_hf(reader, _EagleAsModel(tensors), dtype)["layers"]
   del layers[0]["attn_norm"]
   return layers
 
@@ -339,7 +293,7 @@ def _eagle_layers_to_hf(config: ModelConfig, layers: list[Params], dtype) -> dic
   writer = dataclasses.replace(config, vocab_size=1, tie_word_embeddings=True)
   stand_in = {"embed": np.ones((1, d)), "final_norm": np.ones(d),
               "layers": [{"attn_norm": np.ones(d), **layers[0]}, *layers[1:]]}
-  tensors = hf._params_to_hf(writer, stand_in, dtype)
+  tensors = hf_layout.params_to_hf(writer, stand_in, dtype)
   return {name.removeprefix("model."): t for name, t in tensors.items()
           if name not in EAGLE_STAND_INS}
 
@@ -363,7 +317,7 @@ def _read_eagle(directory: pathlib.Path, model_config: ModelConfig | None,
     raise CheckpointError(f"{directory}: {e}") from None
   if model_config is not None:
     _check_layers_match(draft, model_config, directory / CONFIG_FILE)
-  tensors = _Tensors(file)
+  tensors = SafetensorsFile(file)
   d = draft.hidden_size
   params = {"fc": tensors.get("fc.weight", (d, 2 * d)).T,  # [2D, D]
             "fc_bias": tensors.get("fc.bias", (d,)) if cfg.get("bias", True) else np.zeros(d),
@@ -393,8 +347,8 @@ def _write_eagle(heads: Heads, directory: pathlib.Path, model: Model | None, dty
   tensors = {"embed_tokens.weight": model.params["embed"],
              "fc.weight": np.asarray(heads.params["fc"]).T, "fc.bias": heads.params["fc_bias"],
              **_eagle_layers_to_hf(config, heads.params["layers"], dtype)}
-  hf._write_weights(directory, _cast(tensors, dtype), None)
-  rope = hf._rope_to_hf(config.rope_theta, config.rope_scaling)
+  hf_layout.write_weights(directory, _cast(tensors, dtype), None)
+  rope = hf.rope_to_hf(config.rope_theta, config.rope_scaling)
   # rope_theta / rope_scaling too: EAGLE's own config class reads only the older keys
   _write_config(directory, {
       **hf.config_to_hf(config, dtype=str(dtype)), "rope_theta": config.rope_theta,
@@ -437,7 +391,7 @@ def detect_layout(path: str | os.PathLike) -> str | None:
   if _config_json(directory).get("model_type") == "medusa":
     return "vllm-medusa"
   if (directory / WEIGHTS_FILE).is_file():
-    return "eagle" if "fc.weight" in _Tensors(directory / WEIGHTS_FILE) else None
+    return "eagle" if "fc.weight" in SafetensorsFile(directory / WEIGHTS_FILE) else None
   return "eagle" if (directory / TORCH_FILE).is_file() else None
 
 

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from mdjax import programs
 from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
 from mdjax.heads.base import HeadsConfig
@@ -82,7 +83,7 @@ def check_mtp_params(config: HeadsConfig, params: Params, model_config: ModelCon
                        f"{got}, expected {want}")
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "attention"),
+@functools.partial(programs.jit, static_argnames=("model_config", "attention"),
                    donate_argnames=("cache",))
 def mtp_features(heads_params: Params, cache: KVCache, hidden: Float[Array, "B T D"],
                  positions: Int[Array, "B T"], segments: Int[Array, "B T"], topology: Topology,

@@ -37,7 +37,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from mdjax.cache import CacheRegions, KVCache
+from mdjax.errors import MdjaxError
 from mdjax.topology import visible
+
+ATTENTIONS = ("block_sparse", "dense", "fused")  # `attention_fn`'s implementations
+# The largest key block `block_sparse_attention` walks; `mdjax.generate` rounds caches
+# past one block up to whole blocks of it (blocks must tile the cache).
+ATTENTION_BLOCK = 128
 
 
 @jax.tree_util.register_dataclass
@@ -295,17 +301,34 @@ def _absorb_own_regions(carry, qg: Float[Array, "B T K R H"], queries: Queries, 
                            carry)
 
 
-ATTENTION_IMPLS = ("block_sparse", "dense", "fused")
+def default_attention() -> str:
+  """ "block_sparse" on the cpu backend, "fused" on gpu and tpu: what `generate` uses
+  unless the call names an `attention`.
+
+  Measured on an H200 (`docs/device/`: a random 1B llama in bfloat16, greedy at batch
+  1): block_sparse 6.9 ms per decoded token at a 1k context and 41 ms at 8k, fused 1.9
+  and 2.1, dense 2.0 and 2.2. The block-sparse walk is a loop over key blocks, each a
+  dynamic slice and a few small kernels, which a GPU runs one after another; fused and
+  dense are a few large products over every slot. On CPU skipping invisible blocks is
+  what pays (`experiments/bench_branches.py`). A TPU is not measured; it gets the GPU's
+  choice, since XLA:TPU also prefers few large products.
+  """
+  return "block_sparse" if jax.default_backend() == "cpu" else "fused"
 
 
-def attention_fn(impl: str, num_slots: int, max_block_size: int = 128,
+def check_attention(impl: str) -> str:
+  """`impl` when it names one of `ATTENTIONS`, else an `MdjaxError` naming it."""
+  if impl not in ATTENTIONS:
+    raise MdjaxError(f"attention must be one of {', '.join(ATTENTIONS)}, got {impl!r}")
+  return impl
+
+
+def attention_fn(impl: str, num_slots: int, max_block_size: int = ATTENTION_BLOCK,
                  regions: CacheRegions | None = None):
   """The attention of `impl`; the block size is the largest divisor of `num_slots`
   not above `max_block_size` (blocks must tile the cache exactly). With `regions`,
   "block_sparse" becomes `cascade_attention`; "dense" and "fused" read every slot anyway."""
-  if impl not in ATTENTION_IMPLS:
-    raise ValueError(f"unknown attention impl {impl!r}; valid: {ATTENTION_IMPLS}")
-  if impl == "dense":
+  if check_attention(impl) == "dense":
     return dense_attention
   if impl == "fused":
     return fused_attention

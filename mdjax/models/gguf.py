@@ -15,7 +15,9 @@ ggml's types, most of them quantized blocks. Loading one:
 4. all of it is saved as a Hugging Face directory (`hf.save_hf`, written atomically)
    under `cache_dir()/gguf/`, named by the file's size and sha256, and loaded from
    there by `hf.load_hf_dir`: a second load of the same bytes is a safetensors read;
-   changed bytes are a new name, so a stale copy is never served.
+   changed bytes are a new name, so a stale copy is never served. The conversion runs
+   under a file lock (`files.exclusive_lock`): processes that race to load one file
+   convert it once, the others wait and read the copy.
 
 llama.cpp's `convert_hf_to_gguf` reorders the rows of each q and k head for the llama
 architecture, whose ggml RoPE rotates adjacent pairs where Hugging Face's rotates the
@@ -63,8 +65,10 @@ import gguf
 import numpy as np
 from tqdm.auto import tqdm
 
+from mdjax import files
 from mdjax.errors import CheckpointError
 from mdjax.models import hf
+from mdjax.models.hf_layout import params_from_hf
 from mdjax.models.config import ModelConfig, RopeScaling, rope_inv_freq, weight_dtype
 from mdjax.models.model import Model
 from mdjax.models.registry import GGUF_MODELS
@@ -156,13 +160,9 @@ def load_gguf(file: str | os.PathLike, dtype="float32", *, name: str | None = No
     digest = hashlib.file_digest(f, "sha256").hexdigest()
   converted = (cache_dir() / "gguf"
                / f"{file.stem}-{file.stat().st_size}-{digest[:16]}-v{CACHE_VERSION}")
-  if not (converted / "config.json").is_file():
-    model = convert(file)
-    try:
-      hf.save_hf(model, converted)
-    except OSError:  # another process (a test worker) wrote the same copy at the same time
-      if not (converted / "config.json").is_file():
-        raise
+  with files.exclusive_lock(cache_dir() / "locks" / f"{converted.name}.lock"):
+    if not (converted / "config.json").is_file():  # else another process converted it
+      hf.save_hf(convert(file), converted)
   return hf.load_hf_dir(converted, dtype=np_dtype, name=name if name is not None else file.name,
                         mesh=mesh)
 
@@ -183,8 +183,8 @@ def convert(file: pathlib.Path) -> Model:
   tensors.heads = (config.num_heads, config.num_kv_heads)
   # host arrays: they are only written to the float32 cache (`load_gguf`), which is then
   # loaded onto the device(s); nothing is put whole on one device here
-  params = hf._params_from_hf(config, tensors, np.float32, place=dict)  # noqa: SLF001
-  tensors.check_all_used()
+  params = params_from_hf(config, tensors, np.float32, place=dict)
+  tensors.check_all_read()
   return Model(config=config, params=params, tokenizer=_tokenizer(reader, file, arch),
                name=file.name)
 
@@ -339,8 +339,8 @@ def _llama3_rope(divisors: np.ndarray, theta: float, head_dim: int,
 
 
 class _Tensors:
-  """A GGUF's tensors by Hugging Face name, dequantized to float32 on `get` (the
-  interface of `hf._Weights`), q/k rows unpermuted where llama.cpp permuted them."""
+  """A GGUF's tensors by Hugging Face name, dequantized to float32 on `get` (a
+  `mdjax.models.hf_layout.TensorSource`), q/k rows unpermuted where llama.cpp permuted them."""
 
   def __init__(self, reader: gguf.GGUFReader, file: pathlib.Path, arch: str):
     self.file, self.arch = file, arch
@@ -392,7 +392,7 @@ class _Tensors:
     self.progress.update()
     return values.astype(np.float32, copy=False)
 
-  def check_all_used(self) -> None:
+  def check_all_read(self) -> None:
     """Raises naming the tensors the model left unread: features mdjax would drop."""
     self.progress.close()
     unused = sorted(self.names - self.used)

@@ -2,29 +2,9 @@
 
 A Hugging Face directory holds `config.json`, the weights as one `model.safetensors`
 or as shards listed in `model.safetensors.index.json`, and optionally
-`generation_config.json` and tokenizer files. Each HF tensor maps onto the per-layer,
-fused, transposed layout of `mdjax.models.transformer`::
-
-    model.embed_tokens.weight                    [V, D]     -> embed       [V, D]
-    model.layers.{i}.self_attn.q_proj.weight     [N*H, D]  \\
-    model.layers.{i}.self_attn.k_proj.weight     [K*H, D]   -> layers[i].wqkv [D, (N+2K)*H]
-    model.layers.{i}.self_attn.v_proj.weight     [K*H, D]  /
-    model.layers.{i}.self_attn.o_proj.weight     [D, N*H]   -> layers[i].wo   [N*H, D]
-    model.layers.{i}.mlp.gate_proj.weight        [F, D]    \\
-    model.layers.{i}.mlp.up_proj.weight          [F, D]     -> layers[i].w_gate_up [D, 2F]
-    model.layers.{i}.mlp.down_proj.weight        [D, F]     -> layers[i].w_down [F, D]
-    lm_head.weight                               [V, D]     -> lm_head     [D, V]
-
-(biases, norms and q/k norms map the same way without the transpose). Gemma3
-(model_type `gemma3_text`) has four norms per layer::
-
-    model.layers.{i}.input_layernorm.weight             -> layers[i].attn_norm
-    model.layers.{i}.post_attention_layernorm.weight    -> layers[i].post_attn_norm
-    model.layers.{i}.pre_feedforward_layernorm.weight   -> layers[i].mlp_norm
-    model.layers.{i}.post_feedforward_layernorm.weight  -> layers[i].post_mlp_norm
-
-Every safetensors file's header is checked before any tensor is read, so a truncated
-or corrupt file is reported by name.
+`generation_config.json` and tokenizer files. Its tensors map onto mdjax's params as
+`mdjax.models.hf_layout` draws; this module reads and writes the config.json side and
+the directory.
 """
 
 from __future__ import annotations
@@ -34,22 +14,16 @@ import json
 import os
 import pathlib
 import re
-from collections.abc import Callable
 from typing import Any
-
-import ml_dtypes  # noqa: F401 -- registers bfloat16 with numpy, which BF16 tensors need
-import numpy as np
-import safetensors
-import safetensors.numpy
 
 from mdjax import sharding
 from mdjax.errors import CheckpointError, MdjaxError
 from mdjax.files import atomic_directory
 from mdjax.models.config import LAYER_TYPES, ModelConfig, RopeScaling, weight_dtype
-from mdjax.models.layer_loop import unstack_layers
+from mdjax.models.hf_layout import (SafetensorsCheckpoint, params_from_hf, params_to_hf,
+                                    write_weights)
 from mdjax.models.model import Model
 from mdjax.models.registry import RANDOM_MODELS
-from mdjax.models.transformer import Params
 
 ASSETS_DIR = pathlib.Path(__file__).resolve().parent.parent / "assets"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -67,12 +41,7 @@ GEMMA3_DEFAULTS = dict(head_dim=256, num_key_value_heads=4, max_position_embeddi
 GEMMA3_ROPE_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model"]
 
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-# the header metadata transformers writes into its own checkpoints
-WEIGHTS_METADATA = {"format": "pt"}
 
 
 # --------------------------------------------------------------------------- config
@@ -104,7 +73,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         f"{family} with use_sliding_window=true is unsupported (sliding window on only some "
         "layers); only mistral's all-layer sliding window is")
 
-  hidden, heads = _int(cfg, "hidden_size"), _int(cfg, "num_attention_heads")
+  hidden, heads = config_int(cfg, "hidden_size"), config_int(cfg, "num_attention_heads")
   head_dim = cfg.get("head_dim")
   if head_dim is None:
     # transformers' Qwen3Config defaults a missing head_dim to 128, the others derive it
@@ -112,10 +81,10 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
   attention_bias = bool(cfg.get("attention_bias", False))
   kwargs = dict(
       family=family,
-      vocab_size=_int(cfg, "vocab_size"),
+      vocab_size=config_int(cfg, "vocab_size"),
       hidden_size=hidden,
-      intermediate_size=_int(cfg, "intermediate_size"),
-      num_layers=_int(cfg, "num_hidden_layers"),
+      intermediate_size=config_int(cfg, "intermediate_size"),
+      num_layers=config_int(cfg, "num_hidden_layers"),
       num_heads=heads,
       num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
       head_dim=int(head_dim),
@@ -155,7 +124,7 @@ def config_to_hf(config: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
   q/k/v bias but no output bias), naming the fields that would not round-trip.
   """
   c = config
-  rope = _rope_to_hf(c.rope_theta, c.rope_scaling)
+  rope = rope_to_hf(c.rope_theta, c.rope_scaling)
   eos = list(c.eos_token_id)
   cfg = {
       "architectures": [ARCHITECTURES[c.family]],
@@ -188,7 +157,7 @@ def config_to_hf(config: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
   if c.family == "gemma3":
     del cfg["hidden_act"]
     sliding_rope = (rope if c.sliding_rope_theta is None
-                    else _rope_to_hf(c.sliding_rope_theta, c.sliding_rope_scaling))
+                    else rope_to_hf(c.sliding_rope_theta, c.sliding_rope_scaling))
     cfg.update(hidden_activation=ACTIVATIONS["gemma3"][1], attention_bias=c.qkv_bias,
                rope_parameters={"full_attention": rope, "sliding_attention": sliding_rope},
                layer_types=None if c.layer_types is None else list(c.layer_types),
@@ -203,7 +172,8 @@ def config_to_hf(config: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
   return cfg
 
 
-def _rope_to_hf(theta: float, scaling: RopeScaling) -> dict[str, Any]:
+def rope_to_hf(theta: float, scaling: RopeScaling) -> dict[str, Any]:
+  """config.json's rope dict (current layout) of `theta` and `scaling`."""
   rope = {"rope_type": scaling.rope_type, "rope_theta": theta}
   if scaling.rope_type != "default":
     rope["factor"] = scaling.factor
@@ -213,7 +183,8 @@ def _rope_to_hf(theta: float, scaling: RopeScaling) -> dict[str, Any]:
   return rope
 
 
-def _int(cfg: dict[str, Any], key: str) -> int:
+def config_int(cfg: dict[str, Any], key: str) -> int:
+  """`cfg[key]`, which must be an integer (a `CheckpointError` naming it if not)."""
   value = cfg.get(key)
   if not isinstance(value, int) or isinstance(value, bool):
     raise CheckpointError(f"config.json: {key} must be an integer, got {value!r}")
@@ -255,7 +226,7 @@ def _gemma3_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
       raise CheckpointError(f"config.json: sliding_window_pattern must be an integer >= 1, "
                             f"got {pattern!r}")
     layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                   for i in range(_int(cfg, "num_hidden_layers"))]
+                   for i in range(config_int(cfg, "num_hidden_layers"))]
   unknown = [t for t in layer_types if t not in LAYER_TYPES]
   if unknown:
     raise CheckpointError(f"unsupported layer type {unknown[0]!r} in layer_types; supported: "
@@ -305,185 +276,11 @@ def _rope(params: dict[str, Any], theta, where: str = "") -> tuple[float, RopeSc
   return theta, RopeScaling(rope_type=rope_type, **values)
 
 
-# --------------------------------------------------------------------------- safetensors
-
-
-def _write_weights(directory: pathlib.Path, tensors: dict[str, np.ndarray],
-                   max_shard_bytes: int | None) -> None:
-  """One `model.safetensors`, or shards of at most `max_shard_bytes` (a tensor larger
-  than that gets a shard of its own) plus `model.safetensors.index.json`."""
-  total = sum(a.nbytes for a in tensors.values())
-  if max_shard_bytes is None or total <= max_shard_bytes:
-    safetensors.numpy.save_file(tensors, directory / WEIGHTS_FILE, metadata=WEIGHTS_METADATA)
-    return
-  shards: list[dict[str, np.ndarray]] = [{}]
-  for name, array in tensors.items():
-    if shards[-1] and sum(a.nbytes for a in shards[-1].values()) + array.nbytes > max_shard_bytes:
-      shards.append({})
-    shards[-1][name] = array
-  weight_map = {}
-  for i, shard in enumerate(shards, start=1):
-    file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-    safetensors.numpy.save_file(shard, directory / file, metadata=WEIGHTS_METADATA)
-    weight_map.update(dict.fromkeys(shard, file))
-  index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-  (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-
-
-class _Weights:
-  """The tensors of a checkpoint directory, by HF name, across shards."""
-
-  def __init__(self, directory: pathlib.Path):
-    single, index = directory / WEIGHTS_FILE, directory / INDEX_FILE
-    if index.is_file():
-      try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-      except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"corrupt shard index {index}: {e!r}") from None
-      self.source = index
-      self.files = {name: directory / shard for name, shard in weight_map.items()}
-    elif single.is_file():
-      self.source = single
-      self.files = None
-    else:
-      raise CheckpointError(f"no weights in {directory}: neither {WEIGHTS_FILE} nor {INDEX_FILE}")
-    self._open: dict[pathlib.Path, safetensors.safe_open] = {}
-
-  def _file(self, file: pathlib.Path) -> safetensors.safe_open:
-    """`file` opened with its header checked; raises `CheckpointError` naming it."""
-    if file not in self._open:
-      if not file.is_file():
-        raise CheckpointError(f"missing safetensors shard {file} (listed in {self.source})")
-      try:
-        # pread, not a memory map: a file changed under a map faults (SIGBUS) when read
-        self._open[file] = safetensors.safe_open(file, framework="np", backend="pread")
-      except safetensors.SafetensorError as e:
-        raise CheckpointError(f"corrupt safetensors file {file} ({file.stat().st_size} bytes, "
-                              f"truncated or not safetensors): {e}") from None
-    return self._open[file]
-
-  def validate(self) -> None:
-    """Checks every file's header, so corruption is reported before any tensor is read."""
-    for file in [self.source] if self.files is None else sorted(set(self.files.values())):
-      self._file(file)
-
-  def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """Tensor `name`, checked to have `shape`: a fresh in-memory array."""
-    if self.files is not None and name not in self.files:
-      raise CheckpointError(f"missing tensor {name!r} in {self.source}")
-    file = self.source if self.files is None else self.files[name]
-    opened = self._file(file)
-    if name not in opened.keys():
-      raise CheckpointError(f"missing tensor {name!r} in {file}")
-    found = opened.get_slice(name)
-    if tuple(found.get_shape()) != shape:
-      raise CheckpointError(
-          f"tensor {name!r} in {file} has shape {found.get_shape()}, expected {list(shape)}")
-    try:
-      return opened.get_tensor(name)
-    except (safetensors.SafetensorError, AttributeError) as e:  # AttributeError: no numpy dtype
-      raise CheckpointError(
-          f"cannot read tensor {name!r} ({found.get_dtype()}) from {file}: {e}") from None
-
-
-# --------------------------------------------------------------------------- params
-
-
-def _norms_after_attention(config: ModelConfig) -> dict[str, str]:
-  """A layer's norms besides `attn_norm` (HF's input_layernorm): mdjax param name ->
-  HF name after `model.layers.{i}.`."""
-  if config.gemma_norms:
-    return {"post_attn_norm": "post_attention_layernorm", "mlp_norm": "pre_feedforward_layernorm",
-            "post_mlp_norm": "post_feedforward_layernorm"}
-  return {"mlp_norm": "post_attention_layernorm"}
-
-
-def _params_from_hf(config: ModelConfig, weights: _Weights, dtype,
-                    place: Callable[[dict], dict] = sharding.placer(None)) -> Params:
-  """HF tensors -> the per-layer, fused, transposed params of `transformer`; `place`
-  puts each layer's weights, then the rest, on the device(s) (`mdjax.sharding.placer`)."""
-  c = config
-  d, f, h = c.hidden_size, c.intermediate_size, c.head_dim
-  qkv_sizes = (c.num_heads * h, c.num_kv_heads * h, c.num_kv_heads * h)
-
-  def get(name, *shape):
-    return weights.get(name, shape).astype(dtype, copy=False)
-
-  def layer(p):
-    lp = {
-        "attn_norm": get(p + "input_layernorm.weight", d),
-        "wqkv": np.concatenate(
-            [get(f"{p}self_attn.{x}_proj.weight", n, d).T for x, n in zip("qkv", qkv_sizes)],
-            axis=1),  # [D, (N + 2K) * H]
-        "wo": get(p + "self_attn.o_proj.weight", d, c.num_heads * h).T,
-        **{name: get(f"{p}{hf}.weight", d) for name, hf in _norms_after_attention(c).items()},
-        "w_gate_up": np.concatenate(
-            [get(f"{p}mlp.{x}_proj.weight", f, d).T for x in ("gate", "up")], axis=1),  # [D, 2F]
-        "w_down": get(p + "mlp.down_proj.weight", d, f).T,
-    }
-    if c.qkv_bias:
-      lp["bqkv"] = np.concatenate(
-          [get(f"{p}self_attn.{x}_proj.bias", n) for x, n in zip("qkv", qkv_sizes)])
-    if c.o_bias:
-      lp["bo"] = get(p + "self_attn.o_proj.bias", d)
-    if c.mlp_bias:
-      lp["b_gate_up"] = np.concatenate(
-          [get(f"{p}mlp.{x}_proj.bias", f) for x in ("gate", "up")])
-      lp["b_down"] = get(p + "mlp.down_proj.bias", d)
-    if c.qk_norm:
-      lp["q_norm"] = get(p + "self_attn.q_norm.weight", h)
-      lp["k_norm"] = get(p + "self_attn.k_norm.weight", h)
-    return place({name: np.ascontiguousarray(w) for name, w in lp.items()})
-
-  layers = [layer(f"model.layers.{i}.") for i in range(c.num_layers)]
-  top = {"embed": get("model.embed_tokens.weight", c.vocab_size, d),
-         "final_norm": get("model.norm.weight", d)}
-  if not c.tie_word_embeddings:
-    top["lm_head"] = np.ascontiguousarray(get("lm_head.weight", c.vocab_size, d).T)  # [D, V]
-  return {**place(top), "layers": layers}
-
-
-def _params_to_hf(config: ModelConfig, params: Params, dtype) -> dict[str, np.ndarray]:
-  """The inverse of `_params_from_hf`: HF name -> numpy array of `dtype`."""
-  c = config
-  h = c.head_dim
-  qkv_split = np.cumsum([c.num_heads * h, c.num_kv_heads * h])
-  params = sharding.one_device_layout(params, config)
-  out = {"model.embed_tokens.weight": np.asarray(params["embed"])}
-  for i, layer in enumerate(unstack_layers(params)["layers"]):  # either layer loop's layout
-    p = f"model.layers.{i}."
-    lp = {name: np.asarray(w) for name, w in layer.items()}
-    out[p + "input_layernorm.weight"] = lp["attn_norm"]
-    for x, w in zip("qkv", np.split(lp["wqkv"], qkv_split, axis=1)):
-      out[f"{p}self_attn.{x}_proj.weight"] = w.T
-    if c.qkv_bias:
-      for x, b in zip("qkv", np.split(lp["bqkv"], qkv_split)):
-        out[f"{p}self_attn.{x}_proj.bias"] = b
-    if c.qk_norm:
-      out[p + "self_attn.q_norm.weight"] = lp["q_norm"]
-      out[p + "self_attn.k_norm.weight"] = lp["k_norm"]
-    out[p + "self_attn.o_proj.weight"] = lp["wo"].T
-    if c.o_bias:
-      out[p + "self_attn.o_proj.bias"] = lp["bo"]
-    for name, hf_name in _norms_after_attention(c).items():
-      out[f"{p}{hf_name}.weight"] = lp[name]
-    for x, w in zip(("gate", "up"), np.split(lp["w_gate_up"], 2, axis=1)):
-      out[f"{p}mlp.{x}_proj.weight"] = w.T
-    if c.mlp_bias:
-      for x, b in zip(("gate", "up"), np.split(lp["b_gate_up"], 2)):
-        out[f"{p}mlp.{x}_proj.bias"] = b
-      out[p + "mlp.down_proj.bias"] = lp["b_down"]
-    out[p + "mlp.down_proj.weight"] = lp["w_down"].T
-  out["model.norm.weight"] = np.asarray(params["final_norm"])
-  if not c.tie_word_embeddings:
-    out["lm_head.weight"] = np.asarray(params["lm_head"]).T
-  return {k: np.ascontiguousarray(v.astype(dtype)) for k, v in out.items()}
-
-
 # --------------------------------------------------------------------------- public
 
 
-def _read_json(file: pathlib.Path) -> dict[str, Any]:
+def read_json(file: pathlib.Path) -> dict[str, Any]:
+  """The JSON object in `file` (a `CheckpointError` naming it if corrupt)."""
   try:
     value = json.loads(file.read_text())
   except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -506,20 +303,20 @@ def load_hf_dir(path: str | os.PathLike, dtype="float32", *, name: str | None = 
   config_file = directory / "config.json"
   if not config_file.is_file():
     raise CheckpointError(f"no config.json in checkpoint directory {str(path)!r}")
-  cfg = _read_json(config_file)
+  cfg = read_json(config_file)
   generation_file = directory / "generation_config.json"
   if generation_file.is_file():
-    eos = _read_json(generation_file).get("eos_token_id")
+    eos = read_json(generation_file).get("eos_token_id")
     if eos is not None:
       cfg["eos_token_id"] = eos
   try:
     config = config_from_hf(cfg)
   except CheckpointError as e:
     raise CheckpointError(f"{config_file}: {e}") from None
-  weights = _Weights(directory)
+  weights = SafetensorsCheckpoint(directory)
   weights.validate()
   layout = sharding.layout_for(mesh, config)
-  params = _params_from_hf(config, weights, np_dtype, sharding.placer(layout))
+  params = params_from_hf(config, weights, np_dtype, sharding.placer(layout))
   tokenizer = None
   if any((directory / f).is_file() for f in TOKENIZER_FILES):
     import transformers  # only checkpoints with a tokenizer need it
@@ -547,7 +344,7 @@ def save_hf(model: Model, path: str | os.PathLike, dtype="float32",
     (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    _write_weights(staging, _params_to_hf(model.config, model.params, np_dtype), max_shard_bytes)
+    write_weights(staging, params_to_hf(model.config, model.params, np_dtype), max_shard_bytes)
     if model.tokenizer is not None:
       model.tokenizer.save_pretrained(str(staging))
 

@@ -57,7 +57,8 @@ from jaxtyping import Array, Float, Int
 
 from mdjax import cache as cache_ops
 from mdjax.cache import CacheRegions, KVCache
-from mdjax.models.attention import LayerAttention, Queries, attention_fn, masked_attention
+from mdjax.models.attention import (ATTENTION_BLOCK, LayerAttention, Queries, attention_fn,
+                                    masked_attention)
 from mdjax.models.config import ModelConfig
 from mdjax.models.layer_loop import layer_loop_of
 from mdjax.models.numerics import full_float32
@@ -237,7 +238,7 @@ def layer_attention(config: ModelConfig, layer: int) -> LayerAttention:
 @full_float32
 def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"] | None,
             positions: Int[Array, "B T"], segments: Int[Array, "B T"], topology: Topology, *,
-            config: ModelConfig, attention: str = "block_sparse", block_size: int = 128,
+            config: ModelConfig, attention: str = "block_sparse", block_size: int = ATTENTION_BLOCK,
             slots: Int[Array, "B T"] | None = None, regions: CacheRegions | None = None,
             inputs: Float[Array, "B T D"] | None = None):
   """Runs the T tokens through every layer over `cache`; returns the final hidden

@@ -8,9 +8,10 @@ Each pipeline declares its name and options once, in its dataclass
 
 from __future__ import annotations
 
-import mdjax
 from mdjax import errors
 from mdjax.errors import MdjaxError
+from mdjax.generate import GenerationOutput
+from mdjax.models.model import Model
 from mdjax.pipelines.base import Pipeline
 from mdjax.pipelines.margins import Margins
 from mdjax.pipelines.predict_user import PredictUser
@@ -31,8 +32,8 @@ def option_names(name: str) -> tuple[str, ...]:
   return get(name).options()
 
 
-def run(name: str, model: mdjax.Model, prompts, *, max_new_tokens: int = 32, eos_token_id=None,
-        seed: int = 0, **options) -> mdjax.GenerationOutput:
+def run(name: str, model: Model, prompts, *, max_new_tokens: int = 32, eos_token_id=None,
+        seed: int = 0, **options) -> GenerationOutput:
   """Runs pipeline `name` on one prompt or a batch; `max_new_tokens`, `eos_token_id`
   and `seed` mean what they mean in `mdjax.generate` (`max_new_tokens` bounds the
   final phase), `options` are the pipeline's."""

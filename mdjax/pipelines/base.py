@@ -1,8 +1,9 @@
 """What every pipeline shares: its options declared once, as dataclass fields.
 
 A pipeline is a frozen dataclass whose init fields are its options, validated in
-`__post_init__`; its `run` makes several `mdjax.generate` calls through the public
-API, like any user would::
+`__post_init__`; its `run` makes several `generate` calls through the public API,
+like any user would, but imported from the modules that define it (the package
+`mdjax` imports the pipelines)::
 
     @dataclasses.dataclass(frozen=True, kw_only=True)
     class MyPipeline(Pipeline):
@@ -19,8 +20,9 @@ import dataclasses
 import re
 from typing import ClassVar
 
-import mdjax
 from mdjax.errors import MdjaxError
+from mdjax.generate import GenerationOutput
+from mdjax.models.model import Model
 from mdjax.sampling import SAMPLING_OPTIONS
 
 # The stats that add up over a pipeline's `generate` calls.
@@ -38,8 +40,8 @@ class Pipeline:
     """The keyword arguments `mdjax.pipelines.run` accepts for this pipeline."""
     return tuple(f.name for f in dataclasses.fields(cls) if f.init)
 
-  def run(self, model: mdjax.Model, prompts, *, max_new_tokens: int, eos_token_id,
-          seed: int) -> mdjax.GenerationOutput:
+  def run(self, model: Model, prompts, *, max_new_tokens: int, eos_token_id,
+          seed: int) -> GenerationOutput:
     """Every phase for every prompt; the arguments mean what they mean in `generate`."""
     raise NotImplementedError
 
@@ -74,7 +76,7 @@ def regex(option: str, pattern: str) -> re.Pattern:
     raise MdjaxError(f"{option} {pattern!r} is not a regular expression: {e}") from None
 
 
-def add_stats(out: mdjax.GenerationOutput, *earlier: mdjax.GenerationOutput) -> None:
+def add_stats(out: GenerationOutput, *earlier: GenerationOutput) -> None:
   """Adds the passes, tokens and times of the `earlier` phases into `out.stats`."""
   for key in SUMMED_STATS:
     out.stats[key] += sum(phase.stats[key] for phase in earlier)

@@ -27,9 +27,11 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import mdjax
 from mdjax.errors import MdjaxError, check_count
+from mdjax.generate import GenerationOutput, generate
+from mdjax.models.model import Model
 from mdjax.pipelines.base import Pipeline, add_stats, regex
+from mdjax.prompts import encode_prompts
 
 INSTRUCTION = "\n# Note on the code above, relevant to the question:\n#"
 CLASSIFY_PREFIX = "Question: {question}\nIs this note relevant to the question (yes/no)?\n"
@@ -63,18 +65,18 @@ class Margins(Pipeline):
     regex("keep_pattern", self.keep_pattern)
     check_count("chunk_tokens", self.chunk_tokens, 1)
 
-  def run(self, model: mdjax.Model, prompts, *, max_new_tokens: int, eos_token_id,
-          seed: int) -> mdjax.GenerationOutput:
+  def run(self, model: Model, prompts, *, max_new_tokens: int, eos_token_id,
+          seed: int) -> GenerationOutput:
     if model.tokenizer is None:
       raise MdjaxError("strategy 'margins' builds text prompts: the model needs a tokenizer")
-    contexts = [chunk_ids(ids, self.chunk_tokens) for ids in mdjax.encode_prompts(model, prompts)]
+    contexts = [chunk_ids(ids, self.chunk_tokens) for ids in encode_prompts(model, prompts)]
     common = dict(eos_token_id=eos_token_id, seed=seed)
-    notes = mdjax.generate(model, contexts, strategy="margin_notes", instruction=self.instruction,
-                           max_new_tokens=self.note_tokens, **common)
+    notes = generate(model, contexts, strategy="margin_notes", instruction=self.instruction,
+                     max_new_tokens=self.note_tokens, **common)
     counts = [len(c) for c in contexts]
     starts = [sum(counts[:i]) for i in range(len(counts))]
     per_prompt = [notes.texts[s:s + n] for s, n in zip(starts, counts)]
-    relevance = mdjax.generate(
+    relevance = generate(
         model, [self.classify_prefix.format(question=self.question)] * len(contexts),
         strategy="multi_question",
         questions=[[note + self.classify_suffix for note in texts] for texts in per_prompt],
@@ -85,7 +87,7 @@ class Margins(Pipeline):
     answer_prompts = [self.answer_template.format(
         question=self.question, notes="\n".join(n.strip() for n, k in zip(texts, flags) if k))
         for texts, flags in zip(per_prompt, kept)]
-    answers = mdjax.generate(model, answer_prompts, max_new_tokens=max_new_tokens, **common)
+    answers = generate(model, answer_prompts, max_new_tokens=max_new_tokens, **common)
     phases = (notes, relevance, answers)
     add_stats(answers, notes, relevance)
     answers.stats["tokens_per_pass"] = (answers.stats["generated_tokens"]

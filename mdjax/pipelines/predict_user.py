@@ -17,8 +17,9 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import mdjax
 from mdjax.errors import MdjaxError, check_count
+from mdjax.generate import GenerationOutput, generate
+from mdjax.models.model import Model
 from mdjax.pipelines.base import Sampled, add_stats
 
 
@@ -41,18 +42,18 @@ class PredictUser(Sampled):
     if not isinstance(self.turn_end, str) or not self.turn_end:
       raise MdjaxError(f"turn_end must be a non-empty string, got {self.turn_end!r}")
 
-  def run(self, model: mdjax.Model, prompts, *, max_new_tokens: int, eos_token_id,
-          seed: int) -> mdjax.GenerationOutput:
+  def run(self, model: Model, prompts, *, max_new_tokens: int, eos_token_id,
+          seed: int) -> GenerationOutput:
     if model.tokenizer is None:
       raise MdjaxError("strategy 'predict_user' builds text turns: the model needs a tokenizer")
     transcripts = [prompts] if isinstance(prompts, str) else list(prompts)
     if not all(isinstance(t, str) and t for t in transcripts):
       raise MdjaxError("predict_user takes chat transcripts as non-empty text")
     k, common = self.num_candidates, dict(eos_token_id=eos_token_id, seed=seed)
-    candidates = mdjax.generate(model, [t + self.user_prefix for t in transcripts],
-                                strategy="parallel_sample", num_samples=k,
-                                max_new_tokens=self.candidate_tokens,
-                                **({"temperature": 1.0} | self.sampling), **common)
+    candidates = generate(model, [t + self.user_prefix for t in transcripts],
+                          strategy="parallel_sample", num_samples=k,
+                          max_new_tokens=self.candidate_tokens,
+                          **({"temperature": 1.0} | self.sampling), **common)
     cut = [text.split(self.turn_end)[0] for text in candidates.texts]
     per_prompt = [cut[i * k:(i + 1) * k] for i in range(len(transcripts))]
     if not self.reply:
@@ -60,8 +61,8 @@ class PredictUser(Sampled):
       return candidates
     questions = [[self.user_prefix + c + self.turn_end + self.assistant_prefix for c in row]
                  for row in per_prompt]
-    replies = mdjax.generate(model, transcripts, strategy="multi_question", questions=questions,
-                             max_new_tokens=max_new_tokens, **self.sampling, **common)
+    replies = generate(model, transcripts, strategy="multi_question", questions=questions,
+                       max_new_tokens=max_new_tokens, **self.sampling, **common)
     add_stats(replies, candidates)
     replies.intermediate = [dict(candidates=row, replies=replies.texts[i * k:(i + 1) * k])
                             for i, row in enumerate(per_prompt)]

@@ -33,9 +33,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import mdjax
+from mdjax import distributed
+from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError, check_count
+from mdjax.forward import forward_logits
+from mdjax.generate import GenerationOutput, generate
+from mdjax.models.model import Model
 from mdjax.pipelines.base import Sampled, add_stats, regex
+from mdjax.prompts import encode_prompts
+from mdjax.step import decode_step
+from mdjax.topology import Topology
 
 BRANCH_HEADER = "\n# Attempt {index}:\n"
 JOIN_PROMPT = "\n# Combining the attempts above:\n"
@@ -80,14 +87,14 @@ def kv_join_logits(model, prompt: list[int], pieces: list[list[int]], tail: list
   fork = np.array([[0] + [p] * (k + 1)], np.int32)
   joins = np.zeros((1, k + 2, k + 2), bool)
   joins[0, join, 1:join] = True
-  topology = mdjax.Topology(parent=jnp.asarray(parent), fork=jnp.asarray(fork),
-                            joins=jnp.asarray(joins))
-  cache = mdjax.KVCache.create(model.config, 1, len(tokens), model.params["embed"].dtype)
+  topology = Topology(parent=jnp.asarray(parent), fork=jnp.asarray(fork),
+                      joins=jnp.asarray(joins))
+  cache = KVCache.create(model.config, 1, len(tokens), model.params["embed"].dtype)
   at = jnp.arange(len(tokens) - len(tail), len(tokens))[None]
-  logits, _, _ = mdjax.decode_step(model.params, cache, jnp.asarray([tokens]),
-                                   jnp.asarray([positions]), jnp.asarray([segments]), topology,
-                                   config=model.config, logits_at=at)
-  return np.asarray(logits[0]), start
+  logits, _, _ = decode_step(model.params, cache, jnp.asarray([tokens]),
+                             jnp.asarray([positions]), jnp.asarray([segments]), topology,
+                             config=model.config, logits_at=at)
+  return distributed.to_host(logits)[0], start
 
 
 def distance(exact: np.ndarray, kv: np.ndarray) -> dict:
@@ -121,15 +128,15 @@ class Reasoning(Sampled):
     check_count("position_gap", self.position_gap, 0)
     regex("answer_pattern", self.answer_pattern)
 
-  def run(self, model: mdjax.Model, prompts, *, max_new_tokens: int, eos_token_id,
-          seed: int) -> mdjax.GenerationOutput:
+  def run(self, model: Model, prompts, *, max_new_tokens: int, eos_token_id,
+          seed: int) -> GenerationOutput:
     if model.tokenizer is None:
       raise MdjaxError("strategy 'reasoning' joins branch texts: the model needs a tokenizer")
     k = self.num_branches
-    ids = mdjax.encode_prompts(model, prompts)
-    branches = mdjax.generate(model, ids, strategy="parallel_sample", num_samples=k,
-                              max_new_tokens=self.branch_tokens, eos_token_id=eos_token_id,
-                              seed=seed, **({"temperature": 1.0} | self.sampling))
+    ids = encode_prompts(model, prompts)
+    branches = generate(model, ids, strategy="parallel_sample", num_samples=k,
+                        max_new_tokens=self.branch_tokens, eos_token_id=eos_token_id,
+                        seed=seed, **({"temperature": 1.0} | self.sampling))
     pattern = regex("answer_pattern", self.answer_pattern)
     steps, joined = [], []
     for i, prompt in enumerate(ids):
@@ -140,8 +147,8 @@ class Reasoning(Sampled):
                                           self.branch_header, self.join_prompt)
       steps.append(dict(branches=texts, answers=answers, vote=majority, joined_tokens=sequence))
       joined.append((sequence, pieces, tail))
-    out = mdjax.generate(model, [j[0] for j in joined], max_new_tokens=max_new_tokens,
-                         eos_token_id=eos_token_id, seed=seed)
+    out = generate(model, [j[0] for j in joined], max_new_tokens=max_new_tokens,
+                   eos_token_id=eos_token_id, seed=seed)
     if self.join == "kv":
       out = _kv_join(model, ids, joined, out, self.position_gap, steps)
     add_stats(out, branches)
@@ -155,7 +162,7 @@ def _kv_join(model, ids, joined, exact, position_gap: int, steps: list[dict]):
   for prompt, (sequence, pieces, tail), answer, step in zip(ids, joined, exact.sequences, steps):
     forced = tail + answer[:-1]  # the join prompt and the exact answer, teacher-forced
     kv, _ = kv_join_logits(model, prompt, pieces, forced, position_gap)
-    reference = mdjax.forward_logits(model, sequence + answer[:-1])[len(sequence) - len(tail):]
+    reference = forward_logits(model, sequence + answer[:-1])[len(sequence) - len(tail):]
     step["kv_join_distance"] = distance(reference, kv)
     greedy = []
     for _ in range(len(answer)):

@@ -41,13 +41,11 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from mdjax.cache import CacheRegions, KVCache
-from mdjax.errors import MdjaxError
+from mdjax.models.attention import check_attention, default_attention
 from mdjax.models.config import ModelConfig
 from mdjax.sampling import SAMPLING_OPTIONS, SamplingParams
 from mdjax.step import decode_step
 from mdjax.topology import Topology
-
-ATTENTIONS = ("block_sparse", "dense", "fused")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,8 +58,7 @@ class ModelFn:
   attention: str = "block_sparse"
 
   def __post_init__(self):
-    if self.attention not in ATTENTIONS:
-      raise MdjaxError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+    check_attention(self.attention)
 
   def __call__(self, params, cache: KVCache, tokens: Int[Array, "B T"],
                positions: Int[Array, "B T"], segments: Int[Array, "B T"], topology: Topology,
@@ -105,7 +102,8 @@ class Strategy:
     """The strategy for `model` (an `mdjax.Model`) with `options` (validated by its
     fields), and the params pytree it runs on: the model's, by default."""
     options = dict(options)
-    target = ModelFn(config=model.config, attention=options.pop("attention", "block_sparse"))
+    target = ModelFn(config=model.config,
+                     attention=options.pop("attention", None) or default_attention())
     return cls.construct(target, model, options)
 
   @classmethod

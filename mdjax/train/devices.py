@@ -10,8 +10,6 @@ or on one device, whatever wrote its checkpoint (`restore_target`).
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -22,27 +20,14 @@ from mdjax.models.config import ModelConfig
 
 
 def device_mesh(spec: str, batch_size: int) -> Mesh | None:
-  """The `("data", "tensor")` mesh of all the devices that a config's `mesh` field names
-  ("2,4": data 2 x tensor 4), or None for "" (one device, no mesh). Both trainers read
-  it; `MdjaxError` when it is malformed, does not match the device count, or does not
-  divide `batch_size` over "data"."""
-  if not spec:
-    return None
-  parts = spec.replace(" ", "").split(",")
-  if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-    raise MdjaxError(f"config.mesh must be 'data,tensor', two positive sizes (e.g. '2,4'), "
-                     f"or '' for one device; got {spec!r}")
-  shape = tuple(int(p) for p in parts)
-  devices = jax.devices()
-  if math.prod(shape) != len(devices):
-    raise MdjaxError(f"config.mesh {spec!r} needs {math.prod(shape)} devices, this process has "
-                     f"{len(devices)} ({devices[0].platform}); a CPU simulates n devices with "
-                     "JAX_NUM_CPU_DEVICES=n")
-  if batch_size % shape[0]:
+  """`sharding.mesh_from_spec(spec)` for a trainer: also `MdjaxError` when the mesh's
+  "data" axis does not divide `batch_size`."""
+  mesh = sharding.mesh_from_spec(spec)
+  if mesh is not None and batch_size % mesh.shape["data"]:
     raise MdjaxError(f"config.batch_size ({batch_size}) must be a multiple of the mesh's data "
-                     f"axis ({shape[0]}, config.mesh {spec!r}): every data shard takes an equal "
-                     "part of each batch")
-  return jax.make_mesh(shape, sharding.MESH_AXES)
+                     f"axis ({mesh.shape['data']}, config.mesh {spec!r}): every data shard takes "
+                     "an equal part of each batch")
+  return mesh
 
 
 def map_param_trees(fn, state: dict, other=lambda x: x) -> dict:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from mdjax import programs
 from mdjax.errors import MdjaxError
 from mdjax.models import hf
 from mdjax.models.config import ModelConfig
@@ -87,7 +88,7 @@ def agreement(params: Params, config: ModelConfig, teacher: Teacher, sequences: 
   return same / count
 
 
-@functools.partial(jax.jit, static_argnames=("config", "teacher_config"))
+@functools.partial(programs.jit, static_argnames=("config", "teacher_config"))
 def _same_argmax(params, teacher_params, inputs, *, config, teacher_config):
   student = causal_logits(params, inputs, config=config)
   teacher = causal_logits(teacher_params, inputs, config=teacher_config)

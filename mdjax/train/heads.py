@@ -76,9 +76,9 @@ from jaxtyping import Array, Bool, Float, Int
 from tqdm import tqdm
 
 import mdjax
-from mdjax import sharding
+from mdjax import programs, sharding
 from mdjax.chat import chat_ids
-from mdjax.errors import MdjaxError, check_count, check_real
+from mdjax.errors import MdjaxError, check_count, check_real, require
 from mdjax.files import atomic_directory
 from mdjax.generate import generate
 from mdjax.heads import (FAMILIES, Heads, HeadsConfig, eagle_causal, init_heads, medusa_logits,
@@ -273,7 +273,7 @@ def _generate_rows(config, model: Model, prompts: list, progress: bool) -> list[
   return [[prompt, answer] for prompt, answer in zip(ids, answers)]
 
 
-@functools.partial(jax.jit, static_argnames="config")
+@functools.partial(programs.jit, static_argnames="config")
 def base_features(params: Params, tokens: Int[Array, "B T"], *, config: ModelConfig
                   ) -> tuple[Float[Array, "B T D"], Int[Array, "B T"]]:
   """The model's final-norm hidden states and its greedy guess of each next token."""
@@ -552,7 +552,7 @@ def make_train_step(objective: Objective, optimizer: optax.GradientTransformatio
   return step
 
 
-@functools.partial(jax.jit, static_argnames="objective")
+@functools.partial(programs.jit, static_argnames="objective")
 def _scores(params, batch, base, *, objective: Objective):
   return objective(params, batch, base, EVAL_TOP)
 
@@ -785,8 +785,7 @@ class _Progress:
 def plot_heads(records: list[dict], path: pathlib.Path, title: str) -> None:
   """Left: train and held-out loss against step. Right: each head's (unrolled step's)
   held-out top-1 (solid) and top-5 (dashed) accuracy."""
-  import matplotlib
-  matplotlib.use("Agg")
+  require("matplotlib", "a training plot").use("Agg")
   import matplotlib.pyplot as plt
 
   fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))

@@ -52,7 +52,7 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from mdjax import sharding
+from mdjax import programs, sharding
 from mdjax.errors import MdjaxError
 from mdjax.models import hf
 from mdjax.models.config import ModelConfig
@@ -242,7 +242,7 @@ def token_scores(params: Params, sequences: np.ndarray, config: ModelConfig,
   return np.concatenate(losses), np.concatenate(predicted)
 
 
-_token_losses_jit = jax.jit(token_losses, static_argnames="config")
+_token_losses_jit = programs.jit(token_losses, static_argnames="config")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,6 +3,8 @@
 JAX fixes its device count when its backend starts, so these run in a process of
 their own: `tests/test_sharding.py` starts pytest on this file (its name keeps the
 main run from collecting it). Without 8 devices every check fails at import.
+Every registered strategy on a 2x4 mesh is checked across two processes, which share
+one such mesh, by `tests/test_distributed.py`.
 """
 
 import dataclasses
@@ -23,7 +25,6 @@ from mdjax import sharding  # noqa: E402
 from mdjax.models import hf  # noqa: E402
 from mdjax.models.layer_loop import with_layer_loop  # noqa: E402
 from mdjax.models.registry import RANDOM_MODELS  # noqa: E402
-from mdjax.strategies import STRATEGIES  # noqa: E402
 from tests import helpers  # noqa: E402
 
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
@@ -105,29 +106,6 @@ def test_a_mesh_gives_the_logits_and_tokens_of_one_device(one_device, shape, kv)
                              rtol=0)
   names = None if EVERY_STRATEGY[shape] == kv else ["greedy"]
   assert_same(outputs(sharded, sharded_draft, names), expected)
-
-
-@pytest.fixture(scope="module")
-def registry_runs():
-  """random-llama-tiny (4 query heads, 2 KV heads) on one device and on a 2x4 mesh, and
-  every registered strategy's request (its draft and heads unsharded: replicated)."""
-  base = mdjax.load("random-llama-tiny")
-  draft = helpers.random_model("llama", 5, vocab_size=base.config.vocab_size, layers=1,
-                               std=0.05)
-  requests = helpers.every_strategy(draft, helpers.strategy_heads(base))
-  return base, mdjax.shard(base, jax.make_mesh((2, 4), ("data", "tensor"))), requests
-
-
-@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
-def test_every_registered_strategy_on_a_mesh_gives_the_tokens_of_one_device(registry_runs,
-                                                                            strategy):
-  """A lossy strategy against itself on one device; a lossless one against one device's
-  greedy (its own tests prove it returns greedy's tokens there)."""
-  base, sharded, requests = registry_runs
-  got = helpers.run_strategy(sharded, strategy, requests[strategy])
-  reference = "greedy" if strategy in helpers.LOSSLESS else strategy
-  expected = helpers.run_strategy(base, reference, requests[reference])
-  assert got.sequences == expected.sequences and sum(map(len, got.sequences)) > 0
 
 
 def test_an_auto_mesh_and_an_unsharded_draft_work_too(one_device):

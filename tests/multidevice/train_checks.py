@@ -184,7 +184,7 @@ def test_a_mesh_run_exports_the_one_device_model(lm_mesh, tmp_path):
 
 @pytest.mark.parametrize("mesh, message", [
     ("2,4,1", "must be 'data,tensor'"), ("2x4", "must be 'data,tensor'"),
-    ("0,8", "must be 'data,tensor'"), ("2,2", "needs 4 devices, this process has 8"),
+    ("0,8", "must be 'data,tensor'"), ("2,2", "needs 4 devices, there are 8"),
     ("8,1", r"batch_size \(4\) must be a multiple of the mesh's data axis \(8")])
 def test_bad_mesh_settings_are_clear_errors_before_any_data_is_read(tmp_path, mesh, message):
   with pytest.raises(mdjax.MdjaxError, match=message):

@@ -1,0 +1,40 @@
+"""experiments.device_check --quick (the accelerator check, reduced to a tiny model and
+one accelerator test) runs end to end on the CPU: every section recorded without error,
+the plot drawn.
+
+No timing is asserted: the check measures, this test checks that it can.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+SECTIONS = ["tests", "roofline", "pass_cost", "variants", "branches"]  # in the order they run
+
+
+def test_device_check_quick(tmp_path):
+  subprocess.run([sys.executable, "-m", "experiments.device_check", "--quick",
+                  f"--out_dir={tmp_path}"], cwd=REPO, check=True, timeout=900,
+                 capture_output=True)
+  assert (tmp_path / "device_check_cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  results = json.loads((tmp_path / "device_check_cpu.json").read_text())
+  assert "plot_error" not in results
+  sections = results["sections"]
+  assert list(sections) == SECTIONS
+  for name, section in sections.items():
+    assert "error" not in section, (name, section.get("traceback"))
+  tests = sections["tests"]
+  assert tests["passed"] == tests["tests"] >= 1 and not tests["failing"]
+  assert list(sections["roofline"]["batches"]) == ["1", "4"]
+  passes = sections["pass_cost"]["passes"]
+  assert list(passes) == ["1", "2", "4", "8"] and passes["1"]["ratio_to_first"] == 1.0
+  for cells in sections["variants"]["contexts"].values():
+    assert set(cells) == {"scan/block_sparse", "unrolled/block_sparse", "unrolled/fused",
+                          "unrolled/dense"}
+    assert all(cell["same_tokens_as_first"] for cell in cells.values())  # float32 on CPU
+  branches = sections["branches"]
+  assert all(c["same_tokens_as_sequential"] for c in branches["branches"].values())
+  tokens = branches["prompt_lookup"]["tokens"]
+  assert tokens["matching_tokens"] == tokens["total_tokens"] > 0

@@ -1,0 +1,134 @@
+"""mdjax under JAX's multi-controller runtime: two processes of 4 CPU devices each
+(gloo collectives, a free localhost port), one 2x4 global mesh, the same script on
+both (`tests/multidevice/process_checks.py`), against one process without a mesh.
+
+    process 0 ─┐ every registered strategy, stream, forward_logits on the 2x4 mesh;
+    process 1 ─┘ prompts that differ; then 1 is killed in the middle of a generate
+    reference    the same calls on one device (greedy and the lossy strategies)
+
+The three run at once, started by one module fixture; a process that cannot start
+fails every test here (never a skip).
+"""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import mdjax
+from tests import helpers
+from tests.multidevice.process_checks import HEARTBEAT_S
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+ROLES = ("0", "1", "reference")
+TIMEOUT_S = 1200
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """role -> {"json": what it wrote, "rc", "ended": time.time() or None, "log": its output}."""
+  out = tmp_path_factory.mktemp("processes")
+  env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  port, started, ended = str(free_port()), time.time(), {}
+  processes = {}
+  for role in ROLES:
+    with open(out / f"{role}.log", "w") as log:
+      processes[role] = subprocess.Popen(
+          [sys.executable, "-m", "tests.multidevice.process_checks", role, port, str(out)],
+          cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+  while len(ended) < len(ROLES) and time.time() - started < TIMEOUT_S:
+    for role, process in processes.items():
+      if role not in ended and process.poll() is not None:
+        ended[role] = time.time()
+    time.sleep(0.2)
+  for process in processes.values():
+    if process.poll() is None:
+      process.kill()
+  found = {}
+  for role, process in processes.items():
+    path = out / f"{role}.json"
+    found[role] = dict(json=json.loads(path.read_text()) if path.exists() else {},
+                       rc=process.wait(), ended=ended.get(role),
+                       log=(out / f"{role}.log").read_text())
+  return found
+
+
+def test_both_processes_and_the_reference_ran_every_check(runs):
+  for role, run in runs.items():
+    assert "forward_logits" in run["json"], f"{role} did not get through:\n{run['log'][-5000:]}"
+  assert runs["0"]["json"]["devices"] == runs["1"]["json"]["devices"] == 8  # one global mesh
+  assert runs["reference"]["rc"] == 0, runs["reference"]["log"][-5000:]
+
+
+def test_every_strategy_on_two_processes_gives_the_tokens_of_one_process(runs):
+  """Both processes get the whole result, equal to one process without a mesh: a lossy
+  strategy's own (same seed), a lossless one's greedy."""
+  reference = runs["reference"]["json"]["strategies"]
+  first, second = (runs[r]["json"]["strategies"] for r in ("0", "1"))
+  assert first == second
+  for name, sequences in first.items():
+    expected = reference["greedy" if name in helpers.LOSSLESS else name]
+    assert sequences == expected and sum(map(len, sequences)) > 0, name
+
+
+def test_stream_and_forward_logits_on_two_processes(runs):
+  reference = runs["reference"]["json"]
+  for role in ("0", "1"):
+    got = runs[role]["json"]
+    assert got["stream"] == reference["stream"] == reference["strategies"]["greedy"]
+    np.testing.assert_allclose(got["forward_logits"], reference["forward_logits"], atol=1e-5,
+                               rtol=0)
+
+
+def test_prompts_that_differ_between_processes_are_a_clear_error(runs):
+  for role in ("0", "1"):
+    message = runs[role]["json"]["prompts_differ"]
+    assert "differ between processes" in message and "process 0" in message, message
+    assert "process 1" in message, message
+
+
+def test_a_mesh_that_misses_another_process_devices_is_a_clear_error(runs):
+  message = runs["0"]["json"]["local_mesh"]
+  assert "the mesh has 4 devices but the 2 processes have 8" in message, message
+
+
+def test_a_killed_process_stops_the_other_with_a_clear_error_in_bounded_time(runs):
+  """Process 1 dies (SIGKILL) inside a generate; process 0, waiting in a collective,
+  is terminated by JAX's coordination service once the heartbeats stop."""
+  first, second = runs["0"], runs["1"]
+  assert "generating_since" in first["json"], first["log"][-5000:]
+  assert first["ended"] is not None, "process 0 still ran when the test gave up on it"
+  assert second["rc"] == -9 and first["rc"] != 0, first["log"][-5000:]
+  assert "another task died" in first["log"], first["log"][-5000:]
+  assert first["ended"] - second["ended"] < 3 * HEARTBEAT_S + 30
+
+
+def test_the_decode_cli_on_two_processes_prints_and_writes_on_process_0_only(tmp_path):
+  env = dict(os.environ, JAX_NUM_CPU_DEVICES="4", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+  port = free_port()
+  runs = [subprocess.Popen(
+      [sys.executable, "-m", "experiments.decode", "--config=configs/greedy.py",
+       "--config.chat=False", "--config.prompt=", "--config.prompt_ids=3,4,5",
+       "--config.model=random-llama-tiny", "--config.max_new_tokens=6", "--config.mesh=2,4",
+       f"--config.distributed=localhost:{port},2,{i}", f"--output_json={tmp_path / f'{i}.json'}"],
+      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for i in range(2)]
+  (out0, err0), (out1, err1) = (run.communicate(timeout=300) for run in runs)
+  assert [run.returncode for run in runs] == [0, 0], err0[-3000:] + err1[-3000:]
+  summary = json.loads(out0.strip().splitlines()[-1])
+  one_process = mdjax.generate(mdjax.load("random-llama-tiny"), [[3, 4, 5]], max_new_tokens=6)
+  assert summary["sequences"] == one_process.sequences
+  assert out1 == "" and not (tmp_path / "1.json").exists()
+  assert json.loads((tmp_path / "0.json").read_text()) == summary
