@@ -51,6 +51,11 @@ def get_base_config() -> ml_collections.ConfigDict:
   # (`mdjax.sharding`), each batch split over data (batch_size a multiple of it), the heads
   # replicated; "" = one device, no mesh. Checkpoints resume on any mesh.
   config.mesh = ""
+  # "" = one process; "auto" = JAX's cluster detection (TPU pod, SLURM, Kubernetes);
+  # "HOST:PORT,NUM_PROCESSES,PROCESS_ID" = explicit. Every process runs the same command
+  # (config.mesh spans all their devices; run_dir on a filesystem they share); only
+  # process 0 writes files. Checkpoints resume on any number of processes.
+  config.distributed = ""
   config.optim = ml_collections.ConfigDict({
       "lr": 1e-3, "warmup_steps": 50, "min_lr_ratio": 0.1, "weight_decay": 0.0, "b1": 0.9,
       "b2": 0.95, "clip_norm": 1.0})

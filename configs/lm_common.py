@@ -40,6 +40,11 @@ def get_base_config() -> ml_collections.ConfigDict:
   # count must be data x tensor, batch_size a multiple of data; see `mdjax.train.lm`);
   # "" = one device, no mesh. Checkpoints resume on any mesh.
   config.mesh = ""
+  # "" = one process; "auto" = JAX's cluster detection (TPU pod, SLURM, Kubernetes);
+  # "HOST:PORT,NUM_PROCESSES,PROCESS_ID" = explicit. Every process runs the same command
+  # (config.mesh spans all their devices; run_dir on a filesystem they share); only
+  # process 0 writes files. Checkpoints resume on any number of processes.
+  config.distributed = ""
   config.steps = 1000
   config.model = ml_collections.ConfigDict({
       "hidden_size": 128, "intermediate_size": 384, "num_layers": 2, "num_heads": 4,

@@ -5,6 +5,8 @@
         --config.max_minutes=30
     python -m experiments.train_heads --config=configs/heads_medusa.py --config.run_dir=runs/m \
         --config.mesh=4,2     # the model on a data 4 x tensor 2 mesh of all 8 devices
+    python -m experiments.train_heads --config=configs/heads_medusa.py --config.run_dir=runs/m \
+        --config.mesh=4,4 --config.distributed=auto   # on every host (4 x 4 devices)
 
 The model writes its own training text, its hidden states are cached in `run_dir`
 (a rerun reuses them), the heads train, and the export lands in `run_dir/export`

@@ -7,11 +7,13 @@
         --config.export_only=True       # export the latest checkpoint now
     python -m experiments.train_lm --config=configs/lm_target.py --config.run_dir=/tmp/target \
         --config.mesh=2,4               # data 2 x tensor 4: a mesh of all 8 devices
+    python -m experiments.train_lm --config=configs/lm_target.py --config.run_dir=/shared/t \
+        --config.mesh=4,4 --config.distributed=auto   # on every host (4 x 4 devices)
 
 Killed at any point, the same command resumes from the latest checkpoint in
-`run_dir` (on any `--config.mesh`: checkpoints hold the one-device layout) and ends
-with the parameters an uninterrupted run would have. The final
-line is the training summary as JSON. Bad input: one `error: ...` line, exit 1.
+`run_dir` (on any `--config.mesh` and any number of processes: checkpoints hold the
+one-device layout) and ends with the parameters an uninterrupted run would have. The
+final line is the training summary as JSON. Bad input: one `error: ...` line, exit 1.
 """
 
 from __future__ import annotations

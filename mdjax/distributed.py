@@ -17,6 +17,9 @@ Every process calls mdjax with the same arguments (`check_same` proves it for
 processes' devices is gathered (`to_host`), never fetched from one process alone.
 A process that dies stops the others: the coordination service misses its
 heartbeats and terminates them within `heartbeat_timeout_s` ("another task died").
+The trainers (`mdjax.train.lm`, `mdjax.train.heads`) keep the same rules: each process
+builds only its rows of a batch, process 0 alone writes files (the others wait at a
+`barrier` before reading one), and every process saves each checkpoint with orbax.
 """
 
 from __future__ import annotations
@@ -71,6 +74,21 @@ def initialize_from_flag(value: str) -> None:
 def is_main_process() -> bool:
   """True in process 0 (and when there is only one): the one that prints and writes."""
   return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+  """Waits until every process reaches the barrier `name` (nothing with one process):
+  where the others read a file process 0 just wrote."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
+def agreed(flag: bool) -> bool:
+  """Process 0's `flag`, on every process (every process must make this call): for a
+  decision from something that differs between processes, such as a clock."""
+  if jax.process_count() == 1:
+    return flag
+  return bool(multihost_utils.broadcast_one_to_all(np.bool_(flag)))
 
 
 def to_host(tree):

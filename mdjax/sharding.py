@@ -34,6 +34,15 @@ inside q|k|v or gate|up, so they are split: `wqkv` -> `wq`, `wk`, `wv` (biases t
 vocabulary rows of `embed` (and `lm_head`'s columns) are padded with zeros to a
 multiple of the tensor size; `lm_head` cuts the logits back to `vocab_size`.
 
+**Loading onto a mesh.** A checkpoint loader hands `Layout.place` recipes, not arrays
+(`mdjax.models.lazy`): split and padded like arrays, then read shard by shard, so
+each process reads only the slices of each tensor its own devices hold. E.g.
+`q_proj.weight [N*H, D]` on a 1x8 mesh over two processes of 4 devices::
+
+    wq = q_proj.weight.T [D, N*H]     columns:  0 ... N*H/2 | N*H/2 ... N*H
+    devices                                     0  1  2  3  |  4  5  6  7
+    process 0 reads q_proj.weight rows [0, N*H/2), in 4 slices; process 1 the rest
+
 **The KV cache** `[L, B, S, K, H]`: batch over data, KV heads over tensor_kv;
 `pos`/`seg` `[B, S]` and `length` `[B]` over data; the topology replicated.
 """
@@ -53,6 +62,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from mdjax import distributed
 from mdjax.errors import MdjaxError
+from mdjax.models import lazy
 from mdjax.models.config import ModelConfig
 
 MESH_AXES = ("data", "tensor")
@@ -186,8 +196,10 @@ class Layout:
 
   def split(self, name: str, value) -> dict[str, Any]:
     """One stored weight as the mesh stores it: fused projections split (tensor > 1),
-    the vocabulary padded. Works on numpy and jax arrays alike (last axis = outputs)."""
-    c, xp = self.config, (np if isinstance(value, np.ndarray) else jnp)
+    the vocabulary padded. Works on numpy and jax arrays and on a loader's recipes
+    (`mdjax.models.lazy`) alike (last axis = outputs)."""
+    c = self.config
+    xp = lazy if isinstance(value, lazy.Lazy) else np if isinstance(value, np.ndarray) else jnp
     if self.tensor > 1 and name in FUSED:
       q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
       cuts = [q, q + kv] if name in ("wqkv", "bqkv") else 2  # q|k|v, gate|up
@@ -199,9 +211,10 @@ class Layout:
     return {name: value}
 
   def place(self, tree: dict[str, Any]) -> dict[str, Any]:
-    """A dict of named weights (a layer's, or the top-level ones; numpy or jax leaves)
-    split and put on their shardings one by one: a numpy weight goes from the host to
-    each device's shard, never whole onto one device."""
+    """A dict of named weights (a layer's, or the top-level ones; numpy, jax or recipe
+    leaves) split and put on their shardings one by one: a numpy weight goes from the
+    host to each device's shard, never whole onto one device; a recipe is read only in
+    the shards this process's devices hold (`lazy.put`)."""
     placed = {}
     for name, value in tree.items():
       if name == "layers":
@@ -209,7 +222,9 @@ class Layout:
                         else self.place(value))
         continue
       for part, array in self.split(name, value).items():
-        placed[part] = jax.device_put(array, self.sharding(part, array.shape))
+        where = self.sharding(part, array.shape)
+        placed[part] = (lazy.put(array, where) if isinstance(array, lazy.Lazy)
+                        else jax.device_put(array, where))
     return placed
 
 
@@ -229,10 +244,11 @@ def shard(model, mesh: Mesh):
 
 
 def placer(layout: Layout | None) -> Callable[[dict], dict]:
-  """What a checkpoint loader calls on each dict of weights it reads (numpy): put on
-  the default device, or, with a layout, straight onto their shardings."""
+  """What a checkpoint loader calls on each dict of weights it describes (recipes,
+  `mdjax.models.lazy`): read whole onto the default device, or, with a layout, read
+  by shard straight onto their shardings."""
   if layout is None:
-    return lambda tree: {name: jnp.asarray(value) for name, value in tree.items()}
+    return lambda tree: {name: jnp.asarray(value) for name, value in lazy.materialize(tree).items()}
   return layout.place
 
 

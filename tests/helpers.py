@@ -3,9 +3,17 @@ comparison with transformers."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +24,7 @@ from scipy import stats as scipy_stats
 
 from mdjax.cache import KVCache
 from mdjax.models.config import ModelConfig
+from mdjax.models.hf_layout import SafetensorsFile
 from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
 from mdjax.models.registry import RANDOM_MODELS
@@ -271,3 +280,73 @@ def run_strategy(model: Model, strategy: str, request: tuple, max_new_tokens: in
                         else STRATEGY_PROMPTS)
   return mdjax.generate(model, prompts, strategy=strategy, max_new_tokens=max_new_tokens,
                         eos_token_id=[], seed=3, **options)
+
+
+@contextlib.contextmanager
+def recorded_reads():
+  """Every read of a safetensors tensor while in the block, as (HF name, block): one
+  (start, stop) per dimension, the whole tensor for `get`."""
+  reads, real_get, real_slice = [], SafetensorsFile.get, SafetensorsFile.get_slice
+
+  def get(self, name, shape):
+    reads.append((name, tuple((0, n) for n in shape)))
+    return real_get(self, name, shape)
+
+  def get_slice(self, name, shape, index):
+    reads.append((name, tuple(s.indices(n)[:2] for s, n in zip(index, shape))))
+    return real_slice(self, name, shape, index)
+
+  SafetensorsFile.get, SafetensorsFile.get_slice = get, get_slice
+  try:
+    yield reads
+  finally:
+    SafetensorsFile.get, SafetensorsFile.get_slice = real_get, real_slice
+
+
+def row_blocks(array: jax.Array, axis: int) -> list[tuple[int, int]]:
+  """The distinct [start, stop) ranges along `axis` of the shards this process holds."""
+  blocks = {shard.index[axis].indices(array.shape[axis])[:2] for shard in array.addressable_shards}
+  return sorted(blocks)
+
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def run_processes(module: str, roles: tuple[str, ...], out: pathlib.Path,
+                  timeout_s: float) -> dict[str, dict]:
+  """Starts `python -m module ROLE PORT OUT` for every role at once (one free localhost
+  port for a `jax.distributed` coordinator), waits for all (killing what still runs
+  after `timeout_s`, once it has dumped its Python stacks into its log);
+  role -> {"json": OUT/<role>.json or {}, "rc", "ended": when it exited (time.time(),
+  None when killed), "log": its stdout and stderr}."""
+  env = dict(os.environ, PYTHONFAULTHANDLER="1",
+             PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  port, started, ended, processes = str(free_port()), time.time(), {}, {}
+  for role in roles:
+    with open(out / f"{role}.log", "w") as log:
+      processes[role] = subprocess.Popen([sys.executable, "-m", module, role, port, str(out)],
+                                         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+  while len(ended) < len(roles) and time.time() - started < timeout_s:
+    for role, process in processes.items():
+      if role not in ended and process.poll() is not None:
+        ended[role] = time.time()
+    time.sleep(0.2)
+  hung = [process for process in processes.values() if process.poll() is None]
+  for process in hung:
+    process.send_signal(signal.SIGABRT)  # faulthandler writes every thread's stack
+  time.sleep(5 if hung else 0)
+  for process in hung:
+    process.kill()
+  found = {}
+  for role, process in processes.items():
+    path = out / f"{role}.json"
+    found[role] = dict(json=json.loads(path.read_text()) if path.exists() else {},
+                       rc=process.wait(), ended=ended.get(role),
+                       log=(out / f"{role}.log").read_text())
+  return found

@@ -3,7 +3,9 @@
 both (`tests/multidevice/process_checks.py`), against one process without a mesh.
 
     process 0 ─┐ every registered strategy, stream, forward_logits on the 2x4 mesh;
-    process 1 ─┘ prompts that differ; then 1 is killed in the middle of a generate
+    process 1 ─┘ prompts that differ; a checkpoint loaded onto a 1x8 mesh, each
+                 process recording what it reads; then 1 is killed in the middle of
+                 a generate
     reference    the same calls on one device (greedy and the lossy strategies)
 
 The three run at once, started by one module fixture; a process that cannot start
@@ -12,57 +14,28 @@ fails every test here (never a skip).
 
 import json
 import os
-import pathlib
-import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
 import mdjax
+from mdjax.models import hf
 from tests import helpers
 from tests.multidevice.process_checks import HEARTBEAT_S
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 ROLES = ("0", "1", "reference")
 TIMEOUT_S = 1200
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   """role -> {"json": what it wrote, "rc", "ended": time.time() or None, "log": its output}."""
   out = tmp_path_factory.mktemp("processes")
-  env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  port, started, ended = str(free_port()), time.time(), {}
-  processes = {}
-  for role in ROLES:
-    with open(out / f"{role}.log", "w") as log:
-      processes[role] = subprocess.Popen(
-          [sys.executable, "-m", "tests.multidevice.process_checks", role, port, str(out)],
-          cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-  while len(ended) < len(ROLES) and time.time() - started < TIMEOUT_S:
-    for role, process in processes.items():
-      if role not in ended and process.poll() is not None:
-        ended[role] = time.time()
-    time.sleep(0.2)
-  for process in processes.values():
-    if process.poll() is None:
-      process.kill()
-  found = {}
-  for role, process in processes.items():
-    path = out / f"{role}.json"
-    found[role] = dict(json=json.loads(path.read_text()) if path.exists() else {},
-                       rc=process.wait(), ended=ended.get(role),
-                       log=(out / f"{role}.log").read_text())
-  return found
+  # 8 query heads and 48 MLP rows split over 8 devices; 250 vocabulary rows padded to 256
+  hf.save_hf(helpers.random_model(heads=8, kv_heads=2, vocab_size=250), out / "checkpoint")
+  return helpers.run_processes("tests.multidevice.process_checks", ROLES, out, TIMEOUT_S)
 
 
 def test_both_processes_and_the_reference_ran_every_check(runs):
@@ -104,6 +77,20 @@ def test_a_mesh_that_misses_another_process_devices_is_a_clear_error(runs):
   assert "the mesh has 4 devices but the 2 processes have 8" in message, message
 
 
+def test_each_process_reads_only_the_slices_its_devices_hold(runs):
+  """A 1x8 mesh puts half of each sharded weight on each process's 4 devices: each
+  reads the q_proj rows of its own 4 shards, and about half the model (the norms,
+  replicated, whole), each block once; the params equal a one-device load's bytes."""
+  rows = {}
+  for role in ("0", "1"):
+    reads = runs[role]["json"]["local_reads"]
+    rows[role] = [tuple(r) for r in reads["q_rows_read"]]
+    assert rows[role] == [tuple(r) for r in reads["q_rows_held"]] and len(rows[role]) == 4
+    assert reads["read_twice"] == 0 and 0.45 < reads["share_read"] < 0.55, reads
+    assert reads["same_bytes"]
+  assert sorted(rows["0"] + rows["1"]) == [(8 * i, 8 * (i + 1)) for i in range(8)]
+
+
 def test_a_killed_process_stops_the_other_with_a_clear_error_in_bounded_time(runs):
   """Process 1 dies (SIGKILL) inside a generate; process 0, waiting in a collective,
   is terminated by JAX's coordination service once the heartbeats stop."""
@@ -117,13 +104,13 @@ def test_a_killed_process_stops_the_other_with_a_clear_error_in_bounded_time(run
 
 def test_the_decode_cli_on_two_processes_prints_and_writes_on_process_0_only(tmp_path):
   env = dict(os.environ, JAX_NUM_CPU_DEVICES="4", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
-  port = free_port()
+  port = helpers.free_port()
   runs = [subprocess.Popen(
       [sys.executable, "-m", "experiments.decode", "--config=configs/greedy.py",
        "--config.chat=False", "--config.prompt=", "--config.prompt_ids=3,4,5",
        "--config.model=random-llama-tiny", "--config.max_new_tokens=6", "--config.mesh=2,4",
        f"--config.distributed=localhost:{port},2,{i}", f"--output_json={tmp_path / f'{i}.json'}"],
-      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      cwd=helpers.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
       for i in range(2)]
   (out0, err0), (out1, err1) = (run.communicate(timeout=300) for run in runs)
   assert [run.returncode for run in runs] == [0, 0], err0[-3000:] + err1[-3000:]

@@ -89,6 +89,14 @@ def test_batches_are_a_pure_function_of_the_step():
   assert not np.array_equal(first.batch(0), data.Batches(sequences, 4, seed=2).batch(0))
 
 
+def test_a_process_builds_only_its_rows_of_a_batch():
+  """Each row, whatever its kind (plain, copy, random), is the same built alone."""
+  mix = data.RowMix(copy_fraction=0.3, random_copy_fraction=0.3)
+  batches = data.Batches(np.arange(40 * 65).reshape(40, 65) % 500 + 10, 8, 3, mix, 500)
+  for step in (0, 5):
+    assert np.array_equal(batches.batch(step, slice(2, 6)), batches.batch(step)[2:6])
+
+
 def test_copy_rows_repeat_their_first_half_at_the_requested_rate():
   sequences = np.arange(2000 * 9).reshape(2000, 9) % 1000
   mix = data.RowMix(copy_fraction=0.3)

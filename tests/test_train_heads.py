@@ -92,6 +92,8 @@ def test_reader_windows_and_masks_follow_the_rows(trained):
   batch = reader.batch(config.seed, 0, 64)
   again = reader.batch(config.seed, 0, 64)
   assert all(np.array_equal(batch[key], again[key]) for key in batch)  # a function of the step
+  part = reader.batch(config.seed, 0, 64, slice(16, 48))  # a process's rows of it
+  assert all(np.array_equal(part[key], batch[key][16:48]) for key in batch)
   picked = np.random.default_rng([config.seed, 0]).integers(0, len(reader), 64)
   for i, unit in enumerate(picked):
     row, p = reader.rows[unit], reader.starts[unit]
@@ -159,10 +161,10 @@ def test_killed_run_resumes_bitwise_without_running_the_model_again(trained, bas
   config = tiny_config(tmp_path, prompts_file)
   read = heads_lib.Reader.batch
 
-  def killed_at_step_25(self, seed, step, size):
+  def killed_at_step_25(self, seed, step, size, rows=slice(None)):
     if step == 24:
       raise KeyboardInterrupt("killed")
-    return read(self, seed, step, size)
+    return read(self, seed, step, size, rows)
 
   monkeypatch.setattr(heads_lib.Reader, "batch", killed_at_step_25)
   with pytest.raises(KeyboardInterrupt):

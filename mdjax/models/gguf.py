@@ -17,7 +17,10 @@ ggml's types, most of them quantized blocks. Loading one:
    there by `hf.load_hf_dir`: a second load of the same bytes is a safetensors read;
    changed bytes are a new name, so a stale copy is never served. The conversion runs
    under a file lock (`files.exclusive_lock`): processes that race to load one file
-   convert it once, the others wait and read the copy.
+   convert it once, the others wait and read the copy. Onto a mesh, each process reads
+   only its own devices' slices of the copy (`mdjax.models.lazy`); the conversion
+   itself dequantizes every tensor whole (ggml's quantized blocks are not read by
+   slice), in the one process that converts.
 
 llama.cpp's `convert_hf_to_gguf` reorders the rows of each q and k head for the llama
 architecture, whose ggml RoPE rotates adjacent pairs where Hugging Face's rotates the
@@ -67,7 +70,7 @@ from tqdm.auto import tqdm
 
 from mdjax import files
 from mdjax.errors import CheckpointError
-from mdjax.models import hf
+from mdjax.models import hf, lazy
 from mdjax.models.hf_layout import params_from_hf
 from mdjax.models.config import ModelConfig, RopeScaling, rope_inv_freq, weight_dtype
 from mdjax.models.model import Model
@@ -183,7 +186,7 @@ def convert(file: pathlib.Path) -> Model:
   tensors.heads = (config.num_heads, config.num_kv_heads)
   # host arrays: they are only written to the float32 cache (`load_gguf`), which is then
   # loaded onto the device(s); nothing is put whole on one device here
-  params = params_from_hf(config, tensors, np.float32, place=dict)
+  params = params_from_hf(config, tensors, np.float32, place=lazy.materialize)
   tensors.check_all_read()
   return Model(config=config, params=params, tokenizer=_tokenizer(reader, file, arch),
                name=file.name)

@@ -26,7 +26,9 @@ safetensors (`SafetensorsCheckpoint`, `mdjax.models.hf`), one safetensors file
 (`SafetensorsFile`: heads), a GGUF file dequantized (`mdjax.models.gguf`) or an EAGLE
 head seen as a model's layers (`mdjax.heads.formats`). A safetensors header is
 checked before any of its tensors is read, so a truncated or corrupt file is
-reported by name.
+reported by name. `params_from_hf` describes each param as a recipe over the source's
+tensors (`mdjax.models.lazy`: the transposes, fusions and padding above), so a load
+onto a mesh reads only the slices each process's devices hold (`SlicedTensorSource`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import safetensors.numpy
 
 from mdjax import sharding
 from mdjax.errors import CheckpointError
+from mdjax.models import lazy
 from mdjax.models.config import ModelConfig
 from mdjax.models.layer_loop import unstack_layers
 from mdjax.models.transformer import Params
@@ -59,16 +62,21 @@ class TensorSource(Protocol):
   Sources that track what was read (`SafetensorsFile`, the GGUF reader) also offer
   `check_all_read()`, which names the tensors a checkpoint holds and its config does
   not describe.
-
-  Reading per process (`jax.make_array_from_callback`: each process reads only the
-  slices its own devices hold) belongs here too: a source would add the slice of
-  `name` that an index selects, read without the rest (safetensors' `get_slice`), and
-  `params_from_hf` would map each param's index back through its transpose and fusion
-  to the slices of the HF tensors.
   """
 
   def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """Tensor `name`, checked to have `shape` (a `CheckpointError` naming it if not)."""
+    ...
+
+
+class SlicedTensorSource(TensorSource, Protocol):
+  """A `TensorSource` that also reads parts of a tensor without the rest: what loading
+  onto a mesh needs, where each process reads only the slices its own devices hold
+  (`mdjax.models.lazy.put`). The safetensors sources are; a GGUF is loaded onto a mesh
+  from its converted safetensors copy (`mdjax.models.gguf`)."""
+
+  def get_slice(self, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+    """`get(name, shape)[index]`, reading only the slice."""
     ...
 
 
@@ -101,12 +109,21 @@ class SafetensorsFile:
 
   def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """Tensor `name`, checked to have `shape`: a fresh in-memory array."""
+    return self._read(name, shape, lambda: self._opened.get_tensor(name))
+
+  def get_slice(self, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+    """`get(name, shape)[index]`, reading only the slice's bytes."""
+    return self._read(name, shape, lambda: self._opened.get_slice(name)[index])
+
+  def _read(self, name: str, shape: tuple[int, ...], read: Callable[[], np.ndarray]) -> np.ndarray:
+    """`read()` of tensor `name` once it is checked to have `shape`; `CheckpointError`
+    naming it when it has another shape or a dtype numpy lacks."""
     found = self._shape(name)
     if found != tuple(shape):
       raise CheckpointError(f"tensor {name!r} in {self.file} has shape {list(found)}, expected "
                             f"{list(shape)}")
     try:
-      tensor = self._opened.get_tensor(name)
+      tensor = read()
     except (safetensors.SafetensorError, AttributeError) as e:  # AttributeError: no numpy dtype
       dtype = self._opened.get_slice(name).get_dtype()
       raise CheckpointError(
@@ -162,9 +179,17 @@ class SafetensorsCheckpoint:
 
   def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """Tensor `name`, checked to have `shape`: a fresh in-memory array."""
+    return self._holding(name).get(name, shape)
+
+  def get_slice(self, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+    """`get(name, shape)[index]`, reading only the slice's bytes."""
+    return self._holding(name).get_slice(name, shape, index)
+
+  def _holding(self, name: str) -> SafetensorsFile:
+    """The file that holds tensor `name`."""
     if self.files is not None and name not in self.files:
       raise CheckpointError(f"missing tensor {name!r} in {self.source}")
-    return self._file(self.source if self.files is None else self.files[name]).get(name, shape)
+    return self._file(self.source if self.files is None else self.files[name])
 
 
 def write_weights(directory: pathlib.Path, tensors: dict[str, np.ndarray],
@@ -203,46 +228,50 @@ def _norms_after_attention(config: ModelConfig) -> dict[str, str]:
 
 def params_from_hf(config: ModelConfig, source: TensorSource, dtype,
                     place: Callable[[dict], dict] = sharding.placer(None)) -> Params:
-  """HF tensors -> the per-layer, fused, transposed params of `transformer`; `place`
-  puts each layer's weights, then the rest, on the device(s) (`mdjax.sharding.placer`)."""
+  """HF tensors -> the per-layer, fused, transposed params of `transformer`. Each is
+  described as a recipe over `source` (`mdjax.models.lazy`), read only when `place`
+  turns each layer's dict, then the rest, into arrays: on one device or on a mesh,
+  each process reading only its devices' slices (`mdjax.sharding.placer`), or on the
+  host (`lazy.materialize`)."""
   c = config
   d, f, h = c.hidden_size, c.intermediate_size, c.head_dim
   qkv_sizes = (c.num_heads * h, c.num_kv_heads * h, c.num_kv_heads * h)
+  dtype = np.dtype(dtype)
 
   def get(name, *shape):
-    return source.get(name, shape).astype(dtype, copy=False)
+    return lazy.Tensor(source, name, shape, dtype)
 
   def layer(p):
     lp = {
         "attn_norm": get(p + "input_layernorm.weight", d),
-        "wqkv": np.concatenate(
+        "wqkv": lazy.concatenate(
             [get(f"{p}self_attn.{x}_proj.weight", n, d).T for x, n in zip("qkv", qkv_sizes)],
             axis=1),  # [D, (N + 2K) * H]
         "wo": get(p + "self_attn.o_proj.weight", d, c.num_heads * h).T,
         **{name: get(f"{p}{hf}.weight", d) for name, hf in _norms_after_attention(c).items()},
-        "w_gate_up": np.concatenate(
+        "w_gate_up": lazy.concatenate(
             [get(f"{p}mlp.{x}_proj.weight", f, d).T for x in ("gate", "up")], axis=1),  # [D, 2F]
         "w_down": get(p + "mlp.down_proj.weight", d, f).T,
     }
     if c.qkv_bias:
-      lp["bqkv"] = np.concatenate(
+      lp["bqkv"] = lazy.concatenate(
           [get(f"{p}self_attn.{x}_proj.bias", n) for x, n in zip("qkv", qkv_sizes)])
     if c.o_bias:
       lp["bo"] = get(p + "self_attn.o_proj.bias", d)
     if c.mlp_bias:
-      lp["b_gate_up"] = np.concatenate(
+      lp["b_gate_up"] = lazy.concatenate(
           [get(f"{p}mlp.{x}_proj.bias", f) for x in ("gate", "up")])
       lp["b_down"] = get(p + "mlp.down_proj.bias", d)
     if c.qk_norm:
       lp["q_norm"] = get(p + "self_attn.q_norm.weight", h)
       lp["k_norm"] = get(p + "self_attn.k_norm.weight", h)
-    return place({name: np.ascontiguousarray(w) for name, w in lp.items()})
+    return place(lp)
 
   layers = [layer(f"model.layers.{i}.") for i in range(c.num_layers)]
   top = {"embed": get("model.embed_tokens.weight", c.vocab_size, d),
          "final_norm": get("model.norm.weight", d)}
   if not c.tie_word_embeddings:
-    top["lm_head"] = np.ascontiguousarray(get("lm_head.weight", c.vocab_size, d).T)  # [D, V]
+    top["lm_head"] = get("lm_head.weight", c.vocab_size, d).T  # [D, V]
   return {**place(top), "layers": layers}
 
 

@@ -233,9 +233,10 @@ class Batches:
           jax.random.fold_in(self.key, epoch), len(self.sequences)))}
     return self._permutations[epoch]
 
-  def batch(self, step: int) -> np.ndarray:
+  def batch(self, step: int, rows: slice = slice(None)) -> np.ndarray:
+    """Batch `step`, or only its `rows` (a process's part of it: `devices.shard_batch`)."""
     n = len(self.sequences)
-    samples = step * self.batch_size + np.arange(self.batch_size)  # [B]
+    samples = step * self.batch_size + np.arange(self.batch_size)[rows]  # [B] (or the rows')
     rows = [self._permutation(int(i) // n)[int(i) % n] for i in samples]
     batch = self.sequences[rows]  # [B, T + 1], a copy
     share = _unit_hash(samples)  # [B] in [0, 1): which kind of row each sample is

@@ -6,12 +6,20 @@ model (fused projections split, the vocabulary padded, every matrix sharded by t
 rules table), step counts replicated, and each batch split over "data". Checkpoints
 always hold the one-device layout (`checkpoint_state`), so a run resumes on any mesh,
 or on one device, whatever wrote its checkpoint (`restore_target`).
+
+Under `jax.distributed` the mesh spans every process's devices: each process builds
+only its own rows of a batch (`shard_batch`), and every process saves and restores each
+checkpoint together (orbax writes a multi-host checkpoint into a directory they all
+see), so a run resumes on any number of processes too.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mdjax import sharding
@@ -21,8 +29,12 @@ from mdjax.models.config import ModelConfig
 
 def device_mesh(spec: str, batch_size: int) -> Mesh | None:
   """`sharding.mesh_from_spec(spec)` for a trainer: also `MdjaxError` when the mesh's
-  "data" axis does not divide `batch_size`."""
+  "data" axis does not divide `batch_size`, or when several processes run without a
+  mesh (each would train alone)."""
   mesh = sharding.mesh_from_spec(spec)
+  if mesh is None and jax.process_count() > 1:
+    raise MdjaxError(f"{jax.process_count()} processes train on one mesh of all their devices: "
+                     f"set config.mesh (e.g. '{jax.process_count()},{jax.local_device_count()}')")
   if mesh is not None and batch_size % mesh.shape["data"]:
     raise MdjaxError(f"config.batch_size ({batch_size}) must be a multiple of the mesh's data "
                      f"axis ({mesh.shape['data']}, config.mesh {spec!r}): every data shard takes "
@@ -88,12 +100,26 @@ def restore_target(state: dict, layout: sharding.Layout) -> dict:
   return map_param_trees(weights, state, lambda x: abstract(x, replicated))
 
 
-def shard_batch(batch, layout: sharding.Layout | None):
-  """A batch (numpy arrays, batch-major) as the step takes it: on the default device, or
-  split over the mesh's "data" axis straight from the host."""
+def shard_batch(build: Callable[[slice], dict | np.ndarray], batch_size: int,
+                layout: sharding.Layout | None):
+  """The step's batch of `batch_size` rows, `build(rows)` making (numpy, batch-major) the
+  rows `rows` of it: on the default device, or split over the mesh's "data" axis, each
+  process building only the rows its own devices hold (under `jax.distributed`, its
+  contiguous part of the global batch) and putting them straight there."""
   if layout is None:
-    return jax.tree.map(jnp.asarray, batch)
-  return jax.device_put(batch, NamedSharding(layout.mesh, PartitionSpec("data")))
+    return jax.tree.map(jnp.asarray, build(slice(None)))
+  where = NamedSharding(layout.mesh, PartitionSpec("data"))
+  local = build(process_rows(where, batch_size))
+  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
+      where, x, (batch_size, *x.shape[1:])), local)
+
+
+def process_rows(where: NamedSharding, batch_size: int) -> slice:
+  """The rows of a `batch_size`-row array split by `where` that this process's devices
+  hold: all of them with one process."""
+  bounds = [index[0].indices(batch_size)[:2]
+            for index in where.addressable_devices_indices_map((batch_size,)).values()]
+  return slice(min(start for start, _ in bounds), max(stop for _, stop in bounds))
 
 
 def state_shardings(state: dict, layout: sharding.Layout | None):

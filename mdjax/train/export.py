@@ -29,6 +29,7 @@ import sys
 import jax
 import ml_collections
 
+from mdjax import distributed, sharding
 from mdjax.models import hf
 from mdjax.models.model import Model
 from mdjax.train import data, distill
@@ -37,14 +38,21 @@ from mdjax.train.lm import Run, evaluate, evaluate_heldout
 
 def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.PathLike,
            command: str | None = None) -> dict:
-  """Writes `run` into `directory` (replaced atomically); returns the training summary."""
+  """Writes `run` into `directory` (replaced atomically); returns the training summary.
+
+  Under `jax.distributed` every process makes this call: process 0 writes the files,
+  and every process measures the summary on the weights it reads back from them."""
   directory = pathlib.Path(directory)
   run_dir = pathlib.Path(config.run_dir)
-  model = Model(config=run.model_config, params=run.params, tokenizer=run.tokenizer,
-                name=directory.name)
-  hf.save_hf(model, directory, dtype=config.export_dtype,
-             max_shard_bytes=int(config.export_shard_mb * 2**20) or None)
-  shutil.copyfile(run_dir / "heldout_files.json", directory / "heldout_files.json")
+  main = distributed.is_main_process()
+  params = sharding.one_device_layout(distributed.to_host(run.params), run.model_config)
+  if main:
+    model = Model(config=run.model_config, params=params, tokenizer=run.tokenizer,
+                  name=directory.name)
+    hf.save_hf(model, directory, dtype=config.export_dtype,
+               max_shard_bytes=int(config.export_shard_mb * 2**20) or None)
+    shutil.copyfile(run_dir / "heldout_files.json", directory / "heldout_files.json")
+  distributed.barrier("export")
   exported = hf.load_hf_dir(directory)
   device = jax.devices()[0]
   summary = {
@@ -72,13 +80,15 @@ def export(run: Run, config: ml_collections.ConfigDict, directory: str | os.Path
       **evaluate_heldout(exported.params, exported.config, run.data, config.batch_size,
                          run.teacher),
   }
-  (directory / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-  write_fingerprint(exported, run.data.heldout[:FINGERPRINT_SEQUENCES, :FINGERPRINT_TOKENS + 1],
-                    directory)
-  card = model_card(directory.name, run.model_config, summary)
-  if config.card_notes:
-    card += "\n" + pathlib.Path(config.card_notes).read_text()
-  (directory / "README.md").write_text(card)
+  fingerprint = measure_fingerprint(
+      exported, run.data.heldout[:FINGERPRINT_SEQUENCES, :FINGERPRINT_TOKENS + 1])
+  if main:
+    (directory / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (directory / "fingerprint.json").write_text(json.dumps(fingerprint) + "\n")
+    card = model_card(directory.name, run.model_config, summary)
+    if config.card_notes:
+      card += "\n" + pathlib.Path(config.card_notes).read_text()
+    (directory / "README.md").write_text(card)
   return summary
 
 
@@ -114,12 +124,11 @@ def distilled_from(teacher: distill.Teacher | None) -> dict:
 FINGERPRINT_SEQUENCES, FINGERPRINT_TOKENS = 4, 128
 
 
-def write_fingerprint(model: Model, sequences, directory: str | os.PathLike) -> dict:
-  """Records `sequences` [N, T + 1] and the loss / accuracy `model` gives on them."""
+def measure_fingerprint(model: Model, sequences) -> dict:
+  """`fingerprint.json`: `sequences` [N, T + 1] and the loss / accuracy `model` gives on
+  them."""
   result = evaluate(model.params, sequences, model.config, batch_size=len(sequences))
-  fingerprint = {"sequences": [[int(t) for t in row] for row in sequences], **result}
-  (pathlib.Path(directory) / "fingerprint.json").write_text(json.dumps(fingerprint) + "\n")
-  return fingerprint
+  return {"sequences": [[int(t) for t in row] for row in sequences], **result}
 
 
 def continuation_line(summary: dict) -> str:

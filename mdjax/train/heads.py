@@ -52,10 +52,19 @@ and computes its features there), replicates the heads and their optimizer state
 splits each batch over "data", and traces the step under `sharding.active`. The heads'
 checkpoints are the same arrays whatever the mesh, so a run resumes on any mesh.
 A model passed to `train` already on a mesh trains there.
+
+Many processes (`config.distributed`, `mdjax.distributed`; the same command on every
+host, `run_dir` on a filesystem they share): the model lies on a mesh of every
+process's devices, every process generates and runs the model's passes (they are
+collective) but only process 0 writes the cache, the metrics, the plot and the export
+(the others open the cache after a barrier), each process reads only its rows of
+each batch (`devices.shard_batch`), and all of them save and restore the checkpoints
+together: the losses are one process's, and a run resumes on any number of processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -76,7 +85,7 @@ from jaxtyping import Array, Bool, Float, Int
 from tqdm import tqdm
 
 import mdjax
-from mdjax import programs, sharding
+from mdjax import distributed, programs, sharding
 from mdjax.chat import chat_ids
 from mdjax.errors import MdjaxError, check_count, check_real, require
 from mdjax.files import atomic_directory
@@ -151,15 +160,24 @@ def prepare_data(config: ml_collections.ConfigDict, model: Model, run_dir: pathl
   cache_dir = run_dir / "cache" / hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
   sequences = _load_or_generate(config, model, source, rows, cache_dir, key, progress)
   features = cache_dir / "features"
-  if not features.is_dir():
-    with atomic_directory(features) as staging:
-      for split in ("train", "heldout"):
-        write_features(model, sequences[split], staging / split, config.feature_dtype,
-                       config.feature_batch, progress)
+  if not features.is_dir():  # the same answer on every process: none writes before all ask
+    _cache_features(config, model, sequences, features, progress)
+  distributed.barrier("features")
   return RunData(train=Features.open(features / "train"),
                  heldout=Features.open(features / "heldout"),
                  heldout_prompts=sequences["heldout_prompts"],
                  description=source, cache_dir=cache_dir)
+
+
+def _cache_features(config: ml_collections.ConfigDict, model: Model, sequences: dict,
+                    features: pathlib.Path, progress: bool) -> None:
+  """Runs the model over both splits (on every process: its passes are collective);
+  process 0 writes the `Features` into `features`, atomically."""
+  main = distributed.is_main_process()
+  with atomic_directory(features) if main else contextlib.nullcontext() as staging:
+    for split in ("train", "heldout"):
+      write_features(model, sequences[split], staging and staging / split,
+                     config.feature_dtype, config.feature_batch, progress)
 
 
 def _source(config: ml_collections.ConfigDict, model: Model) -> tuple[dict, dict]:
@@ -197,7 +215,7 @@ def model_digest(model: Model) -> str:
   digest = hashlib.sha256(repr(model.config).encode())
   params = model.params
   if model.layout is not None:  # on the host: fusing sharded parts would gather on devices
-    params = sharding.one_device_layout(jax.tree.map(np.asarray, params), model.config)
+    params = sharding.one_device_layout(distributed.to_host(params), model.config)
   for leaf in jax.tree.leaves(params):
     digest.update(np.asarray(leaf).tobytes())
   return digest.hexdigest()
@@ -229,9 +247,10 @@ def _load_or_generate(config, model: Model, source: dict, rows: dict, cache_dir:
     cut = len(rows["train"]) * config.samples_per_prompt
     sequences = {"train": answered[:cut], "heldout": answered[cut:]}
     heldout_prompts = rows["heldout"]
-  cache_dir.mkdir(parents=True, exist_ok=True)
-  (cache_dir / "key.json").write_text(json.dumps({"key": key, "data": source}, indent=1) + "\n")
-  _write_atomically(path, json.dumps({**sequences, "heldout_prompts": heldout_prompts}))
+  if distributed.is_main_process():
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    (cache_dir / "key.json").write_text(json.dumps({"key": key, "data": source}, indent=1) + "\n")
+    _write_atomically(path, json.dumps({**sequences, "heldout_prompts": heldout_prompts}))
   return {**sequences, "heldout_prompts": heldout_prompts}
 
 
@@ -281,33 +300,45 @@ def base_features(params: Params, tokens: Int[Array, "B T"], *, config: ModelCon
   return hidden, jnp.argmax(lm_head(params, hidden, config=config), axis=-1).astype(jnp.int32)
 
 
-def write_features(model: Model, rows: list[list[list[int]]], directory: pathlib.Path,
+def write_features(model: Model, rows: list[list[list[int]]], directory: pathlib.Path | None,
                    dtype: str, batch_size: int, progress: bool = True) -> None:
   """The `Features` files of `rows` ([prompt ids, answer ids] each) into `directory`:
-  one pass of the model per `batch_size` rows, zero-padded to a multiple of 16 tokens."""
-  directory.mkdir(parents=True)
+  one pass of the model per `batch_size` rows, zero-padded to a multiple of 16 tokens.
+  `directory` None: the passes alone, nothing written (a process other than 0 under
+  `jax.distributed`, where the passes are collective)."""
   sequences = [prompt + answer for prompt, answer in rows]
   width = -(-max(map(len, sequences)) // 16) * 16
   tokens = np.zeros((len(rows), width), np.int32)  # [N, T]
   for i, sequence in enumerate(sequences):
     tokens[i, :len(sequence)] = sequence
-  np.save(directory / "tokens.npy", tokens)
-  np.save(directory / "lengths.npy", np.array(list(map(len, sequences)), np.int32))
-  np.save(directory / "prompt_lengths.npy", np.array([len(p) for p, _ in rows], np.int32))
-  hidden = np.lib.format.open_memmap(directory / "hidden.npy", "w+", np.dtype(dtype),
-                                     (len(rows), width, model.config.hidden_size))
-  greedy = np.lib.format.open_memmap(directory / "greedy.npy", "w+", np.int32, tokens.shape)
+  files = directory and _open_features(directory, rows, tokens, dtype, model.config.hidden_size)
   for start in tqdm(range(0, len(rows), batch_size), disable=not progress,
-                    desc=f"hidden states ({directory.name})", dynamic_ncols=True):
+                    desc=f"hidden states ({getattr(directory, 'name', '')})", dynamic_ncols=True):
     chunk = tokens[start:start + batch_size]
     padded = np.zeros((batch_size, width), np.int32)  # every call the same shape
     padded[:len(chunk)] = chunk
     with sharding.active(model.layout):
-      h, g = base_features(model.params, jnp.asarray(padded), config=model.config)
-    hidden[start:start + len(chunk)] = np.asarray(h[:len(chunk)]).astype(dtype)
-    greedy[start:start + len(chunk)] = np.asarray(g[:len(chunk)])
-  hidden.flush()
-  greedy.flush()
+      h, g = distributed.to_host(base_features(model.params, jnp.asarray(padded),
+                                               config=model.config))
+    if files:
+      files["hidden"][start:start + len(chunk)] = h[:len(chunk)].astype(dtype)
+      files["greedy"][start:start + len(chunk)] = g[:len(chunk)]
+  for array in (files or {}).values():
+    array.flush()
+
+
+def _open_features(directory: pathlib.Path, rows: list[list[list[int]]], tokens: np.ndarray,
+                   dtype: str, hidden_size: int) -> dict[str, np.ndarray]:
+  """Writes the token files of `write_features` into a new `directory`; returns its
+  "hidden" and "greedy" files, memory-mapped, for the model's passes to fill."""
+  directory.mkdir(parents=True)
+  np.save(directory / "tokens.npy", tokens)
+  np.save(directory / "lengths.npy", np.array([len(p) + len(a) for p, a in rows], np.int32))
+  np.save(directory / "prompt_lengths.npy", np.array([len(p) for p, _ in rows], np.int32))
+  return {"hidden": np.lib.format.open_memmap(directory / "hidden.npy", "w+", np.dtype(dtype),
+                                              (*tokens.shape, hidden_size)),
+          "greedy": np.lib.format.open_memmap(directory / "greedy.npy", "w+", np.int32,
+                                              tokens.shape)}
 
 
 # --- Batches ----------------------------------------------------------------------------
@@ -342,10 +373,12 @@ class Reader:
   def __len__(self) -> int:
     return len(self.rows)
 
-  def batch(self, seed: int, step: int, size: int) -> dict[str, np.ndarray]:
-    """Batch `step`: `size` units drawn by (seed, step) alone."""
-    picked = np.random.default_rng([seed, step]).integers(0, len(self), size)
-    return self.read(picked, np.ones(size, bool))
+  def batch(self, seed: int, step: int, size: int,
+            rows: slice = slice(None)) -> dict[str, np.ndarray]:
+    """Batch `step`: `size` units drawn by (seed, step) alone; or only its `rows` (a
+    process's part of it: `devices.shard_batch`)."""
+    picked = np.random.default_rng([seed, step]).integers(0, len(self), size)[rows]
+    return self.read(picked, np.ones(len(picked), bool))
 
   def chunks(self, size: int):
     """Every unit once, `size` at a time; the last chunk is padded with dead units."""
@@ -563,7 +596,7 @@ def evaluate(params: Params, reader: Reader, objective: Objective, base: Params,
   accuracy against the model's greedy tokens, and the simulated accepted length."""
   loss, weight, hits, count = 0.0, 0, 0, 0
   for batch in reader.chunks(batch_size):
-    batch_loss, scores = jax.device_get(_scores(params, batch, base, objective=objective))
+    batch_loss, scores = distributed.to_host(_scores(params, batch, base, objective=objective))
     loss += float(batch_loss) * int(scores["count"].sum())
     weight += int(scores["count"].sum())
     hits, count = hits + scores["hits"], count + scores["count"]
@@ -641,9 +674,11 @@ def train(config: ml_collections.ConfigDict, *, model: Model | None = None,
   `config.mesh` when it names one."""
   session_start = time.perf_counter()
   validate(config)
+  progress = progress and distributed.is_main_process()
   run_dir = pathlib.Path(config.run_dir)
   run_dir.mkdir(parents=True, exist_ok=True)
-  (run_dir / "config.json").write_text(config.to_json(indent=2) + "\n")
+  if distributed.is_main_process():
+    (run_dir / "config.json").write_text(config.to_json(indent=2) + "\n")
   mesh = devices.device_mesh(config.mesh, config.batch_size)
   model = (on_mesh(model, mesh) if model is not None else
            mdjax.load(config.model, dtype=config.model_dtype, mesh=mesh))
@@ -667,11 +702,12 @@ def train(config: ml_collections.ConfigDict, *, model: Model | None = None,
   end, stopped_early = start, False
   with sharding.active(layout):
     for step in range(start + 1, config.steps + 1):
-      batch = readers[0].batch(config.seed, step - 1, config.batch_size)
-      state, metrics = step_fn(state, devices.shard_batch(batch, layout), base)
+      batch = devices.shard_batch(functools.partial(readers[0].batch, config.seed, step - 1,
+                                                    config.batch_size), config.batch_size, layout)
+      state, metrics = step_fn(state, batch, base)
       end = step
-      stopped_early = (config.max_minutes > 0 and step < config.steps and
-                       time.perf_counter() - session_start > 60 * config.max_minutes)
+      stopped_early = (config.max_minutes > 0 and step < config.steps and distributed.agreed(
+          time.perf_counter() - session_start > 60 * config.max_minutes))
       bar.add(step, metrics, last=stopped_early)
       if step % config.eval_every == 0 and step < config.steps and not stopped_early:
         log.write({"step": step, **evaluate(state["params"], readers[1], objective, base,
@@ -684,7 +720,8 @@ def train(config: ml_collections.ConfigDict, *, model: Model | None = None,
     manager.wait_until_finished()
     heldout = _final_evaluation(log, end, state["params"], readers[1], objective, base,
                                 config.batch_size)
-  plot_heads(log.records(), run_dir / "losses.png", run_dir.name)
+  if distributed.is_main_process():
+    plot_heads(log.records(), run_dir / "losses.png", run_dir.name)
   train_seconds = bar.wall_seconds()
   directory = pathlib.Path(config.export_dir or run_dir / "export")
   heads = export(Heads(config=spec, params=state["params"]), directory, config=config,
@@ -758,7 +795,7 @@ class _Progress:
     self.sums = sums if self.sums is None else jax.tree.map(jnp.add, self.sums, sums)
     if step % self.every and step != self.end and not last:
       return
-    sums = jax.device_get(self.sums)
+    sums = distributed.to_host(self.sums)
     accuracy = sums["hits"] / np.maximum(sums["count"], 1)[:, None]  # [depth, len(BAR_TOP)]
     record = {"step": step, "loss": float(sums["loss"]) / (step - self.last_step),
               "grad_norm": float(metrics["grad_norm"]), "lr": float(self.lr(step - 1)),
@@ -898,12 +935,15 @@ def export(heads: Heads, directory: pathlib.Path, *, config: ml_collections.Conf
            run_data: RunData, heldout: dict, step: int, train_seconds: float,
            stopped_early: bool) -> Heads:
   """Writes the heads with their held-out accuracies (`HeadsConfig.top_accuracy`), the
-  model card and `heldout_prompts.json` into `directory`, replaced atomically."""
+  model card and `heldout_prompts.json` into `directory`, replaced atomically (process 0
+  writes; every process returns the heads once they are written)."""
   spec = dataclasses.replace(heads.config, top_accuracy=heldout["heldout_topk"])
   card = model_card(directory.name, spec, config, run_data, heldout, step, train_seconds,
                     stopped_early)
   heads = Heads(config=spec, params=heads.params, card=card, name=str(directory))
-  with atomic_directory(directory) as staging:
-    save_heads(heads, staging, dtype=config.export_dtype)
-    (staging / HELDOUT_FILE).write_text(json.dumps(run_data.heldout_prompts, indent=1) + "\n")
+  if distributed.is_main_process():
+    with atomic_directory(directory) as staging:
+      save_heads(heads, staging, dtype=config.export_dtype)
+      (staging / HELDOUT_FILE).write_text(json.dumps(run_data.heldout_prompts, indent=1) + "\n")
+  distributed.barrier("heads export")
   return heads

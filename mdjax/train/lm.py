@@ -33,6 +33,14 @@ logits, no token embeds them), so Adam and the weight decay leave them at zero.
 Checkpoints always hold the one-device layout (`checkpoint_state`), so a run resumes on
 any mesh, or on one device, whatever wrote its checkpoint: the mesh's losses are the
 one device's up to float reassociation, and a resume on the same mesh is bitwise.
+
+Many processes (`config.distributed`, `mdjax.distributed`; the same command on every
+host, `run_dir` on a filesystem they share): the mesh spans every process's devices,
+each process builds only its rows of each batch (`devices.shard_batch`), all of them
+save and restore the checkpoints together, and only process 0 writes the run files,
+the tokenizer, the metrics and the plot (the others read what they need of them after
+a barrier). The global batch is the one-process batch, so the losses are one process's
+on the same mesh, and a run resumes on any number of processes.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from mdjax import programs, sharding
+from mdjax import distributed, programs, sharding
 from mdjax.errors import MdjaxError
 from mdjax.models import hf
 from mdjax.models.config import ModelConfig
@@ -235,8 +243,8 @@ def token_scores(params: Params, sequences: np.ndarray, config: ModelConfig,
   compilation per shape): float64 losses and int top-1 predictions, both `[N, T]`."""
   losses, predicted = [], []
   for start in range(0, len(sequences), batch_size):
-    loss, top = _token_losses_jit(params, jnp.asarray(sequences[start:start + batch_size]),
-                                  config)
+    loss, top = distributed.to_host(_token_losses_jit(
+        params, jnp.asarray(sequences[start:start + batch_size]), config))
     losses.append(np.asarray(loss, np.float64))
     predicted.append(np.asarray(top))
   return np.concatenate(losses), np.concatenate(predicted)
@@ -291,12 +299,14 @@ def evaluate_heldout(params: Params, config: ModelConfig, run_data: Data, batch_
 
 def load_or_train_tokenizer(config: ml_collections.ConfigDict, corpus: data.Corpus,
                             run_dir: pathlib.Path):
-  """`config.tokenizer` if set, else the run's own (trained on the train split once)."""
+  """`config.tokenizer` if set, else the run's own (trained on the train split once, by
+  process 0: the others wait, then read it)."""
   if config.tokenizer:
     return tokenizer_lib.load(config.tokenizer)
   directory = run_dir / "tokenizer"
-  if not (directory / "tokenizer.json").is_file():
+  if distributed.is_main_process() and not (directory / "tokenizer.json").is_file():
     tokenizer_lib.save(tokenizer_lib.train_bpe(corpus.texts("train"), config.vocab_size), directory)
+  distributed.barrier("tokenizer")
   return tokenizer_lib.load(directory)
 
 
@@ -324,6 +334,8 @@ def initial_params(config: ml_collections.ConfigDict, cfg: ModelConfig) -> Param
 
 
 def _write_run_files(config, corpus: data.Corpus, run_dir: pathlib.Path) -> None:
+  if not distributed.is_main_process():
+    return
   (run_dir / "config.json").write_text(config.to_json(indent=2) + "\n")
   (run_dir / "heldout_files.json").write_text(json.dumps(
       {"root": str(corpus.root), "python": platform.python_version(),
@@ -375,6 +387,7 @@ def train(config: ml_collections.ConfigDict, *, progress: bool = True,
   exported with a card and held-out numbers like any trained one).
   """
   validate(config)
+  progress = progress and distributed.is_main_process()
   run_dir = pathlib.Path(config.run_dir)
   corpus, tokenizer, run_data = _prepare_run(config, run_dir)
   cfg = model_config(config, tokenizer.backend_tokenizer.get_vocab_size())
@@ -395,13 +408,15 @@ def train(config: ml_collections.ConfigDict, *, progress: bool = True,
   losses = _LossLog(config, log, start, end, progress, run_dir.name)
   with sharding.active(layout):
     for step in range(start + 1, end + 1):
-      batch = devices.shard_batch(run_data.batches.batch(step - 1), layout)
+      batch = devices.shard_batch(functools.partial(run_data.batches.batch, step - 1),
+                                  config.batch_size, layout)
       state, metrics = train_step(state, batch, teacher_params)
       losses.add(step, metrics)
       if due(step, config.eval_every, end):
         log.write({"step": step, **evaluate_heldout(state["params"], cfg, run_data,
                                                     config.batch_size, teacher)})
-        plot_losses(log.records(), run_dir / "loss.png", run_dir.name)
+        if distributed.is_main_process():
+          plot_losses(log.records(), run_dir / "loss.png", run_dir.name)
       if due(step, config.checkpoint_every, end):
         saved = devices.checkpoint_state(state, cfg, layout)
         manager.save(step, args=ocp.args.StandardSave(saved), force=True)

@@ -1,7 +1,10 @@
 """Training metrics: one JSON object per line, and the loss-curve plot drawn from them.
 
 Records carry a `step`; a resumed run first drops the records past the checkpoint it
-restarts from, so the file never holds two histories.
+restarts from, so the file never holds two histories. Under `jax.distributed` only
+process 0 writes the file; every process keeps the records in memory, so what a
+trainer decides from them (e.g. whether an evaluation is already logged) is the same
+on every process.
 """
 
 from __future__ import annotations
@@ -10,28 +13,34 @@ import json
 import os
 import pathlib
 
+from mdjax import distributed
 from mdjax.errors import require
 
 
 class MetricsLog:
-  """Append-only JSONL at `path`."""
+  """Append-only JSONL at `path`, read once when opened (before process 0 writes more)."""
 
   def __init__(self, path: str | os.PathLike):
     self.path = pathlib.Path(path)
+    self._records = ([json.loads(line) for line in self.path.read_text().splitlines()
+                      if line.strip()] if self.path.is_file() else [])
 
   def records(self) -> list[dict]:
-    if not self.path.is_file():
-      return []
-    return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+    return list(self._records)
 
   def truncate_after(self, step: int) -> None:
     """Keeps only the records of steps `<= step` (the restored checkpoint's)."""
-    kept = [r for r in self.records() if r["step"] <= step]
-    self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    self._records = [r for r in self._records if r["step"] <= step]
+    if distributed.is_main_process():
+      partial = self.path.with_name(f".{self.path.name}.partial")
+      partial.write_text("".join(json.dumps(r) + "\n" for r in self._records))
+      os.replace(partial, self.path)
 
   def write(self, record: dict) -> None:
-    with open(self.path, "a") as f:
-      f.write(json.dumps(record) + "\n")
+    self._records.append(record)
+    if distributed.is_main_process():
+      with open(self.path, "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 ACCURACIES = (("heldout_accuracy", "held-out top-1"),

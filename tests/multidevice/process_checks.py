@@ -8,11 +8,14 @@ what `tests/test_distributed.py` starts (its name keeps pytest from collecting i
 Each writes OUT/<role>.json as it goes: every registered strategy's sequences (the
 pair on the global mesh, the reference on one device), `stream`, `forward_logits`
 and a pipeline; then the pair checks that prompts differing between processes are a
-clear error, and process 1 kills itself in the middle of a generate while process 0
-generates until the runtime stops it (the parent times it).
+clear error, loads OUT/checkpoint (which the parent wrote) onto a 1x8 mesh recording
+what each process reads (`local_reads`), and process 1 kills itself in the middle
+of a generate while process 0 generates until the runtime stops it (the parent
+times it).
 """
 
 import json
+import math
 import os
 import pathlib
 import signal
@@ -73,6 +76,7 @@ def main(role: str, port: str, out_dir: str):
     mdjax.shard(base, local)
   except mdjax.MdjaxError as e:
     found["local_mesh"] = str(e)
+  found["local_reads"] = local_reads(pathlib.Path(out_dir) / "checkpoint")
   write(out, found)
 
   if role == "1":  # dies in the middle of a generate: no goodbye to the coordinator
@@ -81,6 +85,30 @@ def main(role: str, port: str, out_dir: str):
   write(out, found)
   while True:
     mdjax.generate(model, helpers.STRATEGY_PROMPTS, max_new_tokens=24, eos_token_id=[])
+
+
+def local_reads(checkpoint: pathlib.Path) -> dict:
+  """Loads `checkpoint` onto a 1x8 mesh, where each process holds half the tensor
+  axis: the rows of layer 0's q_proj this process read and the ones its devices hold
+  (wq's columns), blocks read twice, its share of the model's elements read, and
+  whether the params equal a one-device load's bytes."""
+  import mdjax
+  from mdjax import distributed, sharding
+  from tests import helpers
+
+  with helpers.recorded_reads() as reads:
+    model = mdjax.load(str(checkpoint), mesh=jax.make_mesh((1, 8), ("data", "tensor")))
+  one_device = jax.tree.leaves(mdjax.load(str(checkpoint)).params)
+  gathered = jax.tree.leaves(distributed.to_host(sharding.one_device_layout(model.params,
+                                                                            model.config)))
+  q_proj = "model.layers.0.self_attn.q_proj.weight"
+  return {"q_rows_read": sorted(block[0] for name, block in reads if name == q_proj),
+          "q_rows_held": helpers.row_blocks(model.params["layers"][0]["wq"], axis=1),
+          "read_twice": len(reads) - len(set(reads)),
+          "share_read": sum(math.prod(b - a for a, b in block) for _, block in reads)
+          / sum(x.size for x in one_device),
+          "same_bytes": len(gathered) == len(one_device) and all(
+              a.dtype == b.dtype and (a == b).all() for a, b in zip(gathered, one_device))}
 
 
 if __name__ == "__main__":
