@@ -18,7 +18,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.run_dir = ""  # required: data cache, checkpoints, metrics, plot, export
   config.model = "smollm2-135m-instruct"  # the frozen base: any name or path mdjax.load takes
   config.model_dtype = "float32"
-  config.family = "medusa"  # or "eagle", "mtp"
+  config.family = "medusa"  # or "eagle", "mtp", "eagle3"
   config.num_heads = 4  # medusa, mtp: heads (head k guesses token t + 1 + k); eagle: must be 1
   config.num_layers = 1  # medusa: residual blocks per head; eagle: decoder layers; mtp: decoder
   #                        layers per head
@@ -33,6 +33,10 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.max_new_tokens = 128
   config.generation_batch = 16  # prompts per `mdjax.generate` call
   config.text_row_tokens = 256  # text_file: tokens per row
+  config.data_dir = ""  # a data set `experiments/make_head_data.py` wrote (the model's answers
+  #                       and hidden states) instead of generating: prompts, text_file unused
+  config.draft_vocab_size = 0  # heads score only the N most frequent target tokens of the
+  #                              training answers (eagle3: 8192 or 16384); 0 = all of them
   config.feature_dtype = "float32"  # the cached hidden states: "float32" or "float16"
   config.feature_batch = 8  # rows per forward pass of the base
   # "ce": the data's tokens; "kl": the base's distribution of them (what the shipped heads

@@ -17,7 +17,6 @@ final line is the training summary as JSON. Bad input: one `error: ...` line, ex
 
 from __future__ import annotations
 
-
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -30,10 +29,12 @@ flags.mark_flag_as_required("config")
 
 
 def run(config) -> dict:
-  """Trains to `config.steps` (or `max_minutes`) and exports; returns the summary."""
+  """Trains to `config.steps` (or `max_minutes`) and exports; returns the summary.
+  `heads.train` types the config once (`mdjax.train.config`)."""
   result = heads.train(config)
-  return {"export_dir": str(result.export_dir), "family": config.family, "steps": result.step,
-          "stopped_early": result.stopped_early, "train_minutes": result.train_seconds / 60,
+  return {"export_dir": str(result.export_dir), "family": result.heads.config.family,
+          "steps": result.step, "stopped_early": result.stopped_early,
+          "train_minutes": result.train_seconds / 60,
           "train_rows": result.data.train.rows, "heldout_rows": result.data.heldout.rows,
           "heldout_top1": result.heldout["heldout_top1"],
           "heldout_accepted_length": result.heldout["heldout_accepted_length"]}

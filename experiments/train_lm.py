@@ -33,11 +33,13 @@ flags.mark_flag_as_required("config")
 
 
 def run(config) -> dict:
-  """Trains to `config.steps` (nothing when `export_only` or already there), then exports."""
+  """Trains to `config.steps` (nothing when `export_only` or already there), then exports.
+  `lm.train` types the config once (`mdjax.train.config`); the export reads that."""
   result = lm.train(config, restore_only=config.export_only)
-  directory = config.export_dir or pathlib.Path(config.run_dir) / "export"
+  typed = result.config
+  directory = typed.export_dir or pathlib.Path(typed.run_dir) / "export"
   command = shlex.join(["python", "-m", "experiments.train_lm", *sys.argv[1:]])
-  return export.export(result, config, directory, command=command)
+  return export.export(result, typed, directory, command=command)
 
 
 if __name__ == "__main__":

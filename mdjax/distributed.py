@@ -91,6 +91,15 @@ def agreed(flag: bool) -> bool:
   return bool(multihost_utils.broadcast_one_to_all(np.bool_(flag)))
 
 
+def from_main(values: np.ndarray) -> np.ndarray:
+  """Process 0's `values` (an array of the same shape and dtype on every process), on
+  every process (every process must make this call): a measurement, say, that each
+  process took on its own clock."""
+  if jax.process_count() == 1:
+    return values
+  return np.asarray(multihost_utils.broadcast_one_to_all(values))
+
+
 def to_host(tree):
   """Every array of `tree` as numpy, whole, on every process: an array sharded over
   other processes' devices is all-gathered (every process must make this call), the

@@ -1,6 +1,7 @@
-"""Writing directories atomically: a reader sees the old directory or the new one,
-never half of either; and a lock for writing one entry once when several processes
-(test workers, the processes of a `jax.distributed` run) race to write it."""
+"""Where mdjax keeps what it derives once (`cache_dir`); writing directories
+atomically: a reader sees the old directory or the new one, never half of either;
+and a lock for writing one entry once when several processes (test workers, the
+processes of a `jax.distributed` run) race to write it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ import os
 import pathlib
 import shutil
 import tempfile
+
+
+def cache_dir() -> pathlib.Path:
+  """`$MDJAX_CACHE`, else `~/.cache/mdjax`: converted GGUF copies, measured pass costs."""
+  return pathlib.Path(os.environ.get("MDJAX_CACHE") or pathlib.Path.home() / ".cache" / "mdjax")
 
 
 @contextlib.contextmanager

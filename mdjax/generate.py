@@ -132,7 +132,8 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_toke
                   eos_ids=jnp.asarray(eos or (-1,), jnp.int32), key=jax.random.key(seed))
   capacity = bucket(max_new_tokens)
   num_branches = laid.prompt.branch_segment.shape[1]
-  decoder = decoder.for_request(laid.prompt, capacity)
+  with sharding.active(model.layout):  # `auto` may time passes of the model as it will run
+    decoder = decoder.for_request(params, laid.prompt, capacity)
   static = dict(num_slots=cache_size(decoder, laid.prompt.tokens.shape[1], capacity, num_branches),
                 capacity=capacity,
                 cache_dtype=str(model.params["embed"].dtype))  # K/V in the weights' dtype
@@ -188,7 +189,8 @@ def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: in
   token_metadata = stats.pop("metadata", None)
   stats = {k: v.tolist() for k, v in stats.items()}
   stats.update(generated_tokens=sum(len(s) for s in sequences), prompt_tokens=plan.prompt_tokens,
-               kv_cache_bytes=_kv_cache_bytes(model, plan), wall_s=wall_s, compile_s=compile_s)
+               kv_cache_bytes=_kv_cache_bytes(model, plan), wall_s=wall_s, compile_s=compile_s,
+               **(plan.decoder.request_stats or {}))
   stats["tokens_per_pass"] = stats["generated_tokens"] / max(1, stats["target_passes"] + 1)
   texts = None
   if model.tokenizer is not None:

@@ -22,15 +22,18 @@ from mdjax.models.transformer import Params, forward, lm_head
 from mdjax.topology import Topology
 
 
-@functools.partial(programs.jit, static_argnames=("config", "attention", "block_size", "regions"),
+@functools.partial(programs.jit, static_argnames=("config", "attention", "block_size", "regions",
+                                                  "aux_layers"),
                    donate_argnames=("cache",))
 def decode_step(params: Params, cache: KVCache, tokens: Int[Array, "B T"],
                 positions: Int[Array, "B T"], segments: Int[Array, "B T"], topology: Topology,
                 *, config: ModelConfig, logits_at: Int[Array, "B R"] | None = None,
                 attention: str = "block_sparse", block_size: int = ATTENTION_BLOCK,
-                slots: Int[Array, "B T"] | None = None, regions: CacheRegions | None = None
-                ) -> tuple[Float[Array, "B R V"], Float[Array, "B T D"], KVCache]:
-  """One model pass: returns `(logits, hidden, cache)`.
+                slots: Int[Array, "B T"] | None = None, regions: CacheRegions | None = None,
+                aux_layers: tuple[int, ...] = ()) -> tuple[Float[Array, "B R V"],
+                                                           Float[Array, "B T D"], KVCache]:
+  """One model pass: returns `(logits, hidden, cache)`, or `(logits, hidden, cache, aux)`
+  when `aux_layers` names A layers.
 
   logits: float32 `[B, T, V]`, or `[B, R, V]` for the token indices `logits_at`
     when given (prefill asks only for each row's last prompt token).
@@ -43,10 +46,12 @@ def decode_step(params: Params, cache: KVCache, tokens: Int[Array, "B T"],
   regions: when the cache holds one region per branch after the shared slots
     (`mdjax.cache.CacheRegions`) and no token sees another branch's region: each
     query then reads only its own region (`mdjax.models.attention.cascade_attention`).
+  aux_layers: (static) layer indices (from 0) whose outputs, the residual stream
+    `[B, T, A, D]`, come back as `aux` (EAGLE-3 reads three; see `forward`).
   """
-  hidden, cache = forward(params, cache, tokens, positions, segments, topology, config=config,
-                          attention=attention, block_size=block_size, slots=slots,
-                          regions=regions)
+  hidden, cache, *aux = forward(params, cache, tokens, positions, segments, topology,
+                                config=config, attention=attention, block_size=block_size,
+                                slots=slots, regions=regions, aux_layers=aux_layers)
   picked = hidden if logits_at is None else jnp.take_along_axis(
       hidden, logits_at[..., None], axis=1)  # [B, R, D]
-  return lm_head(params, picked, config=config), hidden, cache
+  return (lm_head(params, picked, config=config), hidden, cache, *aux)

@@ -10,6 +10,10 @@ import pathlib
 # optimised build (the shipped models' recorded accuracies have a tolerance).
 os.environ["XLA_FLAGS"] = " ".join(
     filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
+# `tree_budget="auto"` sizes trees by a measured pass cost: the suite pins a flat one
+# (a GPU-like device, where the widest trees pay), so no test pays a measurement and
+# every test's tree is the same on any machine; tests/test_tree_auto.py measures.
+os.environ["MDJAX_PASS_COST"] = "1,1,1,1,1,1,1"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -265,7 +265,7 @@ def test_heads_of_another_family_or_model_are_refused(targets):
   medusa = init_heads(HeadsConfig(family="medusa", base_model="random-llama-tiny",
                                   base_family="llama", hidden_size=c.hidden_size,
                                   vocab_size=c.vocab_size, num_heads=2), c)
-  with pytest.raises(mdjax.MdjaxError, match=r"strategy 'eagle' needs heads of family 'eagle', "
+  with pytest.raises(mdjax.MdjaxError, match=r"strategy 'eagle' needs heads of family 'eagle' or 'eagle3', "
                                              r"got medusa heads trained on 'random-llama-tiny'"):
     mdjax.generate(llama, [1, 2], strategy="eagle", heads=medusa)
   for_qwen3 = init_heads(eagle_heads_config(qwen3), qwen3.config)

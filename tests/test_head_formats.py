@@ -396,8 +396,8 @@ def test_unknown_base_model_needs_the_model_config(model, tmp_path):
 
 
 def test_bad_layouts_and_exports(model, tmp_path):
-  with pytest.raises(mdjax.MdjaxError, match="unknown heads layout 'eagle3'"):
-    import_heads(tmp_path, layout="eagle3")
+  with pytest.raises(mdjax.MdjaxError, match="unknown heads layout 'hydra'"):
+    import_heads(tmp_path, layout="hydra")
   (tmp_path / "empty").mkdir()
   with pytest.raises(mdjax.CheckpointError, match="no heads at"):
     mdjax.load_heads(tmp_path / "empty")
@@ -414,4 +414,4 @@ def test_bad_layouts_and_exports(model, tmp_path):
   with pytest.raises(mdjax.MdjaxError, match="holds medusa heads; these are eagle heads"):
     export_heads(eagle, tmp_path / "kept", "medusa")
   assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == before  # untouched
-  assert LAYOUTS == ("medusa", "vllm-medusa", "eagle")
+  assert LAYOUTS == ("medusa", "vllm-medusa", "eagle", "eagle3", "speculators")

@@ -171,18 +171,22 @@ def test_build_tree_rejects_bad_tables(table, budget, match):
 
 
 def test_the_tree_a_strategy_verifies(tiny):
-  """An explicit tree; else the heads' calibrated tree (cut to the heads used); else
-  one built from their accuracies, or from the default ones; blockwise: the chain."""
+  """An explicit tree; else (tree_budget 0) the heads' calibrated tree (cut to the heads
+  used); else one built from their accuracies, or from the default ones; blockwise: the
+  chain. (The default, "auto", chooses per request: tests/test_tree_auto.py.)"""
   target = ModelFn(config=tiny.config)
   accuracy = ((0.5, 0.75), (0.5, 0.75), (0.5, 0.75))
   calibrated = ((0,), (0, 0), (0, 0, 0), (0, 1))
   plain = medusa_config(tiny, 3)
   measured = medusa_config(tiny, 3, top_accuracy=accuracy)
   shipped = medusa_config(tiny, 3, top_accuracy=accuracy, tree=calibrated)
-  assert Medusa(model=target, heads=plain).nodes == build_tree(default_accuracy(3), 16)
+  assert Medusa(model=target, heads=plain, tree_budget=0).nodes == build_tree(
+      default_accuracy(3), 16)
   assert Medusa(model=target, heads=measured, tree_budget=4).nodes == build_tree(accuracy, 4)
-  assert Medusa(model=target, heads=shipped).nodes == ((0,), (0, 0), (0, 1), (0, 0, 0))
-  assert Medusa(model=target, heads=shipped, num_heads=2).nodes == ((0,), (0, 0), (0, 1))
+  assert Medusa(model=target, heads=shipped, tree_budget=0).nodes == ((0,), (0, 0), (0, 1),
+                                                                      (0, 0, 0))
+  assert Medusa(model=target, heads=shipped, tree_budget=0, num_heads=2).nodes == (
+      (0,), (0, 0), (0, 1))
   assert Medusa(model=target, heads=shipped, tree_budget=2).nodes == ((0,), (1,))
   assert Medusa(model=target, heads=shipped, tree=[[0], [0, 0]]).nodes == ((0,), (0, 0))
   assert Blockwise(model=target, heads=shipped, num_heads=2).nodes == ((0,), (0, 0))
@@ -229,7 +233,7 @@ def gemma3():
 
 
 @pytest.mark.parametrize("strategy,options", [
-    ("medusa", dict()),  # the default: 16 nodes from the default accuracies
+    ("medusa", dict()),  # the default, "auto" (a flat cost pinned in conftest: 63 nodes)
     ("medusa", dict(tree_budget=6, num_heads=2)),
     ("medusa", dict(tree=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))),
     ("blockwise", dict()),

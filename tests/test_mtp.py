@@ -231,7 +231,7 @@ def test_training_lowers_the_loss_and_the_export_calibrates_a_tree(tmp_path):
   accuracy = loaded.config.top_accuracy
   assert len(accuracy) == 2 and len(accuracy[0]) == 10
   assert "2 parallel MTP heads" in loaded.card and "strategy='medusa'" in loaded.card
-  medusa = Medusa(model=ModelFn(config=base.config), heads=loaded.config)
+  medusa = Medusa(model=ModelFn(config=base.config), heads=loaded.config, tree_budget=0)
   assert medusa.nodes == check_tree(build_tree(accuracy, DEFAULT_BUDGET), 2, 256)
 
 
@@ -251,9 +251,9 @@ def test_heads_for_another_model_are_named(tiny):
 
 
 def test_mtp_heads_are_not_eagle_heads_and_share_the_unembedding(tiny):
-  with pytest.raises(mdjax.MdjaxError, match=r"strategy 'eagle' needs heads of family 'eagle', "
+  with pytest.raises(mdjax.MdjaxError, match=r"strategy 'eagle' needs heads of family 'eagle' or 'eagle3', "
                                              r"got mtp heads"):
     mdjax.generate(tiny, [1, 2], strategy="eagle", heads=random_heads(tiny))
-  with pytest.raises(mdjax.MdjaxError, match=r"only medusa heads have their own unembedding; "
+  with pytest.raises(mdjax.MdjaxError, match=r"only medusa and eagle3 heads have their own unembedding; "
                                              r"mtp heads share the model's"):
     mtp_config(tiny, own_unembedding=True)

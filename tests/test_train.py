@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from mdjax.models.random_init import init_params
 from mdjax.models.transformer import causal_logits
 from mdjax.train import data, distill, export, lm
 from mdjax.train import tokenizer as tokenizer_lib
+from mdjax.train.config import LMTrainConfig, typed
 from tests.helpers import torch_logits
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -310,6 +312,7 @@ def test_trainer_overfits_one_batch():
   config = lm_tiny_test.get_config()
   config.optim.update(lr=1e-2, warmup_steps=10, weight_decay=0.0)
   config.steps = 300
+  config = typed(LMTrainConfig, config)
   cfg = lm.model_config(config, vocab_size=64)
   optimizer = lm.make_optimizer(config)
   params = init_params(cfg, 0)
@@ -437,7 +440,7 @@ def test_killed_run_resumes_to_bitwise_the_same_params(trained, tmp_path):
 
 def test_export_loads_in_mdjax_and_transformers_with_the_same_logits(trained, tmp_path):
   result, config = trained
-  summary = export.export(result, config, tmp_path / "export")
+  summary = export.export(result, result.config, tmp_path / "export")
   model = mdjax.load(tmp_path / "export")
   assert model.tokenizer is not None and model.tokenizer.eos_token_id == 1
   ids = result.data.heldout[0, :24]
@@ -460,7 +463,7 @@ def test_export_shards_on_request_and_loads_the_same_weights(trained, tmp_path):
   result, config = trained
   sharded = config.copy_and_resolve_references()
   sharded.export_shard_mb = 0.02  # the tiny model has 0.14 MiB of float32 weights
-  export.export(result, sharded, tmp_path / "sharded")
+  export.export(result, lm.validate(sharded), tmp_path / "sharded")
   assert len(list((tmp_path / "sharded").glob("model-*-of-*.safetensors"))) > 1
   assert not (tmp_path / "sharded" / "model.safetensors").exists()
   model = mdjax.load(tmp_path / "sharded")
@@ -469,6 +472,33 @@ def test_export_shards_on_request_and_loads_the_same_weights(trained, tmp_path):
   sharded.export_shard_mb = -1.0
   with pytest.raises(ValueError, match="export_shard_mb must be >= 0"):
     lm.validate(sharded)
+
+
+def test_the_config_is_typed_once_and_a_bad_field_is_named(tmp_path):
+  """`lm.validate` (where `lm.train` starts) turns the user's ConfigDict into a frozen
+  `LMTrainConfig`, its nested `optim` and `model` into dataclasses too; a field that is
+  unknown, missing or of another type is an error naming it."""
+  config = tiny_config(tmp_path / "run")
+  checked = lm.validate(config)
+  assert isinstance(checked, LMTrainConfig) and lm.validate(checked) is checked
+  assert (checked.optim.lr, checked.model.hidden_size, checked.seq_len) == (0.01, 32, 32)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    checked.steps = 3
+  config.update(stpes=3)
+  with pytest.raises(mdjax.MdjaxError, match=r"unknown field config\.stpes .*config\.steps\?"):
+    lm.validate(config)
+  breaks = {"config.optim.lr must be a number, got 'fast'": lambda c: c["optim"].update(lr="fast"),
+            "config.steps must be an integer, got 2.5": lambda c: c.update(steps=2.5),
+            "config.steps must be an integer, got True": lambda c: c.update(steps=True),
+            "LMTrainConfig lacks config.seq_len": lambda c: c.pop("seq_len")}
+  for message, broken in breaks.items():
+    plain = tiny_config(tmp_path / "run").to_dict()
+    broken(plain)
+    with pytest.raises(mdjax.MdjaxError, match=re.escape(message)):
+      lm.validate(plain)
+  plain = tiny_config(tmp_path / "run").to_dict()
+  plain["optim"]["lr"] = 1  # an integer is a number
+  assert lm.validate(plain).optim.lr == 1.0
 
 
 def test_validate_rejects_a_bad_row_mix_before_reading_data(tmp_path):
@@ -486,16 +516,18 @@ def test_a_copy_period_longer_than_half_a_row_fails_before_any_data_is_read(tmp_
 
 def test_init_from_continues_an_export_and_counts_all_tokens(trained, tmp_path):
   result, config = trained
-  export.export(result, config, tmp_path / "first")
+  export.export(result, result.config, tmp_path / "first")
   continued = tiny_config(tmp_path / "continued", init_from=str(tmp_path / "first"), steps=5)
-  before = lm.initial_params(continued, result.model_config)
+  before = lm.initial_params(lm.validate(continued), result.model_config)
   for got, want in zip(jax.tree.leaves(before), jax.tree.leaves(result.params)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  summary = export.export(lm.train(continued, progress=False), continued, tmp_path / "second")
+  run = lm.train(continued, progress=False)
+  summary = export.export(run, run.config, tmp_path / "second")
   assert summary["tokens_seen_total"] == summary["tokens_seen"] + config.steps * 4 * 32
   assert "Continued from the weights of" in (tmp_path / "second" / "README.md").read_text()
   wider = tiny_config(tmp_path / "wider", init_from=str(tmp_path / "first"))
   wider.model.hidden_size = 64
+  wider = lm.validate(wider)
   with pytest.raises(ValueError, match="hidden_size: 32 vs 64"):
     lm.initial_params(wider, lm.model_config(wider, result.model_config.vocab_size))
 
@@ -503,7 +535,7 @@ def test_init_from_continues_an_export_and_counts_all_tokens(trained, tmp_path):
 def test_export_only_before_any_checkpoint_exports_init_from_as_it_is(trained, tmp_path):
   """A soup (or grown model) gets a card, held-out numbers and a fingerprint with no step."""
   result, config = trained
-  export.export(result, config, tmp_path / "start")
+  export.export(result, result.config, tmp_path / "start")
   record = json.loads((tmp_path / "start" / "training_summary.json").read_text())
   record["averaged_from"] = [{"model": "a", "weight": 0.5}, {"model": "b", "weight": 0.5}]
   (tmp_path / "start" / "training_summary.json").write_text(json.dumps(record))
@@ -512,7 +544,7 @@ def test_export_only_before_any_checkpoint_exports_init_from_as_it_is(trained, t
   assert run.step == 0
   for got, want in zip(jax.tree.leaves(run.params), jax.tree.leaves(result.params)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  summary = export.export(run, as_is, tmp_path / "exported")
+  summary = export.export(run, run.config, tmp_path / "exported")
   assert summary["tokens_seen_total"] == record["tokens_seen_total"]
   assert summary["heldout_loss"] == pytest.approx(record["heldout_loss"], abs=1e-6)
   card = (tmp_path / "exported" / "README.md").read_text()
@@ -525,7 +557,7 @@ def test_export_only_before_any_checkpoint_exports_init_from_as_it_is(trained, t
 
 
 def test_init_from_a_tied_export_can_continue_untied_with_the_same_logits(tmp_path):
-  untied = tiny_config(tmp_path / "untied", init_from=str(tmp_path / "tied"))
+  untied = lm.validate(tiny_config(tmp_path / "untied", init_from=str(tmp_path / "tied")))
   untied_model = lm.model_config(untied, 300)
   tied_model = dataclasses.replace(untied_model, tie_word_embeddings=True)
   tied_params = init_params(tied_model, seed=3)
@@ -536,7 +568,7 @@ def test_init_from_a_tied_export_can_continue_untied_with_the_same_logits(tmp_pa
   np.testing.assert_array_equal(np.asarray(causal_logits(params, tokens, config=untied_model)),
                                 np.asarray(causal_logits(tied_params, tokens, config=tied_model)))
   hf.save_hf(Model(config=untied_model, params=params), tmp_path / "untied-export")
-  back = tiny_config(tmp_path / "back", init_from=str(tmp_path / "untied-export"))
+  back = lm.validate(tiny_config(tmp_path / "back", init_from=str(tmp_path / "untied-export")))
   with pytest.raises(ValueError, match="tie_word_embeddings: False vs True"):
     lm.initial_params(back, tied_model)  # an untied head cannot be folded back losslessly
 
@@ -572,7 +604,7 @@ def test_distilling_pulls_the_student_to_the_teacher_argmax(trained, tmp_path):
   agree = {w: distill.agreement(r.params, r.model_config, runs[1.0].teacher, result.data.heldout, 4)
            for w, r in runs.items()}
   assert agree[0.0] < 0.1 and agree[1.0] > 0.3, agree  # measured: 0.016 and 0.55
-  summary = export.export(runs[1.0], configs[1.0], tmp_path / "distilled")
+  summary = export.export(runs[1.0], runs[1.0].config, tmp_path / "distilled")
   assert summary["heldout_teacher_agreement"] == pytest.approx(agree[1.0], abs=1e-6)
   assert "Distilled from" in (tmp_path / "distilled" / "README.md").read_text()
   records = (tmp_path / "student-1.0" / "metrics.jsonl").read_text()
@@ -582,9 +614,9 @@ def test_distilling_pulls_the_student_to_the_teacher_argmax(trained, tmp_path):
 def test_a_teacher_with_another_vocabulary_is_refused(trained, tmp_path):
   result, config = trained
   teacher = sharp_random_teacher(result, tmp_path / "teacher")
-  student = lm.model_config(config, vocab_size=result.model_config.vocab_size + 1)
+  student = lm.model_config(result.config, vocab_size=result.model_config.vocab_size + 1)
   with pytest.raises(ValueError, match=r"vocabulary of \d+ tokens, the student \d+"):
-    distill.load_teacher(tiny_config(tmp_path, teacher=teacher), student)
+    distill.load_teacher(lm.validate(tiny_config(tmp_path, teacher=teacher)), student)
   with pytest.raises(ValueError, match="distill_weight must be in"):
-    distill.load_teacher(tiny_config(tmp_path, teacher=teacher, distill_weight=0.0),
+    distill.load_teacher(lm.validate(tiny_config(tmp_path, teacher=teacher, distill_weight=0.0)),
                          result.model_config)

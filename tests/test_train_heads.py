@@ -23,7 +23,9 @@ import pytest
 import mdjax
 from configs import heads_tiny_test
 from mdjax.train import data, head_prompts
-from mdjax.heads import load_heads, save_heads
+from mdjax.heads import get_family, load_heads, save_heads
+from mdjax.heads.eagle import eagle_targets
+from mdjax.heads.objective import ahead, parallel_targets
 from mdjax.train import heads as heads_lib
 from tests.helpers import cycle_model, write_cycle_prompts
 
@@ -59,7 +61,7 @@ def test_medusa_head_k_targets_token_t_plus_1_plus_k():
   tokens = 100 * np.arange(2)[:, None] + np.arange(width + k + 1)  # [B, n]: row b, token j
   ok = np.ones(tokens.shape, bool)
   ok[1, 6] = False
-  targets, mask = heads_lib.medusa_targets(jnp.asarray(tokens), jnp.asarray(ok), k)
+  targets, mask = parallel_targets(jnp.asarray(tokens), jnp.asarray(ok), k)
   assert targets.shape == mask.shape == (2, width, k)
   for b in range(2):
     for t in range(width):
@@ -67,7 +69,7 @@ def test_medusa_head_k_targets_token_t_plus_1_plus_k():
         assert targets[b, t, head - 1] == tokens[b, t + 1 + head]
         assert mask[b, t, head - 1] == ok[b, t + 1 + head]
   hidden = jnp.arange(width + k, dtype=jnp.float32)[None, :, None]  # [1, W + K, 1]: h[t] = t
-  teacher = heads_lib.ahead(hidden, k)[0, :, :, 0]  # head k's law of x[t+1+k] is lm_head(h[t+k])
+  teacher = ahead(hidden, k)[0, :, :, 0]  # head k's law of x[t+1+k] is lm_head(h[t+k])
   assert teacher.tolist() == [[t + head for head in range(1, k + 1)] for t in range(width)]
 
 
@@ -76,7 +78,7 @@ def test_eagle_reads_token_p_plus_1_and_feature_p_and_predicts_feature_and_token
   batch = {"tokens": jnp.arange(n)[None] + 100, "ok": jnp.ones((1, n), bool),
            "hidden": jnp.arange(n - 1, dtype=jnp.float32)[None, :, None],  # h[p] = p
            "greedy": jnp.arange(n - 1)[None] + 201}  # the model's guess of x[p + 1] = 101 + p
-  t = heads_lib.eagle_targets(batch)
+  t = eagle_targets(batch)
   p = np.arange(n - 2)
   assert t["tokens"][0].tolist() == (101 + p).tolist()
   assert t["features"][0, :, 0].tolist() == p.tolist()
@@ -88,7 +90,8 @@ def test_eagle_reads_token_p_plus_1_and_feature_p_and_predicts_feature_and_token
 def test_reader_windows_and_masks_follow_the_rows(trained):
   run, config = trained
   features = run.data.train
-  reader = heads_lib.Reader(features, "medusa", config.num_heads, mask_prompt=True)
+  reader = heads_lib.Reader(features, get_family("medusa").window(config.num_heads),
+                            mask_prompt=True)
   batch = reader.batch(config.seed, 0, 64)
   again = reader.batch(config.seed, 0, 64)
   assert all(np.array_equal(batch[key], again[key]) for key in batch)  # a function of the step
@@ -129,8 +132,9 @@ def test_prompt_files_read_lines_or_json_values(tmp_path):
 
 def test_trained_medusa_heads_guess_the_cycle_and_export_with_their_card(trained, base, tmp_path):
   run, config = trained
-  objective = heads_lib.Objective.from_config(config, base.config)
-  reader = heads_lib.Reader(run.data.heldout, "medusa", config.num_heads, mask_prompt=True)
+  objective = heads_lib.objective_of(heads_lib.validate(config), base.config)
+  reader = heads_lib.Reader(run.data.heldout, get_family("medusa").window(config.num_heads),
+                            mask_prompt=True)
   untrained = mdjax.heads.init_heads(run.heads.config, base.config, seed=0).params
   before = heads_lib.evaluate(untrained, reader, objective, heads_lib.unembedding(base), 32)
   assert max(before["heldout_top1"]) < 0.1  # each head repeats the model's next-token guess
@@ -202,6 +206,28 @@ def test_eagle_head_learns_the_cycle_with_an_unrolled_step(base, prompts_file, t
   assert mdjax.load_heads(run.export_dir).config.family == "eagle"
 
 
+def test_eagle3_learns_the_cycle_over_a_draft_vocabulary_and_decodes_it(base, prompts_file,
+                                                                         tmp_path):
+  """The training-time test on the synthetic base (the answer is determined): each of
+  3 unrolled steps learns its shifted target (token p + 2 + j), through the target's
+  three layers and a draft vocabulary of the cycle's 16 ids plus 4; the exported heads
+  then draft whole chains that the base accepts, its greedy output unchanged."""
+  config = tiny_config(tmp_path, prompts_file, family="eagle3", num_heads=1, unroll=3,
+                       draft_vocab_size=20, loss="ce", batch_size=4, steps=40, eval_every=40)
+  run = heads_lib.train(config, model=base, progress=False)
+  assert len(run.heldout["heldout_top1"]) == 3 and min(run.heldout["heldout_top1"]) > 0.9
+  heads = mdjax.load_heads(run.export_dir)
+  assert heads.config.family == "eagle3" and heads.config.draft_vocab_size == 20
+  assert set(range(3, 19)) <= set(np.asarray(heads.params["draft_ids"]).tolist())
+  assert "Draft vocabulary" in heads.card and "100.0%" in heads.card
+  prompt = list(range(5, 9))
+  greedy = mdjax.generate(base, [prompt], max_new_tokens=24, eos_token_id=[])
+  out = mdjax.generate(base, [prompt], strategy="eagle", heads=heads, tree_depth=3,
+                       tree_top_k=1, tree_budget=3, max_new_tokens=24, eos_token_id=[])
+  assert out.sequences == greedy.sequences
+  assert out.stats["accepted"] / out.stats["target_passes"] > 2.5
+
+
 def test_a_text_file_is_the_data_as_it_is(tmp_path):
   model = mdjax.load("code-tiny")
   text_file = data.stdlib_dir() / "json" / "decoder.py"
@@ -220,15 +246,17 @@ def test_a_text_file_is_the_data_as_it_is(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"family": "hydra"}, "unknown heads family 'hydra'"),
-    ({"family": "mtp", "unroll": 2}, "config.unroll is eagle's; mtp needs 1, got 2"),
+    ({"family": "mtp", "unroll": 2}, "config.unroll is eagle and eagle3's; mtp needs 1, got 2"),
     ({"loss": "mse"}, "config.loss must be one of ce, kl, got 'mse'"),
-    ({"unroll": 2}, "config.unroll is eagle's"),
+    ({"unroll": 2}, "config.unroll is eagle and eagle3's"),
     ({"family": "eagle", "num_heads": 3}, "config.num_heads must be 1"),
     ({"feature_dtype": "bfloat16"}, "config.feature_dtype must be one of"),
     ({"heldout_fraction": 1.0}, "config.heldout_fraction must be in (0, 1), got 1.0"),
     ({"steps": 0}, "config.steps must be an integer >= 1, got 0"),
     ({"text_file": "notes.txt"}, "config.prompts and config.text_file are exclusive"),
     ({"run_dir": ""}, "config.run_dir is required"),
+    ({"unrol": 2}, "unknown field config.unrol in a HeadsTrainConfig (did you mean "
+                   "config.unroll?)"),
 ])
 def test_bad_config_values_are_named(overrides, message, base, prompts_file, tmp_path):
   with pytest.raises(mdjax.MdjaxError, match=re.escape(message)):
@@ -262,7 +290,7 @@ def test_cli_prints_one_error_line_for_bad_input(tmp_path):
                           timeout=300)
   assert result.returncode == 1
   assert result.stderr.strip().splitlines()[-1] == (
-      "error: unknown heads family 'hydra'; supported: medusa, eagle, mtp")
+      "error: unknown heads family 'hydra'; supported: medusa, eagle, mtp, eagle3")
 
 
 def test_export_dtype_halves_the_file_and_loads_back_as_float32(tmp_path):

@@ -2,7 +2,7 @@ r"""Parallel multi-token-prediction heads (Gloeckle et al. 2024): K small decode
 by side on the model's final-norm hidden states, sharing its unembedding.
 
 Head k (k = 1..K) is `num_layers` decoder layers of the model's own layer type
-(`eagle_config`: full attention, RoPE at the tokens' positions) over the sequence of
+(`decoder_config`: full attention, RoPE at the tokens' positions) over the sequence of
 hidden states h_0 .. h_t, then its final RMSNorm, then the model's `lm_head`; at t it
 guesses token t + 1 + k (the model's own head guesses t + 1)::
 
@@ -28,10 +28,15 @@ Params (leaves of every head stacked on a leading axis of K)::
 
     layers       a list of L decoder-layer dicts (`transformer`'s layout), each leaf [K, ...]
     final_norm   [K, D]
+
+As a family (`MtpFamily`): decoded by `medusa` and `blockwise` (the same guesses as
+Medusa's heads), keeping the cache above, checked param by param against the model
+(`check_mtp_params`), trained on whole rows (`mdjax.heads.objective.parallel_loss`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -41,8 +46,10 @@ from jaxtyping import Array, Float, Int
 from mdjax import programs
 from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
-from mdjax.heads.base import HeadsConfig
-from mdjax.heads.eagle import eagle_config
+from mdjax.heads import family
+from mdjax.heads.base import Heads, HeadsConfig
+from mdjax.heads.decoder import decoder_config
+from mdjax.heads.objective import Objective, parallel_loss
 from mdjax.models.config import ModelConfig
 from mdjax.models.random_init import init_params
 from mdjax.models.transformer import Params, forward, forward_causal, lm_head
@@ -51,7 +58,7 @@ from mdjax.topology import Topology
 
 def mtp_cache_config(model_config: ModelConfig, num_heads: int, num_layers: int) -> ModelConfig:
   """The config the heads' KV cache is created from: K x L layers of the model's type."""
-  return eagle_config(model_config, num_heads * num_layers)
+  return decoder_config(model_config, num_heads * num_layers)
 
 
 def init_mtp(config: HeadsConfig, model_config: ModelConfig, seed: int = 0, dtype=jnp.float32,
@@ -59,7 +66,7 @@ def init_mtp(config: HeadsConfig, model_config: ModelConfig, seed: int = 0, dtyp
   """Random decoder layers (`init_params`' scheme, a different draw per head) and
   identity final norms, stacked per head (the module docstring's layout)."""
   k, depth = config.num_heads, config.num_layers
-  decoder = init_params(eagle_config(model_config, k * depth), seed, dtype, std)
+  decoder = init_params(decoder_config(model_config, k * depth), seed, dtype, std)
   layers = decoder["layers"]  # K x L layer dicts, head-major
   return {"layers": [jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers[i::depth])
                      for i in range(depth)],
@@ -93,7 +100,7 @@ def mtp_features(heads_params: Params, cache: KVCache, hidden: Float[Array, "B T
   the T fed hidden states, like `decode_step` feeds tokens: each head's final-norm
   output (what the unembedding reads) and the cache with the T added."""
   num_heads = heads_params["final_norm"].shape[0]
-  config = eagle_config(model_config, len(heads_params["layers"]))
+  config = decoder_config(model_config, len(heads_params["layers"]))
   split = lambda x: x.reshape(num_heads, -1, *x.shape[1:])  # [K L, ...] -> [K, L, ...]
 
   def head(params, k, v):  # one head over its own layers of the cache
@@ -122,6 +129,35 @@ def mtp_causal(heads_params: Params, hidden: Float[Array, "B T D"], *,
                model_config: ModelConfig) -> Float[Array, "B T K D"]:
   """Training forward without a cache: every head's final-norm output at every
   position of whole sequences of hidden states (`hidden[:, t]`: the model's at t)."""
-  config = eagle_config(model_config, len(heads_params["layers"]))
+  config = decoder_config(model_config, len(heads_params["layers"]))
   head = lambda params: forward_causal(params, None, config=config, inputs=hidden)
   return jax.vmap(head, out_axes=2)(heads_params)  # each head: a model's params dict
+
+
+@family.register
+@dataclasses.dataclass(frozen=True)
+class MtpFamily(family.HeadFamily):
+  """Parallel MTP heads (the module docstring)."""
+
+  name = "mtp"
+  strategies = ("medusa", "blockwise")
+
+  def init(self, config: HeadsConfig, model_config: ModelConfig, seed: int, dtype) -> Params:
+    return init_mtp(config, model_config, seed, dtype)
+
+  def check(self, heads: Heads, model_config: ModelConfig) -> None:
+    heads.config.check_model(model_config)
+    check_mtp_params(heads.config, heads.params, model_config)
+
+  def cache_config(self, config: HeadsConfig, model_config: ModelConfig) -> ModelConfig:
+    return mtp_cache_config(model_config, config.num_heads, config.num_layers)
+
+  def describe(self, config: HeadsConfig) -> str:
+    return f"{config.num_heads} parallel MTP heads of {config.num_layers} decoder layer(s)"
+
+  def loss(self, objective: Objective, params: Params, batch: dict, base: Params,
+           ks: tuple[int, ...]):
+    def logits(params, hidden, base):  # [B, T, K, V]
+      features = mtp_causal(params, hidden, model_config=objective.model_config)  # [B, T, K, D]
+      return lm_head(base, features, config=objective.model_config)
+    return parallel_loss(logits, objective, params, batch, base, ks)

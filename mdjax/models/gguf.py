@@ -13,7 +13,7 @@ ggml's types, most of them quantized blocks. Loading one:
    converter (which, unlike `AutoTokenizer.from_pretrained(gguf_file=...)`, needs no
    torch), with its bos/eos tokens and chat template;
 4. all of it is saved as a Hugging Face directory (`hf.save_hf`, written atomically)
-   under `cache_dir()/gguf/`, named by the file's size and sha256, and loaded from
+   under `files.cache_dir()/gguf/`, named by the file's size and sha256, and loaded from
    there by `hf.load_hf_dir`: a second load of the same bytes is a safetensors read;
    changed bytes are a new name, so a stale copy is never served. The conversion runs
    under a file lock (`files.exclusive_lock`): processes that race to load one file
@@ -88,11 +88,6 @@ ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE scaling, stored as per-frequency
 CACHE_VERSION = 1  # bump when a conversion changes, so older cached copies are not reused
 
 
-def cache_dir() -> pathlib.Path:
-  """Where converted copies live: `$MDJAX_CACHE`, else `~/.cache/mdjax`."""
-  return pathlib.Path(os.environ.get("MDJAX_CACHE") or pathlib.Path.home() / ".cache" / "mdjax")
-
-
 # --------------------------------------------------------------------------- locating
 
 
@@ -107,7 +102,7 @@ def find_gguf(path_or_name: str | os.PathLike, gguf_file: str | None = None) -> 
   """
   text = str(path_or_name)
   if text in GGUF_MODELS:
-    return GGUF_MODELS[text].locate(cache_dir() / "packages")
+    return GGUF_MODELS[text].locate(files.cache_dir() / "packages")
   path = pathlib.Path(path_or_name)
   if gguf_file is not None:
     if path.is_dir():
@@ -161,9 +156,9 @@ def load_gguf(file: str | os.PathLike, dtype="float32", *, name: str | None = No
     raise CheckpointError(f"no such GGUF file: {str(file)!r}")
   with open(file, "rb") as f:
     digest = hashlib.file_digest(f, "sha256").hexdigest()
-  converted = (cache_dir() / "gguf"
+  converted = (files.cache_dir() / "gguf"
                / f"{file.stem}-{file.stat().st_size}-{digest[:16]}-v{CACHE_VERSION}")
-  with files.exclusive_lock(cache_dir() / "locks" / f"{converted.name}.lock"):
+  with files.exclusive_lock(files.cache_dir() / "locks" / f"{converted.name}.lock"):
     if not (converted / "config.json").is_file():  # else another process converted it
       hf.save_hf(convert(file), converted)
   return hf.load_hf_dir(converted, dtype=np_dtype, name=name if name is not None else file.name,

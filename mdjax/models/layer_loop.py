@@ -5,7 +5,7 @@ walks them (`mdjax.models.transformer`).
   program holds every layer: compile time grows with depth.
 * "scan": one dict whose every leaf is the per-layer leaves stacked on a leading
   axis, walked by `jax.lax.scan`. The program holds one group of layers (see
-  `transformer._layers`), so compile time stays nearly flat in depth::
+  `transformer.decoder_layers`), so compile time stays nearly flat in depth::
 
       unrolled   [{"wqkv": [D, Q], "wo": [N H, D], ...}, ... L of them]
       scan       {"wqkv": [L, D, Q], "wo": [L, N H, D], ...}

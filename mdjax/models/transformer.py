@@ -57,10 +57,11 @@ from jaxtyping import Array, Float, Int
 
 from mdjax import cache as cache_ops
 from mdjax.cache import CacheRegions, KVCache
+from mdjax.errors import MdjaxError
 from mdjax.models.attention import (ATTENTION_BLOCK, LayerAttention, Queries, attention_fn,
                                     masked_attention)
 from mdjax.models.config import ModelConfig
-from mdjax.models.layer_loop import layer_loop_of
+from mdjax.models.layer_loop import count_layers, layer_loop_of
 from mdjax.models.numerics import full_float32
 from mdjax.sharding import constrain, constrain_cache
 from mdjax.topology import Topology, visibility_limits, visible
@@ -133,8 +134,9 @@ def _mlp(config: ModelConfig, lp: Params, h: Float[Array, "B T D"]) -> Float[Arr
   return constrain(out + lp["b_down"] if config.mlp_bias else out, "batch", None, None)
 
 
-def _layers(config: ModelConfig, params: Params, x: Float[Array, "B T D"],
-            positions: Int[Array, "B T"], attend: Callable, carry):
+def decoder_layers(config: ModelConfig, params: Params, x: Float[Array, "B T D"],
+                   positions: Int[Array, "B T"], attend: Callable, carry,
+                   aux_layers: tuple[int, ...] = ()):
   """The decoder layers, shared by the cached and the training forward, in either
   layout of `params["layers"]` (`mdjax.models.layer_loop`).
 
@@ -142,14 +144,47 @@ def _layers(config: ModelConfig, params: Params, x: Float[Array, "B T D"],
   `[B, T, N, H]` and k, v `[B, T, K, H]` (RoPE applied) to the attention output
   `[B, T, N, H]`, threading `carry` (the cache) from layer to layer; `layer` is the
   layer's index (an int, or a traced int32 scalar under scan), `spec` its static
-  `LayerAttention`. Returns the final-norm hidden states `[B, T, D]` and the last carry.
+  `LayerAttention`. Returns the final-norm hidden states `[B, T, D]`, the residual
+  stream after each layer of `aux_layers` `[B, T, A, D]` (None when A = 0) and the
+  last carry.
   """
+  aux = _aux_buffer(count_layers(params), x, aux_layers)
   if layer_loop_of(params) == "scan":
-    x, carry = _scanned_layers(config, params["layers"], x, positions, attend, carry)
+    x, carry, aux = _scanned_layers(config, params["layers"], x, positions, attend, carry,
+                                    aux_layers, aux)
   else:
     for index, lp in enumerate(params["layers"]):
       x, carry = _layer(config, lp, x, positions, attend, carry, index, index)
-  return (_norm(config, x, params["final_norm"]) if "final_norm" in params else x), carry
+      aux = _keep(aux, aux_layers, index, x)
+  hidden = _norm(config, x, params["final_norm"]) if "final_norm" in params else x
+  return hidden, (None if aux is None else jnp.moveaxis(aux, 0, 2)), carry
+
+
+def _aux_buffer(num_layers: int, x: Float[Array, "B T D"],
+                aux_layers: tuple[int, ...]) -> Float[Array, "A B T D"] | None:
+  """Zeros for the residual stream after each of `aux_layers` (checked), or None."""
+  if not aux_layers:
+    return None
+  bad = [layer for layer in aux_layers
+         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers]
+  if bad:
+    raise MdjaxError(f"aux_layers {aux_layers!r}: {bad[0]!r} is not a layer of this "
+                     f"{num_layers}-layer model (0 to {num_layers - 1})")
+  return jnp.zeros((len(aux_layers), *x.shape), x.dtype)
+
+
+def _keep(aux: Float[Array, "A B T D"] | None, aux_layers: tuple[int, ...], index,
+          x: Float[Array, "B T D"]) -> Float[Array, "A B T D"] | None:
+  """`aux` with `x` (the output of layer `index`) at every k where `aux_layers[k] == index`:
+  chosen at trace time when `index` is an int, by a select when it is traced (scan)."""
+  if aux is None:
+    return None
+  if isinstance(index, int):
+    for k in (k for k, layer in enumerate(aux_layers) if layer == index):
+      aux = aux.at[k].set(x)
+    return aux
+  hit = jnp.asarray(aux_layers, jnp.int32) == index  # [A]
+  return jnp.where(hit[:, None, None, None], x[None], aux)
 
 
 def _layer(config: ModelConfig, lp: Params, x: Float[Array, "B T D"],
@@ -183,7 +218,8 @@ def layer_period(config: ModelConfig, num_layers: int) -> int:
 
 
 def _scanned_layers(config: ModelConfig, layers: Params, x: Float[Array, "B T D"],
-                    positions: Int[Array, "B T"], attend: Callable, carry):
+                    positions: Int[Array, "B T"], attend: Callable, carry,
+                    aux_layers: tuple[int, ...], aux: Float[Array, "A B T D"] | None):
   """Stacked layers `[L, ...]`: one `lax.scan` over the L // P whole groups of P
   consecutive layers (P = `layer_period`), each group's P layers unrolled with their
   static settings; then the L % P layers after the last whole group, unrolled. The
@@ -198,26 +234,27 @@ def _scanned_layers(config: ModelConfig, layers: Params, x: Float[Array, "B T D"
   that view is a slice, which XLA copies whole, every step (5x slower forward in a
   micro-benchmark); the price is a backward pass that accumulates the weights'
   gradients in the loop (1.6x slower backward there, same result). The cache in
-  `carry` is threaded through the loop and written in place.
+  `carry` is threaded through the loop and written in place, and so is `aux`, the
+  residual stream after each of `aux_layers` (`_keep`).
   """
   count = jax.tree.leaves(layers)[0].shape[0]
   period = layer_period(config, count)
   groups = count // period
 
-  def run(x, carry, index, like):
+  def run(x, carry, aux, index, like):
     lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, index, keepdims=False), layers)
-    return _layer(config, lp, x, positions, attend, carry, index, like)
+    x, carry = _layer(config, lp, x, positions, attend, carry, index, like)
+    return x, carry, _keep(aux, aux_layers, index, x)
 
   def group(state, g):
-    x, carry = state
     for j in range(period):
-      x, carry = run(x, carry, g * period + j, j)
-    return (x, carry), None
+      state = run(*state, g * period + j, j)
+    return state, None
 
-  (x, carry), _ = jax.lax.scan(group, (x, carry), jnp.arange(groups, dtype=jnp.int32))
+  state, _ = jax.lax.scan(group, (x, carry, aux), jnp.arange(groups, dtype=jnp.int32))
   for index in range(groups * period, count):
-    x, carry = run(x, carry, index, index)
-  return x, carry
+    state = run(*state, index, index)
+  return state
 
 
 def embed(config: ModelConfig, params: Params, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
@@ -240,9 +277,12 @@ def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"] | None,
             positions: Int[Array, "B T"], segments: Int[Array, "B T"], topology: Topology, *,
             config: ModelConfig, attention: str = "block_sparse", block_size: int = ATTENTION_BLOCK,
             slots: Int[Array, "B T"] | None = None, regions: CacheRegions | None = None,
-            inputs: Float[Array, "B T D"] | None = None):
+            inputs: Float[Array, "B T D"] | None = None, aux_layers: tuple[int, ...] = ()):
   """Runs the T tokens through every layer over `cache`; returns the final hidden
-  states `[B, T, D]` (after the final norm) and the cache with the T tokens added.
+  states `[B, T, D]` (after the final norm) and the cache with the T tokens added,
+  then, only when `aux_layers` (static) names A layers, the residual stream after
+  each of them `[B, T, A, D]` (what EAGLE-3 heads fuse):
+  `(hidden, cache)` or `(hidden, cache, aux)`.
   `inputs`, when given, replaces the tokens' embeddings (an EAGLE head feeds its
   fused token-and-feature vectors; MTP heads, the model's hidden states with no
   tokens at all: `tokens` None).
@@ -262,15 +302,20 @@ def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"] | None,
     return attention_impl(Queries(q=q, **meta), cache, index, spec), cache
 
   x = embed(config, params, tokens) if inputs is None else inputs
-  hidden, cache = _layers(config, params, x, positions, attend, constrain_cache(cache))
-  return hidden, constrain_cache(cache)
+  hidden, aux, cache = decoder_layers(config, params, x, positions, attend,
+                                      constrain_cache(cache), aux_layers)
+  cache = constrain_cache(cache)
+  return (hidden, cache) if aux is None else (hidden, cache, aux)
 
 
 @full_float32
 def forward_causal(params: Params, tokens: Int[Array, "B T"] | None, *, config: ModelConfig,
-                   inputs: Float[Array, "B T D"] | None = None) -> Float[Array, "B T D"]:
+                   inputs: Float[Array, "B T D"] | None = None, aux_layers: tuple[int, ...] = ()
+                   ) -> Float[Array, "B T D"] | tuple[Float[Array, "B T D"],
+                                                      Float[Array, "B T A D"]]:
   """Plain causal forward of whole sequences without a cache (training, evaluation);
-  `tokens` and `inputs` as in `forward`.
+  `tokens`, `inputs` and `aux_layers` as in `forward`: the final hidden states, or
+  `(hidden, aux)` when `aux_layers` names layers.
 
   Every row is one segment at positions 0..T-1; the same layers and visibility rule
   as `forward` over an empty cache, minus the cache writes, so it is differentiable.
@@ -287,8 +332,8 @@ def forward_causal(params: Params, tokens: Int[Array, "B T"] | None, *, config: 
                             softcap=spec.softcap), carry
 
   x = embed(config, params, tokens) if inputs is None else inputs
-  hidden, _ = _layers(config, params, x, positions, attend, None)
-  return hidden
+  hidden, aux, _ = decoder_layers(config, params, x, positions, attend, None, aux_layers)
+  return hidden if aux is None else (hidden, aux)
 
 
 def causal_logits(params: Params, tokens: Int[Array, "B T"], *,

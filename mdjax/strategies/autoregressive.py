@@ -72,7 +72,7 @@ class Autoregressive(Sampled):
   layout: ClassVar = layouts.Plain()
   regions: CacheRegions | None = internal()  # one cache region per branch, or appending
 
-  def for_request(self, prompt: Prompt, capacity: int) -> "Autoregressive":
+  def for_request(self, params, prompt: Prompt, capacity: int) -> "Autoregressive":
     """With several branches, one cache region each: the shared tokens padded to a
     bucket, then per branch its own prompt tokens (rounded to 16) + `capacity`."""
     if prompt.branch_segment.shape[1] < 2:
@@ -148,6 +148,20 @@ class Autoregressive(Sampled):
 
   def result(self, state: AutoregressiveState):
     return state.buffer, {"target_passes": state.passes, "columns_fed": state.columns_fed}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OnTarget(Autoregressive):
+  """Plain decoding for a strategy whose params are `{"target": ..., ...}` (a draft's or
+  heads' beside the target's): what `tree_budget="auto"` runs when no tree pays
+  (`mdjax.strategies.tree_choice`). Not registered: no one asks for it by name."""
+
+  def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
+           capacity: int) -> AutoregressiveState:
+    return super().init(params["target"], prompt, cache, limits, capacity)
+
+  def step(self, params, state: AutoregressiveState) -> AutoregressiveState:
+    return super().step(params["target"], state)
 
 
 @register

@@ -56,17 +56,24 @@ class ModelFn:
 
   config: ModelConfig
   attention: str = "block_sparse"
+  # what `hidden` is: (), the final-norm states [B, T, D]; else the residual stream after
+  # these layers, concatenated [B, T, A D] (EAGLE-3 heads read three layers)
+  hidden_layers: tuple[int, ...] = ()
 
   def __post_init__(self):
     check_attention(self.attention)
 
   def __call__(self, params, cache: KVCache, tokens: Int[Array, "B T"],
                positions: Int[Array, "B T"], segments: Int[Array, "B T"], topology: Topology,
-               **kwargs) -> tuple[Float[Array, "B R V"], Float[Array, "B T D"], KVCache]:
+               **kwargs) -> tuple[Float[Array, "B R V"], Float[Array, "B T F"], KVCache]:
     """`(logits, hidden, cache)` of one pass; `kwargs`: `logits_at`, `slots`, `regions`
     (see `mdjax.step.decode_step`)."""
-    return decode_step(params, cache, tokens, positions, segments, topology, config=self.config,
-                       attention=self.attention, **kwargs)
+    run = lambda **aux: decode_step(params, cache, tokens, positions, segments, topology,
+                                    config=self.config, attention=self.attention, **kwargs, **aux)
+    if not self.hidden_layers:
+      return run()
+    logits, _, cache, aux = run(aux_layers=self.hidden_layers)  # aux [B, T, A, D]
+    return logits, aux.reshape(*aux.shape[:2], -1), cache
 
   @property
   def vocab_size(self) -> int:
@@ -88,6 +95,10 @@ class Strategy:
   streams: ClassVar[bool] = True  # `mdjax.stream` can show its tokens as they come
 
   model: ModelFn = internal()
+  # host-side facts about choices `for_request` made (e.g. the tree `auto` chose), merged
+  # into `out.stats`; not part of the compiled program's key
+  request_stats: dict | None = dataclasses.field(default=None, compare=False,
+                                                 metadata={"option": False})
 
   @classmethod
   def options(cls) -> tuple[str, ...]:
@@ -112,8 +123,9 @@ class Strategy:
     model's params, layers cut from the target): the strategy and its params."""
     return cls(model=target, **options), model.params
 
-  def for_request(self, prompt: "Prompt", capacity: int) -> "Strategy":
-    """This strategy specialised to one laid-out request (e.g. its cache regions)."""
+  def for_request(self, params, prompt: "Prompt", capacity: int) -> "Strategy":
+    """This strategy specialised to one laid-out request (e.g. its cache regions, or
+    the tree `tree_budget="auto"` chose for its batch, timing passes on `params`)."""
     return self
 
   def cache_slots(self, prompt_len: int, capacity: int, branches: int = 1) -> int:

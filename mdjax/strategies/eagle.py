@@ -2,9 +2,11 @@ r"""`eagle`: an EAGLE head (`mdjax.heads.eagle`) drafts a token tree (EAGLE-2), 
 target verifies every node in one pass, the accepted path is compacted.
 
 Options: `heads` (an `mdjax.Heads` of family "eagle", required), `tree_depth` D,
-`tree_top_k` K, `tree_budget` M, the sampling options and `return_metadata`: the
-trees of `speculative_tree` (its `TreeDrafter` drafts, keeps, verifies and commits
-them), drafted by the head instead of a draft model.
+`tree_top_k` K, `tree_budget` M (default "auto": chosen with D and K by what a pass
+costs here and the heads' `top_accuracy` per step, `mdjax.strategies.tree_choice`),
+the sampling options and `return_metadata`: the trees of `speculative_tree` (its
+`TreeDrafter` drafts, keeps, verifies and commits them), drafted by the head instead
+of a draft model.
 
 The head reads, with each token x_t, a feature f_t: the target's final-norm hidden
 state at t - 1 (h_{t-1}) for committed text, its own predicted feature (f̂) for the
@@ -49,8 +51,9 @@ from jaxtyping import Array, Float, Int
 from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
-from mdjax.heads import Heads, HeadsConfig, eagle_config, eagle_step
-from mdjax.strategies import drafting, layouts
+from mdjax.heads import Heads, HeadsConfig, get_family
+from mdjax.heads.family import decoded_by
+from mdjax.strategies import drafting, layouts, tree_choice
 from mdjax.strategies.base import Limits, ModelFn, Prompt, prefill_with_hidden
 from mdjax.strategies.drafting import DraftState
 from mdjax.strategies.registry import register
@@ -64,7 +67,7 @@ class HeadState:
   """The EAGLE head's own cache and the committed tokens it has not been fed
   (D = tree_depth, H = the hidden size).
 
-    cache          KVCache [B]         the head's (`eagle_config` layers): the prompt,
+    cache          KVCache [B]         the head's (its family's `cache_config`): the prompt,
                                        then every emitted token before the pending ones
     pending        int32[B, 1 + D]     its first `pending_count` tokens are those not
                                        fed yet: the accepted nodes, then the last
@@ -99,10 +102,11 @@ class Eagle(TreeDrafter):
   heads: HeadsConfig | None = None  # `construct` turns the user's `mdjax.Heads` into its config
 
   def __post_init__(self):
-    if not isinstance(self.heads, HeadsConfig) or self.heads.family != "eagle":
+    if not isinstance(self.heads, HeadsConfig) or self.heads.family not in decoded_by(self.name):
       got = (f"{self.heads.family} heads trained on {self.heads.base_model!r}"
              if isinstance(self.heads, HeadsConfig) else repr(self.heads))
-      raise MdjaxError(f"strategy 'eagle' needs heads of family 'eagle', got {got}")
+      wanted = " or ".join(map(repr, decoded_by(self.name)))
+      raise MdjaxError(f"strategy 'eagle' needs heads of family {wanted}, got {got}")
     self.heads.check_model(self.model.config)
     super().__post_init__()
 
@@ -116,16 +120,31 @@ class Eagle(TreeDrafter):
       got = "None" if heads is None else f"a {type(heads).__name__}"
       raise MdjaxError("strategy 'eagle' needs heads=<an mdjax.Heads of family 'eagle'> "
                        f"(mdjax.load_heads), got {got}")
-    return (cls(model=target, heads=heads.config, **options),
-            {"target": model.params, "heads": heads.params})
+    reads = get_family(heads.config.family).target_layers(heads.config)  # (): the final norm
+    return (cls(model=dataclasses.replace(target, hidden_layers=reads), heads=heads.config,
+                **options), {"target": model.params, "heads": heads.params})
+
+  @property
+  def acceptance(self) -> tuple[tuple[float, ...], ...]:
+    """The heads' held-out top-k accuracy per unrolled step, else the default."""
+    return self.heads.top_accuracy or tree_choice.DRAFT_ACCURACY
+
+  def draft_fraction(self, params) -> float:
+    return tree_choice.draft_fraction(params["heads"], params["target"],
+                                      reads_unembedding=not self.heads.own_unembedding)
+
+  def catch_up_width(self, depth: int) -> int:
+    return 1 + depth  # `HeadState.pending`
 
   def _head_pass(self, params) -> DraftPass:
     """The head as a draft pass: features in, (logits, predicted features, cache) out."""
+    kind = get_family(self.heads.family)
+
     def head_pass(cache, tokens, positions, segments, topology, features, logits_at=None):
-      return eagle_step(params["heads"], params["target"], cache, tokens, features, positions,
-                        segments, topology, model_config=self.model.config,
-                        num_layers=self.heads.num_layers, attention=self.model.attention,
-                        logits_at=logits_at)
+      return kind.draft_step(self.heads, params["heads"], params["target"], cache, tokens,
+                             features, positions, segments, topology,
+                             model_config=self.model.config, attention=self.model.attention,
+                             logits_at=logits_at)
     return head_pass
 
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
@@ -139,8 +158,8 @@ class Eagle(TreeDrafter):
                            self.sampling, positions=self.tree_depth,
                            return_metadata=self.return_metadata,
                            prefilled=(logits, target_cache, topology))
-    head_cache = KVCache.create(eagle_config(self.model.config, self.heads.num_layers), batch,
-                                target_cache.num_slots, target_cache.k.dtype)
+    head_config = get_family(self.heads.family).cache_config(self.heads, self.model.config)
+    head_cache = KVCache.create(head_config, batch, target_cache.num_slots, target_cache.k.dtype)
     shifted = jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))  # [B, P, H] h_{t-1}, 0 at t = 0
     _, _, head_cache = self._head_pass(params)(
         head_cache, prompt.tokens, prompt.positions, prompt.segments, topology, shifted,
@@ -171,6 +190,7 @@ class Eagle(TreeDrafter):
     front_features = jnp.broadcast_to(feature[:, None], (feature.shape[0], self.tree_top_k,
                                                           feature.shape[1]))  # [B, K, H]
     state, verified, drafted, _ = self._tree_step(params["target"], state, head_pass, logits,
-                                                  head_cache, front_features)
+                                                  head_cache, front_features,
+                                                  draft_ids=params["heads"].get("draft_ids"))
     return dataclasses.replace(state, draft=HeadState.after(
         verified, cache_ops.rollback(drafted.cache, head_cache.length)))

@@ -72,8 +72,11 @@ verifies the longest prefix of that block the target agrees with.
 
 Options: `heads` (an `mdjax.Heads` of family medusa or mtp, required), `questions`
 (optional, as `multi_question`), `num_heads` (use the first n; 0: all),
-`tree_budget` (nodes; 0: the heads' calibrated tree when they carry one, else a tree
-of `DEFAULT_BUDGET` nodes built from their measured top-k accuracies, or from
+`tree_budget` (nodes, or "auto", the default: the tree of the most expected tokens
+per second given what a pass costs here and the heads' accuracies, or no tree when
+none pays, `mdjax.strategies.tree_choice`; 0: the heads' calibrated tree when they
+carry one, else a tree of `DEFAULT_BUDGET` nodes built from their measured top-k
+accuracies, or from
 `mdjax.heads.tree.default_accuracy` when they carry none), `tree` (explicit rank
 paths, instead of a budget), `acceptance`, `typical_epsilon`, `typical_delta`, the
 sampling options and `return_metadata`.
@@ -97,23 +100,26 @@ from jaxtyping import Array, Float, Int
 from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError, check_count, check_real
 from mdjax.heads import tree as medusa_tree
+from mdjax.heads import vocab
 from mdjax.heads.base import Heads, HeadsConfig
+from mdjax.heads.family import decoded_by, get as get_family
 from mdjax.heads.medusa import medusa_logits
-from mdjax.heads.mtp import check_mtp_params, mtp_cache_config, mtp_features
+from mdjax.heads.mtp import mtp_cache_config, mtp_features
 from mdjax.models.transformer import lm_head
 from mdjax.sampling import tree_accept, typical_accept
-from mdjax.strategies import drafting, layouts, trees
+from mdjax.strategies import drafting, layouts, tree_choice, trees
 from mdjax.strategies.base import (Limits, ModelFn, Prompt, Sampled, internal,
                                    prefill_with_hidden)
 from mdjax.strategies.drafting import DraftState
+from mdjax.strategies.pass_cost import pass_cost
 from mdjax.strategies.registry import register
 from mdjax.strategies.speculative_tree import SLOT_MULTIPLE
 from mdjax.strategies.trees import Tree, Verified
 from mdjax.topology import Topology
 
 ACCEPTANCES = ("exact", "typical")
+SHARED_LEAVES = ("draft_ids", "draft_unembedding")  # heads params not stacked per head
 DEFAULT_BUDGET = 16
-HEAD_FAMILIES = ("medusa", "mtp")  # heads that guess a static tree from one position
 
 
 @jax.tree_util.register_dataclass
@@ -229,7 +235,7 @@ class Medusa(Sampled):
 
   heads: HeadsConfig | None = None  # `construct` turns the user's `mdjax.Heads` into its config
   num_heads: int = 0  # 0: every head
-  tree_budget: int = 0  # 0: the heads' calibrated tree, else DEFAULT_BUDGET nodes
+  tree_budget: int | str = tree_choice.AUTO  # nodes, "auto" (`tree_choice`) or 0 (see above)
   tree: tuple[tuple[int, ...], ...] | None = None  # explicit rank paths (instead of a budget)
   acceptance: str = "exact"  # or "typical" (lossy, with sampling)
   typical_epsilon: float = 0.09
@@ -245,9 +251,9 @@ class Medusa(Sampled):
     if self.num_heads > self.heads.num_heads:
       raise MdjaxError(f"num_heads ({self.num_heads}) exceeds the {self.heads.num_heads} heads "
                        "given")
-    check_count("tree_budget", self.tree_budget, 0)
+    tree_choice.check_budget(self.tree_budget, 0)
     if self.tree is not None:
-      if self.tree_budget:
+      if self.tree_budget not in (0, tree_choice.AUTO):
         raise MdjaxError(f"give tree or tree_budget, not both (tree_budget {self.tree_budget})")
       object.__setattr__(self, "tree", medusa_tree.check_tree(self.tree, self.used_heads,
                                                               self.model.vocab_size))
@@ -259,7 +265,8 @@ class Medusa(Sampled):
     if self.acceptance == "typical" and self.sampling.greedy:
       raise MdjaxError("acceptance='typical' needs sampling (e.g. temperature=0.7): at "
                        "temperature 0 decoding is greedy and exact")
-    self.nodes  # builds and checks the tree
+    if not self.auto:
+      self.nodes  # builds and checks the tree
 
   @classmethod
   def construct(cls, target: ModelFn, model, options: dict) -> tuple["Medusa", dict]:
@@ -270,14 +277,17 @@ class Medusa(Sampled):
     if not isinstance(heads, Heads):
       raise MdjaxError(f"strategy {cls.name!r} needs heads=<mdjax Heads> (mdjax.load_heads), "
                        f"got {heads!r}")
-    if heads.config.family not in HEAD_FAMILIES:
-      raise MdjaxError(f"strategy {cls.name!r} needs medusa or mtp heads, got "
-                       f"{heads.config.family} heads {heads.name or heads.config.base_model!r}")
+    if heads.config.family not in decoded_by(cls.name):
+      raise MdjaxError(f"strategy {cls.name!r} needs {' or '.join(decoded_by(cls.name))} heads, "
+                       f"got {heads.config.family} heads "
+                       f"{heads.name or heads.config.base_model!r}")
     heads.check_model(model.config)
-    if heads.config.family == "mtp":
-      check_mtp_params(heads.config, heads.params, model.config)
+    params = heads.params
+    if "draft_ids" in params and "lm_head" not in params:  # the model's draft columns, once
+      params = {**params, "draft_unembedding": vocab.unembedding_columns(model.params,
+                                                                         params["draft_ids"])}
     return cls(model=target, heads=heads.config, **options), {"target": model.params,
-                                                              "heads": heads.params}
+                                                              "heads": params}
 
   @property
   def used_heads(self) -> int:
@@ -285,26 +295,59 @@ class Medusa(Sampled):
 
   @functools.cached_property
   def guess(self) -> MedusaGuess | MtpGuess:
-    """What the heads of this family read, and how it follows the committed text."""
-    if self.heads.family == "mtp":
+    """What the heads of this family read, and how it follows the committed text:
+    heads with a cache of their own (mtp) follow it through that cache."""
+    if get_family(self.heads.family).cache_config(self.heads, self.model.config) is not None:
       return MtpGuess(model=self.model, num_heads=self.used_heads,
                       num_layers=self.heads.num_layers)
     return MedusaGuess(model=self.model)
+
+  @property
+  def auto(self) -> bool:
+    """The tree is still to be chosen for the request (`for_request`)."""
+    return self.tree_budget == tree_choice.AUTO and self.tree is None
+
+  def for_request(self, params, prompt: Prompt, capacity: int) -> Sampled:
+    """With `tree_budget="auto"`: the budget of the most expected tokens per second at
+    this request's batch and branches, or plain decoding when no tree pays (never with
+    `return_metadata`, which describes drafts)."""
+    if not self.auto:
+      return self
+    branches = prompt.branch_segment.shape[1]
+    cost = pass_cost(self.model, params["target"], prompt.tokens.shape[0])
+    heads = self._used(params)["heads"]  # a draft vocabulary's columns are among them
+    fraction = tree_choice.draft_fraction(heads, params["target"], reads_unembedding=not (
+        self.heads.own_unembedding or "draft_unembedding" in heads))
+    choice = tree_choice.static_tree(self.accuracy, cost,
+                                     fraction * cost(branches * self.used_heads),
+                                     branches=branches, allow_plain=not self.return_metadata)
+    if choice.plain:
+      return tree_choice.plain_decoding(self, params, prompt, capacity, choice)
+    return dataclasses.replace(self, tree_budget=choice.budget,
+                               request_stats=choice.stats(self.sampling.greedy))
+
+  @property
+  def accuracy(self) -> tuple[tuple[float, ...], ...]:
+    """The used heads' top-k accuracies (`mdjax.heads.tree`), else the default ones."""
+    accuracy = (self.heads.top_accuracy[:self.used_heads] if self.heads.top_accuracy
+                else medusa_tree.default_accuracy(self.used_heads))
+    if len(accuracy) < self.used_heads:
+      raise MdjaxError(f"the heads' top_accuracy has {len(accuracy)} rows for the "
+                       f"{self.used_heads} heads used")
+    return accuracy
 
   @functools.cached_property
   def nodes(self) -> medusa_tree.MedusaTree:
     """The tree verified every step (see the class options)."""
     if self.tree is not None:
       return self.tree
+    if self.auto:
+      raise MdjaxError("tree_budget='auto' chooses the tree per request: "
+                       "Medusa.for_request gives the strategy that has one")
     if not self.tree_budget and self.heads.tree:
       kept = [node for node in self.heads.tree if len(node) <= self.used_heads]
       return medusa_tree.check_tree(kept, self.used_heads, self.model.vocab_size)
-    accuracy = (self.heads.top_accuracy[:self.used_heads] if self.heads.top_accuracy
-                else medusa_tree.default_accuracy(self.used_heads))
-    if len(accuracy) < self.used_heads:
-      raise MdjaxError(f"the heads' top_accuracy has {len(accuracy)} rows for the "
-                       f"{self.used_heads} heads used")
-    tree = medusa_tree.build_tree(accuracy, self.tree_budget or DEFAULT_BUDGET)
+    tree = medusa_tree.build_tree(self.accuracy, self.tree_budget or DEFAULT_BUDGET)
     return medusa_tree.check_tree(tree, self.used_heads, self.model.vocab_size)
 
   @functools.cached_property
@@ -317,9 +360,12 @@ class Medusa(Sampled):
     return -(-slots // SLOT_MULTIPLE) * SLOT_MULTIPLE
 
   def _used(self, params) -> dict:
-    """`{"target", "heads"}` with the heads cut to the first `used_heads`."""
-    return {"target": params["target"],
-            "heads": jax.tree.map(lambda a: a[:self.used_heads], params["heads"])}
+    """`{"target", "heads"}` with the heads cut to the first `used_heads` (a draft
+    vocabulary, `SHARED_LEAVES`, is every head's)."""
+    heads = {name: value if name in SHARED_LEAVES else
+             jax.tree.map(lambda a: a[:self.used_heads], value)
+             for name, value in params["heads"].items()}
+    return {"target": params["target"], "heads": heads}
 
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
            capacity: int) -> HeadsState:
@@ -332,17 +378,19 @@ class Medusa(Sampled):
                           read=self.guess.start(self._used(params), prompt, hidden, cache),
                           branch_segment=prompt.branch_segment.reshape(-1))
 
-  def _tree(self, logits: Float[Array, "R K V"]) -> Tree:
-    """The tree's tokens from the heads' logits: node n is head[n]'s rank[n] guess."""
+  def _tree(self, logits: Float[Array, "R K V"], draft_ids: Int[Array, "Vd"] | None) -> Tree:
+    """The tree's tokens from the heads' logits: node n is head[n]'s rank[n] guess (a
+    draft-vocabulary column mapped to its target id)."""
     arrays, rows = self.arrays, logits.shape[0]
     _, top = jax.lax.top_k(logits, arrays.num_ranks)  # [R, K, ranks]
     broadcast = lambda a: jnp.broadcast_to(jnp.asarray(a), (rows, a.size))
-    return Tree(tokens=top[:, arrays.head, arrays.rank].astype(jnp.int32),  # [R, M]
-                parent=broadcast(arrays.parent), depth=broadcast(arrays.depth))
+    tokens = vocab.to_target(top[:, arrays.head, arrays.rank], draft_ids)  # [R, M]
+    return Tree(tokens=tokens.astype(jnp.int32), parent=broadcast(arrays.parent),
+                depth=broadcast(arrays.depth))
 
   def step(self, params, state: HeadsState) -> HeadsState:
     used = self._used(params)
-    tree = self._tree(self.guess.logits(used, state.read))
+    tree = self._tree(self.guess.logits(used, state.read), used["heads"].get("draft_ids"))
     accept = tree_accept if self.acceptance == "exact" else functools.partial(
         typical_accept, epsilon=self.typical_epsilon, delta=self.typical_delta)
     verified = trees.verify(self.model, params["target"], state, tree, self.arrays.max_depth,

@@ -4,6 +4,9 @@ every node in one pass, the accepted path is compacted into contiguous slots.
 Options: `tree_depth` D (levels drafted), `tree_top_k` K (children per expanded
 node, and nodes expanded per level), `tree_budget` M (nodes the target verifies, at
 most the K + (D - 1) K² drafted), plus the sampling options and `return_metadata`.
+`tree_budget="auto"` (the default) chooses M, and D and K unless given, by the
+measured cost of a target pass at the request's batch, or no tree at all
+(`mdjax.strategies.tree_choice`); with an integer budget D and K default to 4.
 
 Drafting, on the draft's own cache after it caught up on `pending`
 (`drafting.catch_up`): level 1 is the K most likely tokens after the last emitted
@@ -46,15 +49,18 @@ from jaxtyping import Array, Float, Int
 from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError, check_count
+from mdjax.heads import vocab
 from mdjax.sampling import process_logits
-from mdjax.strategies import drafting, layouts, trees
+from mdjax.strategies import drafting, layouts, tree_choice, trees
 from mdjax.strategies.base import Limits, ModelFn, Prompt, Sampled
 from mdjax.strategies.drafting import DraftModelState, DraftState
+from mdjax.strategies.pass_cost import pass_cost
 from mdjax.strategies.registry import register
 from mdjax.strategies.trees import Tree, Verified
 from mdjax.topology import Topology
 
 SLOT_MULTIPLE = 8  # attention's key blocks must divide the slot count: keep it composite
+DEFAULT_DEPTH, DEFAULT_TOP_K = 4, 4  # the tree's shape with an integer tree_budget
 
 
 @jax.tree_util.register_dataclass
@@ -100,22 +106,66 @@ class TreeDrafter(Sampled):
   options: validate them, draft the tree with its `DraftPass`, keep the best
   `tree_budget` nodes, verify and commit them, size the caches, report."""
 
-  tree_depth: int = 4
-  tree_top_k: int = 4
-  tree_budget: int = 16
+  tree_depth: int | None = None  # None: chosen by tree_budget="auto", else DEFAULT_DEPTH
+  tree_top_k: int | None = None  # None: chosen by tree_budget="auto", else DEFAULT_TOP_K
+  tree_budget: int | str = tree_choice.AUTO  # nodes verified, or "auto" (`tree_choice`)
   return_metadata: bool = False  # per-token metadata (`mdjax.strategies.metadata`)
 
   def __post_init__(self):
     super().__post_init__()
-    for name in ("tree_depth", "tree_top_k", "tree_budget"):
-      check_count(name, getattr(self, name), 1)
-    if self.tree_top_k > self.model.vocab_size:
+    tree_choice.check_budget(self.tree_budget, 1)
+    for name, default in (("tree_depth", DEFAULT_DEPTH), ("tree_top_k", DEFAULT_TOP_K)):
+      if getattr(self, name) is None and not self.auto:
+        object.__setattr__(self, name, default)
+      if getattr(self, name) is not None:
+        check_count(name, getattr(self, name), 1)
+    if self.tree_top_k is not None and self.tree_top_k > self.model.vocab_size:
       raise MdjaxError(f"tree_top_k ({self.tree_top_k}) exceeds the vocabulary "
                        f"({self.model.vocab_size} tokens)")
-    if self.tree_budget > self.num_drafted:
+    if not self.auto and self.tree_budget > self.num_drafted:
       raise MdjaxError(f"tree_budget ({self.tree_budget}) exceeds the {self.num_drafted} nodes "
                        f"drafted with tree_depth {self.tree_depth} and tree_top_k "
                        f"{self.tree_top_k} (K + (D - 1) K²)")
+
+  @property
+  def auto(self) -> bool:
+    """The tree is still to be chosen for the request (`for_request`)."""
+    return self.tree_budget == tree_choice.AUTO
+
+  def for_request(self, params, prompt: Prompt, capacity: int) -> Sampled:
+    """With `tree_budget="auto"`: the depth, top-k and budget of the most expected tokens
+    per second at this request's batch (the depth and top-k given are kept), or plain
+    decoding when no tree pays (never with `return_metadata`, which describes drafts)."""
+    if not self.auto:
+      return self
+    cost = pass_cost(self.model, params["target"], prompt.tokens.shape[0])
+    fraction = self.draft_fraction(params)
+    choice = tree_choice.dynamic_tree(
+        self.acceptance, cost,
+        lambda depth, top_k: fraction * (cost(self.catch_up_width(depth))
+                                         + (depth - 1) * cost(top_k)),
+        depths=(self.tree_depth,) if self.tree_depth else range(1, tree_choice.MAX_DEPTH + 1),
+        top_ks=((self.tree_top_k,) if self.tree_top_k
+                else range(1, min(tree_choice.MAX_TOP_K, self.model.vocab_size) + 1)),
+        allow_plain=not self.return_metadata)
+    if choice.plain:
+      return tree_choice.plain_decoding(self, params, prompt, capacity, choice)
+    return dataclasses.replace(self, tree_depth=choice.depth, tree_top_k=choice.top_k,
+                               tree_budget=choice.budget,
+                               request_stats=choice.stats(self.sampling.greedy))
+
+  @property
+  def acceptance(self) -> tuple[tuple[float, ...], ...]:
+    """The drafter's acceptance profile (`mdjax.strategies.tree_choice`)."""
+    raise NotImplementedError
+
+  def draft_fraction(self, params) -> float:
+    """A draft pass's cost relative to a target pass (`tree_choice.draft_fraction`)."""
+    raise NotImplementedError
+
+  def catch_up_width(self, depth: int) -> int:
+    """Tokens the drafter's first pass of a step feeds, with a tree `depth` deep."""
+    raise NotImplementedError
 
   @property
   def num_drafted(self) -> int:
@@ -135,15 +185,19 @@ class TreeDrafter(Sampled):
     return jax.nn.log_softmax(process_logits(logits, self.sampling), axis=-1)
 
   def _draft_tree(self, draft_pass: DraftPass, state: DraftState, logits: Float[Array, "B V"],
-                  draft_cache: KVCache, front_context: Any) -> tuple[Tree, TreeDraft]:
+                  draft_cache: KVCache, front_context: Any,
+                  draft_ids: Int[Array, "Vd"] | None = None) -> tuple[Tree, TreeDraft]:
     """Every drafted node (`Tree`, N = num_drafted, by level then rank), and the loop's
     last carry: their cumulative log-probabilities, which of them were fed (by level)
     and the draft cache holding those. Level 1 comes from the draft's `logits` after
     `c` (level 1's `front_context` given); level d + 1 from one `draft_pass` over
-    level d's frontier, each node its own segment (`Tree.topology` over the fed nodes)."""
+    level d's frontier, each node its own segment (`Tree.topology` over the fed nodes).
+    Logits over a draft vocabulary (`draft_ids`: the target id of each column) rank
+    only its tokens, which the tree holds as target ids."""
     k, done, next_pos = self.tree_top_k, state.buffer.done, state.next_pos
     batch, num_drafted, num_fed = done.shape[0], self.num_drafted, self.num_fed
     score, token = jax.lax.top_k(self._log_probs(logits), k)  # [B, K]: level 1
+    token = vocab.to_target(token, draft_ids)
     pad = lambda x, value: jnp.pad(x, ((0, 0), (0, num_drafted - k)), constant_values=value)
     fed_depth = jnp.broadcast_to(jnp.arange(num_fed) // k + 1, (batch, num_fed))
     take = lambda x, i: jnp.take_along_axis(x, i.reshape(i.shape + (1,) * (x.ndim - 2)), axis=1)
@@ -161,6 +215,7 @@ class TreeDrafter(Sampled):
           Tree(tokens=fed, parent=fed_parent, depth=fed_depth).topology(next_pos),
           carry.front_context)  # [B, K, V]
       child_score, child = jax.lax.top_k(self._log_probs(logits), k)  # [B, K, K]
+      child = vocab.to_target(child, draft_ids)
       score = (take(carry.score, front)[..., None] + child_score).reshape(batch, k * k)
       start = k + level * k * k  # drafted index of the new level
       put = lambda x, new: jax.lax.dynamic_update_slice_in_dim(x, new, start, axis=1)
@@ -199,7 +254,8 @@ class TreeDrafter(Sampled):
     return Tree(tokens=take(drafted.tokens), parent=parent, depth=take(drafted.depth)), kept
 
   def _tree_step(self, target_params, state: DraftState, draft_pass: DraftPass,
-                 logits: Float[Array, "B V"], draft_cache: KVCache, front_context: Any
+                 logits: Float[Array, "B V"], draft_cache: KVCache, front_context: Any,
+                 draft_ids: Int[Array, "Vd"] | None = None
                  ) -> tuple[DraftState, Verified, TreeDraft, Int[Array, "B D"]]:
     """A step after the draft caught up (its `logits` after `c`, its `draft_cache`, level
     1's `front_context`): the tree drafted, its best `tree_budget` nodes verified in one
@@ -207,7 +263,8 @@ class TreeDrafter(Sampled):
     tree, the drafting loop's last carry, and the drafted index of each accepted node
     (-1 past them)."""
     keys = drafting.step_keys(state)
-    drafted, carry = self._draft_tree(draft_pass, state, logits, draft_cache, front_context)
+    drafted, carry = self._draft_tree(draft_pass, state, logits, draft_cache, front_context,
+                                      draft_ids)
     tree, kept = self._keep(drafted, carry.score)
     verified = trees.verify(self.model, target_params, state, tree, self.tree_depth, keys,
                             self.sampling)
@@ -241,6 +298,16 @@ class SpeculativeTree(TreeDrafter):
   @classmethod
   def construct(cls, target: ModelFn, model, options: dict) -> tuple["SpeculativeTree", dict]:
     return drafting.with_draft_model(cls, target, model, options)
+
+  @property
+  def acceptance(self) -> tuple[tuple[float, ...], ...]:
+    return tree_choice.DRAFT_ACCURACY  # a draft model carries no measured profile
+
+  def draft_fraction(self, params) -> float:
+    return tree_choice.draft_fraction(params["draft"], params["target"], reads_unembedding=False)
+
+  def catch_up_width(self, depth: int) -> int:
+    return 2  # `DraftModelState.pending`: the last accepted node and the target's token
 
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
            capacity: int) -> DraftState:

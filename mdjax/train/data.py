@@ -197,8 +197,8 @@ class RowMix:
 
   @classmethod
   def from_config(cls, config) -> RowMix:
-    """The mix a trainer config (`configs/lm_common.py`) asks for."""
-    return cls(**{field.name: config[field.name] for field in dataclasses.fields(cls)})
+    """The mix a trainer config (`configs/lm_common.py`, typed or not) asks for."""
+    return cls(**{field.name: getattr(config, field.name) for field in dataclasses.fields(cls)})
 
 
 class Batches:

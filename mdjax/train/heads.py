@@ -18,8 +18,10 @@ One run lives in `run_dir`::
           lengths.npy          int32 [N]      tokens per row
           prompt_lengths.npy   int32 [N]
           greedy.npy           int32 [N, T]   the model's greedy guess of token t + 1
-          hidden.npy           [N, T, D]      its final-norm hidden state at t, memory-mapped,
-                                              float32 or float16 (`feature_dtype`)
+          hidden.npy           [N, T, F]      what the heads read at t, memory-mapped, float32
+                                              or float16 (`feature_dtype`): the final-norm
+                                              hidden state (F = D), or the residual stream
+                                              after the family's target layers (eagle3: 3 D)
       checkpoints/<step>/      orbax: params + optimizer state, written atomically, last N kept
       metrics.jsonl            train loss, per-head top-1/top-5 accuracy, accepted length;
                                held-out top-1..top-10 accuracies, accepted length
@@ -27,13 +29,24 @@ One run lives in `run_dir`::
       export/                  `mdjax.load_heads` reads it (+ heldout_prompts.json)
 
 What each head learns at position p of a row (x: the tokens, h: the model's hidden
-states, so that the model's own guess of x[p + 1] is lm_head(h[p]))::
+states, so that the model's own guess of x[p + 1] is lm_head(h[p])), each family's
+`HeadFamily.loss` (`mdjax.heads.family`; its batch window: `HeadFamily.window`)::
 
     medusa head k   reads h[p]                        target x[p + 1 + k]  ("ce"), or the
                                                       law softmax(lm_head(h[p + k])) ("kl")
     eagle           reads (x[p + 1], h[p]), and the   h[p + 1] (smooth L1) and
                     heads' own features before p      x[p + 2] / lm_head(h[p + 1]) (weighted)
     mtp head k      reads h[0..p] (its attention)     as medusa head k
+    eagle3          reads (x[p + 1], three of the     the model's greedy guesses of x[p + 2],
+                    target's layers at p), unrolled   x[p + 3], ... (the training-time test,
+                    on its own outputs                `mdjax.heads.eagle3`)
+
+A data set written by `experiments/make_head_data.py` (`config.data_dir`: the model's
+answers with their hidden states, `mdjax.train.head_data`) replaces the generation
+and the model's passes: its rows become the run's cache, the greedy guesses computed
+from the stored final-norm states. Heads of a family that takes one score a draft
+vocabulary (`config.draft_vocab_size`): the most frequent tokens of the training
+answers (`mdjax.heads.vocab`), saved with the heads.
 
 Accuracies compare a head's ranked guesses with the model's greedy choice of the same
 token (`greedy`): what a verifier decoding greedily accepts. The simulated accepted
@@ -73,6 +86,7 @@ import os
 import pathlib
 import platform
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -81,26 +95,26 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 from tqdm import tqdm
 
 import mdjax
 from mdjax import distributed, programs, sharding
 from mdjax.chat import chat_ids
-from mdjax.errors import MdjaxError, check_count, check_real, require
+from mdjax.errors import MdjaxError, check_count, check_real
 from mdjax.files import atomic_directory
 from mdjax.generate import generate
-from mdjax.heads import (FAMILIES, Heads, HeadsConfig, eagle_causal, init_heads, medusa_logits,
-                         mtp_causal)
-from mdjax.heads.base import save_heads
+from mdjax.heads import FAMILIES, Heads, HeadsConfig, get_family, init_heads, save_heads, vocab
+from mdjax.heads.objective import LOSSES, Objective
 from mdjax.models.config import ModelConfig, weight_dtype
 from mdjax.models.model import Model
 from mdjax.models.transformer import Params, forward_causal, lm_head
 from mdjax.prompts import encode_prompts
-from mdjax.train import devices, distill, head_prompts, lm
-from mdjax.train.metrics import MetricsLog
+from mdjax.train import devices, head_prompts, loop
+from mdjax.train.config import HeadsTrainConfig, to_json, typed
+from mdjax.train.head_data import HeadData
+from mdjax.train.metrics import MetricsLog, plot_losses
 
-LOSSES = ("ce", "kl")
 FEATURE_DTYPES = ("float32", "float16")
 BAR_TOP = (1, 5)  # the top-k accuracies a training step measures
 EVAL_TOP = tuple(range(1, 11))  # the held-out ones (HeadsConfig.top_accuracy's columns)
@@ -152,16 +166,19 @@ class RunData:
   cache_dir: pathlib.Path
 
 
-def prepare_data(config: ml_collections.ConfigDict, model: Model, run_dir: pathlib.Path,
-                 progress: bool = True) -> RunData:
-  """The run's data from its cache, generating and computing what the cache lacks."""
+def prepare_data(config: HeadsTrainConfig, model: Model, run_dir: pathlib.Path,
+                 layers: tuple[int, ...] = (), progress: bool = True) -> RunData:
+  """The run's data from its cache, generating and computing what the cache lacks;
+  the features are the target's `layers` concatenated ((): its final-norm states)."""
+  if config.data_dir:
+    return data_set_features(config, model, run_dir, layers, progress)
   source, rows = _source(config, model)
-  key = _cache_key(config, model, rows)
+  key = _cache_key(config, model, rows, layers)
   cache_dir = run_dir / "cache" / hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
   sequences = _load_or_generate(config, model, source, rows, cache_dir, key, progress)
   features = cache_dir / "features"
   if not features.is_dir():  # the same answer on every process: none writes before all ask
-    _cache_features(config, model, sequences, features, progress)
+    _cache_features(config, model, sequences, features, layers, progress)
   distributed.barrier("features")
   return RunData(train=Features.open(features / "train"),
                  heldout=Features.open(features / "heldout"),
@@ -169,18 +186,90 @@ def prepare_data(config: ml_collections.ConfigDict, model: Model, run_dir: pathl
                  description=source, cache_dir=cache_dir)
 
 
-def _cache_features(config: ml_collections.ConfigDict, model: Model, sequences: dict,
-                    features: pathlib.Path, progress: bool) -> None:
+def data_set_features(config: HeadsTrainConfig, model: Model, run_dir: pathlib.Path,
+                      layers: tuple[int, ...], progress: bool) -> RunData:
+  """The run's data from `config.data_dir` (`mdjax.train.head_data`): its rows as the
+  cache's `Features` (written once, by process 0), the features the stored states of
+  `layers` (or the final-norm ones), the greedy guesses computed from the latter."""
+  data = HeadData(config.data_dir)
+  if data.meta.get("model") not in (model.name, config.model):
+    raise MdjaxError(f"the data set {config.data_dir!r} was written by the model "
+                     f"{data.meta.get('model')!r}, not by {model.name or config.model!r}")
+  stored = list(data.meta.get("aux_layers", ()))
+  missing = [layer for layer in layers if layer not in stored]
+  if missing:
+    raise MdjaxError(f"the heads read target layers {list(layers)}; the data set "
+                     f"{config.data_dir!r} stores the states of layers {stored} only")
+  key = {"format": CACHE_FORMAT, "data_dir": str(pathlib.Path(config.data_dir).resolve()),
+         "chunks": [c.name for c in data.chunks], "layers": list(layers),
+         "feature_dtype": config.feature_dtype}
+  cache_dir = run_dir / "cache" / hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+  features = cache_dir / "features"
+  if not features.is_dir() and distributed.is_main_process():
+    with atomic_directory(features) as staging:
+      for split in ("train", "heldout"):
+        rows = list(data.rows(split))
+        write_stored_features(model, rows, staging / split, config.feature_dtype,
+                              [stored.index(layer) for layer in layers], progress)
+    (cache_dir / "key.json").write_text(json.dumps({"key": key}, indent=1) + "\n")
+  distributed.barrier("features")
+  heldout = [p["text"] for p in data.prompts if p["split"] == "heldout"]
+  kinds = sorted({p.get("kind", "") for p in data.prompts} - {""})
+  source = {"source": f"the data set {config.data_dir} ({len(kinds)} kinds of task: "
+                      f"{', '.join(kinds)})", "prompts": len(data.prompts), "chat": "yes"}
+  return RunData(train=Features.open(features / "train"), heldout=Features.open(
+      features / "heldout"), heldout_prompts=heldout, description=source, cache_dir=cache_dir)
+
+
+@functools.partial(programs.jit, static_argnames="config")
+def _stored_greedy(params: Params, hidden: Float[Array, "B T D"], *,
+                   config: ModelConfig) -> Int[Array, "B T"]:
+  return greedy_guesses(params, hidden.astype(jnp.float32), config=config)
+
+
+def write_stored_features(model: Model, rows: list, directory: pathlib.Path, dtype: str,
+                          aux_index: list[int], progress: bool, batch_rows: int = 16) -> None:
+  """`Features` files of data-set rows (`head_data.Row`) into `directory`: tokens
+  zero-padded to a multiple of 16, the stored states (`aux_index`: which of the stored
+  layers, concatenated; []: the final-norm states), and the greedy guesses from the
+  final-norm states, `batch_rows` rows per pass of the model's lm_head."""
+  if not rows:
+    raise MdjaxError(f"the data set has no {directory.name} rows")
+  width = -(-max(len(r.tokens) for r in rows) // 16) * 16
+  tokens = np.zeros((len(rows), width), np.int32)  # [N, T]
+  for i, row in enumerate(rows):
+    tokens[i, :len(row.tokens)] = row.tokens
+  pairs = [[list(r.tokens[:r.prompt_length]), list(r.tokens[r.prompt_length:])] for r in rows]
+  d = model.config.hidden_size
+  files = _open_features(directory, pairs, tokens, dtype, d * max(1, len(aux_index)))
+  for start in tqdm(range(0, len(rows), batch_rows), disable=not progress,
+                    desc=f"data set ({directory.name})", dynamic_ncols=True):
+    chunk = rows[start:start + batch_rows]
+    hidden = np.zeros((batch_rows, width, d), np.float32)  # every call the same shape
+    for i, row in enumerate(chunk):
+      n = len(row.tokens)
+      hidden[i, :n] = row.hidden
+      stored = row.aux[:, aux_index].reshape(n, -1) if aux_index else row.hidden
+      files["hidden"][start + i, :n] = stored
+    greedy = np.asarray(_stored_greedy(unembedding(model), jnp.asarray(hidden),
+                                       config=model.config))
+    files["greedy"][start:start + len(chunk)] = greedy[:len(chunk)]
+  for array in files.values():
+    array.flush()
+
+
+def _cache_features(config: HeadsTrainConfig, model: Model, sequences: dict,
+                    features: pathlib.Path, layers: tuple[int, ...], progress: bool) -> None:
   """Runs the model over both splits (on every process: its passes are collective);
   process 0 writes the `Features` into `features`, atomically."""
   main = distributed.is_main_process()
   with atomic_directory(features) if main else contextlib.nullcontext() as staging:
     for split in ("train", "heldout"):
       write_features(model, sequences[split], staging and staging / split,
-                     config.feature_dtype, config.feature_batch, progress)
+                     config.feature_dtype, config.feature_batch, progress, layers)
 
 
-def _source(config: ml_collections.ConfigDict, model: Model) -> tuple[dict, dict]:
+def _source(config: HeadsTrainConfig, model: Model) -> tuple[dict, dict]:
   """What the data is made from: (its description, {"train", "heldout"} prompts or text
   rows). A prompt is a text or token ids; a text row is token ids."""
   if config.text_file:
@@ -221,10 +310,13 @@ def model_digest(model: Model) -> str:
   return digest.hexdigest()
 
 
-def _cache_key(config: ml_collections.ConfigDict, model: Model, rows: dict) -> dict:
+def _cache_key(config: HeadsTrainConfig, model: Model, rows: dict,
+               layers: tuple[int, ...]) -> dict:
   """Everything the cached data depends on (the cache directory is named by its hash)."""
   key = {"format": CACHE_FORMAT, "model": model.name or str(model.path), "params":
          model_digest(model), "data": _digest(rows), "feature_dtype": config.feature_dtype}
+  if layers:
+    key["layers"] = list(layers)
   if not config.text_file:
     key.update(chat=config.chat, samples_per_prompt=config.samples_per_prompt,
                temperature=config.temperature, max_new_tokens=config.max_new_tokens,
@@ -232,8 +324,8 @@ def _cache_key(config: ml_collections.ConfigDict, model: Model, rows: dict) -> d
   return key
 
 
-def _load_or_generate(config, model: Model, source: dict, rows: dict, cache_dir: pathlib.Path,
-                      key: dict, progress: bool) -> dict:
+def _load_or_generate(config: HeadsTrainConfig, model: Model, source: dict, rows: dict,
+                      cache_dir: pathlib.Path, key: dict, progress: bool) -> dict:
   """{"train", "heldout"}: [prompt ids, answer ids] per row, and "heldout_prompts";
   generated (prompts) or cut (text) once, then read from `sequences.json`."""
   path = cache_dir / "sequences.json"
@@ -273,7 +365,8 @@ def prompt_ids(model: Model, prompts: list, chat: bool) -> list[list[int]]:
           for p in prompts]
 
 
-def _generate_rows(config, model: Model, prompts: list, progress: bool) -> list[list[list[int]]]:
+def _generate_rows(config: HeadsTrainConfig, model: Model, prompts: list,
+                   progress: bool) -> list[list[list[int]]]:
   """[prompt ids, answer ids] for each of `samples_per_prompt` answers to each prompt
   (prompt-major), `generation_batch` prompts per `mdjax.generate` call."""
   ids = [p for p in prompt_ids(model, prompts, config.chat)
@@ -292,18 +385,30 @@ def _generate_rows(config, model: Model, prompts: list, progress: bool) -> list[
   return [[prompt, answer] for prompt, answer in zip(ids, answers)]
 
 
-@functools.partial(programs.jit, static_argnames="config")
-def base_features(params: Params, tokens: Int[Array, "B T"], *, config: ModelConfig
-                  ) -> tuple[Float[Array, "B T D"], Int[Array, "B T"]]:
-  """The model's final-norm hidden states and its greedy guess of each next token."""
-  hidden = forward_causal(params, tokens, config=config)
-  return hidden, jnp.argmax(lm_head(params, hidden, config=config), axis=-1).astype(jnp.int32)
+@functools.partial(programs.jit, static_argnames=("config", "layers"))
+def base_features(params: Params, tokens: Int[Array, "B T"], *, config: ModelConfig,
+                  layers: tuple[int, ...] = ()) -> tuple[Float[Array, "B T F"], Int[Array, "B T"]]:
+  """What heads read, the model's final-norm hidden states (F = D) or the residual
+  stream after `layers` concatenated (F = A D), and its greedy guess of each next token."""
+  if not layers:
+    hidden = forward_causal(params, tokens, config=config)
+    return hidden, greedy_guesses(params, hidden, config=config)
+  hidden, aux = forward_causal(params, tokens, config=config, aux_layers=layers)  # aux [B, T, A, D]
+  return aux.reshape(*aux.shape[:2], -1), greedy_guesses(params, hidden, config=config)
+
+
+def greedy_guesses(params: Params, hidden: Float[Array, "B T D"], *,
+                   config: ModelConfig) -> Int[Array, "B T"]:
+  """The model's greedy guess of each next token from its final-norm hidden states."""
+  return jnp.argmax(lm_head(params, hidden, config=config), axis=-1).astype(jnp.int32)
 
 
 def write_features(model: Model, rows: list[list[list[int]]], directory: pathlib.Path | None,
-                   dtype: str, batch_size: int, progress: bool = True) -> None:
+                   dtype: str, batch_size: int, progress: bool = True,
+                   layers: tuple[int, ...] = ()) -> None:
   """The `Features` files of `rows` ([prompt ids, answer ids] each) into `directory`:
-  one pass of the model per `batch_size` rows, zero-padded to a multiple of 16 tokens.
+  one pass of the model per `batch_size` rows, zero-padded to a multiple of 16 tokens;
+  `hidden` holds the final-norm states, or the residual stream after `layers`.
   `directory` None: the passes alone, nothing written (a process other than 0 under
   `jax.distributed`, where the passes are collective)."""
   sequences = [prompt + answer for prompt, answer in rows]
@@ -311,7 +416,8 @@ def write_features(model: Model, rows: list[list[list[int]]], directory: pathlib
   tokens = np.zeros((len(rows), width), np.int32)  # [N, T]
   for i, sequence in enumerate(sequences):
     tokens[i, :len(sequence)] = sequence
-  files = directory and _open_features(directory, rows, tokens, dtype, model.config.hidden_size)
+  features_width = model.config.hidden_size * max(1, len(layers))  # F
+  files = directory and _open_features(directory, rows, tokens, dtype, features_width)
   for start in tqdm(range(0, len(rows), batch_size), disable=not progress,
                     desc=f"hidden states ({getattr(directory, 'name', '')})", dynamic_ncols=True):
     chunk = tokens[start:start + batch_size]
@@ -319,7 +425,7 @@ def write_features(model: Model, rows: list[list[list[int]]], directory: pathlib
     padded[:len(chunk)] = chunk
     with sharding.active(model.layout):
       h, g = distributed.to_host(base_features(model.params, jnp.asarray(padded),
-                                               config=model.config))
+                                               config=model.config, layers=layers))
     if files:
       files["hidden"][start:start + len(chunk)] = h[:len(chunk)].astype(dtype)
       files["greedy"][start:start + len(chunk)] = g[:len(chunk)]
@@ -328,7 +434,7 @@ def write_features(model: Model, rows: list[list[list[int]]], directory: pathlib
 
 
 def _open_features(directory: pathlib.Path, rows: list[list[list[int]]], tokens: np.ndarray,
-                   dtype: str, hidden_size: int) -> dict[str, np.ndarray]:
+                   dtype: str, width: int) -> dict[str, np.ndarray]:
   """Writes the token files of `write_features` into a new `directory`; returns its
   "hidden" and "greedy" files, memory-mapped, for the model's passes to fill."""
   directory.mkdir(parents=True)
@@ -336,19 +442,37 @@ def _open_features(directory: pathlib.Path, rows: list[list[list[int]]], tokens:
   np.save(directory / "lengths.npy", np.array([len(p) + len(a) for p, a in rows], np.int32))
   np.save(directory / "prompt_lengths.npy", np.array([len(p) for p, _ in rows], np.int32))
   return {"hidden": np.lib.format.open_memmap(directory / "hidden.npy", "w+", np.dtype(dtype),
-                                              (*tokens.shape, hidden_size)),
+                                              (*tokens.shape, width)),
           "greedy": np.lib.format.open_memmap(directory / "greedy.npy", "w+", np.int32,
                                               tokens.shape)}
+
+
+def draft_vocabulary(config: HeadsTrainConfig, data: RunData, vocab_size: int) -> np.ndarray:
+  """The heads' draft vocabulary: the `config.draft_vocab_size` most frequent tokens of
+  the training answers (0: every id), ascending (`mdjax.heads.vocab.choose`)."""
+  train = data.train
+  answers = np.arange(train.tokens.shape[1]) >= train.prompt_lengths[:, None]  # [N, T]
+  inside = answers & (np.arange(train.tokens.shape[1]) < train.lengths[:, None])
+  counts = np.bincount(train.tokens[inside], minlength=vocab_size)
+  return vocab.choose(counts, config.draft_vocab_size)
+
+
+def heldout_coverage(data: RunData, draft_ids: np.ndarray) -> float:
+  """The fraction of the held-out answers' greedy guesses inside the draft vocabulary."""
+  held = data.heldout
+  column = np.arange(held.tokens.shape[1])
+  answers = (column + 1 >= held.prompt_lengths[:, None]) & (column + 1 < held.lengths[:, None])
+  return vocab.coverage(draft_ids, held.greedy[answers])
 
 
 # --- Batches ----------------------------------------------------------------------------
 
 
 class Reader:
-  """Batches of one split. A unit is a (row, first position) pair: medusa reads one
-  window of `K + 2` tokens per source position p (x[p..p + 1 + K], h[p..p + K]), eagle
-  and mtp (whose heads attend to the whole prefix) read whole rows. A batch (numpy, the
-  step's input)::
+  """Batches of one split. A unit is a (row, first position) pair: a window of `window`
+  tokens per source position p (x[p..p + window - 1], h[p..p + window - 2]: medusa's,
+  `HeadFamily.window`), or whole rows (`window` None: heads that attend to the whole
+  prefix). A batch (numpy, the step's input)::
 
       tokens  int32 [B, n]         x[p], x[p + 1], ...
       ok      bool  [B, n]         may token j be a target (inside the row, past the
@@ -357,11 +481,11 @@ class Reader:
       greedy  int32 [B, n - 1]     the model's greedy guesses of x[p + 1], x[p + 2], ...
   """
 
-  def __init__(self, features: Features, family: str, num_heads: int, mask_prompt: bool):
+  def __init__(self, features: Features, window: int | None, mask_prompt: bool):
     self.features, self.mask_prompt = features, mask_prompt
-    if family == "medusa":
-      self.rows, self.starts = medusa_sources(features, mask_prompt)
-      self.width = num_heads + 2
+    if window is not None:
+      self.rows, self.starts = window_sources(features, mask_prompt)
+      self.width = window
     else:
       self.rows = np.arange(features.rows)
       self.starts = np.zeros(features.rows, np.int64)
@@ -399,9 +523,9 @@ class Reader:
             "greedy": f.greedy[rows, index[:, :-1]]}
 
 
-def medusa_sources(features: Features, mask_prompt: bool) -> tuple[np.ndarray, np.ndarray]:
+def window_sources(features: Features, mask_prompt: bool) -> tuple[np.ndarray, np.ndarray]:
   """(rows, positions) of every position p whose head-1 target x[p + 2] exists (and is
-  past the prompt, with `mask_prompt`): what Medusa trains and evaluates on."""
+  past the prompt, with `mask_prompt`): where windows start (medusa's)."""
   first = np.maximum(features.prompt_lengths - 2, 0) if mask_prompt else np.zeros_like(
       features.lengths)
   counts = np.maximum(features.lengths - 2 - first, 0)
@@ -413,136 +537,6 @@ def medusa_sources(features: Features, mask_prompt: bool) -> tuple[np.ndarray, n
 # --- Losses -----------------------------------------------------------------------------
 
 
-def ahead(x: jax.Array, depth: int) -> jax.Array:
-  """`x` `[B, W + depth, ...]` -> `[B, W, depth, ...]`: entry (t, k - 1) is x[t + k],
-  for k = 1..depth."""
-  width = x.shape[1] - depth
-  return jnp.stack([x[:, k:k + width] for k in range(1, depth + 1)], axis=2)
-
-
-def medusa_targets(tokens: Int[Array, "B n"], ok: Bool[Array, "B n"], num_heads: int
-                   ) -> tuple[Int[Array, "B W K"], Bool[Array, "B W K"]]:
-  """Head k's target at position t of a window (n = W + K + 1) is token t + 1 + k."""
-  return ahead(tokens[:, 1:], num_heads), ahead(ok[:, 1:], num_heads)
-
-
-def masked_mean(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
-  return jnp.sum(x * mask, axis=axis) / jnp.maximum(jnp.sum(mask, axis=axis), 1)
-
-
-def top_k_hits(logits: Float[Array, "B W V"], targets: Int[Array, "B W"],
-               mask: Bool[Array, "B W"], ks: tuple[int, ...]) -> jax.Array:
-  """`[len(ks)]`: how many unmasked targets are among the top-k logits, for each k in
-  `ks` (a target tied with others counts at its best rank)."""
-  target = jnp.take_along_axis(logits, targets[..., None], axis=-1)  # [B, W, 1]
-  rank = jnp.sum(logits > target, axis=-1)  # [B, W]
-  return jnp.stack([jnp.sum((rank < k) & mask) for k in ks])
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Objective:
-  """The loss of a family (static: a jit argument), and the accuracies it measures."""
-
-  family: str
-  model_config: ModelConfig
-  depth: int  # predictions scored per position: K heads (medusa, mtp), eagle's unrolled steps
-  num_layers: int
-  loss: str  # "ce" | "kl"
-  decay: float  # weight of prediction k: decay^(k - 1)
-  regression_weight: float = 1.0  # eagle
-  token_weight: float = 0.1  # eagle
-
-  @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict, model_config: ModelConfig):
-    depth = config.unroll if config.family == "eagle" else config.num_heads
-    return cls(family=config.family, model_config=model_config, depth=depth,
-               num_layers=config.num_layers, loss=config.loss, decay=config.head_decay,
-               regression_weight=config.regression_weight, token_weight=config.token_weight)
-
-  def __call__(self, params: Params, batch: dict, base: Params, ks: tuple[int, ...]):
-    """(loss, {"hits": [depth, len(ks)] top-k hits, "count": [depth] targets})."""
-    fn = eagle_loss if self.family == "eagle" else parallel_loss
-    return fn(self, params, batch, base, ks)
-
-  def head_logits(self, params: Params, hidden: Float[Array, "B T D"],
-                  base: Params) -> Float[Array, "B T K V"]:
-    """Every head's logits at every position of `hidden` (medusa, mtp): head k's of
-    token t + 1 + k."""
-    if self.family == "medusa":
-      return medusa_logits(params, base, hidden, model_config=self.model_config)
-    features = mtp_causal(params, hidden, model_config=self.model_config)  # [B, T, K, D]
-    return lm_head(base, features, config=self.model_config)
-
-  def token_losses(self, logits: Float[Array, "... V"], targets: Int[Array, "..."],
-                   teacher_hidden: Float[Array, "... D"], base: Params) -> Float[Array, "..."]:
-    """Cross-entropy to the data's tokens ("ce"), or the KL from the model's law of them,
-    softmax(lm_head(teacher_hidden)) ("kl")."""
-    if self.loss == "ce":
-      return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    teacher = lm_head(base, teacher_hidden, config=self.model_config)
-    return distill.kl_to_teacher(logits, jax.lax.stop_gradient(teacher), 1.0)
-
-
-def parallel_loss(objective: Objective, params: Params, batch: dict, base: Params,
-                  ks: tuple[int, ...]):
-  """`sum_k decay^(k-1) * mean loss of head k` over n = W + K + 1 tokens: medusa's
-  windows, mtp's whole rows (its heads read h[0..t], causally, so the last K hidden
-  states, which have no target, are left out)."""
-  k = objective.depth
-  hidden = batch["hidden"].astype(jnp.float32)  # [B, W + K, D]
-  width = hidden.shape[1] - k
-  logits = objective.head_logits(params, hidden[:, :width], base)  # [B, W, K, V]
-  targets, mask = medusa_targets(batch["tokens"], batch["ok"], k)  # [B, W, K]
-  losses = objective.token_losses(logits, targets, ahead(hidden, k), base)  # [B, W, K]
-  weights = objective.decay ** jnp.arange(k)  # [K]
-  loss = jnp.sum(weights * masked_mean(losses, mask, axis=(0, 1)))
-  greedy = ahead(batch["greedy"], k)  # [B, W, K]: the model's guesses of the same tokens
-  hits = jnp.stack([top_k_hits(logits[:, :, i], greedy[:, :, i], mask[:, :, i], ks)
-                    for i in range(k)])  # [K, len(ks)]
-  return loss, {"hits": hits, "count": jnp.sum(mask, axis=(0, 1))}
-
-
-def eagle_targets(batch: dict) -> dict[str, jax.Array]:
-  """What the head reads and learns at p = 0..n - 3 of rows of n tokens (W = n - 2)::
-
-      tokens    x[p + 1]    [B, W]     read, with
-      features  h[p]        [B, W, D]
-      wanted    h[p + 1]    [B, W, D]  the feature to predict
-      targets   x[p + 2]    [B, W]     the token lm_head(wanted) guesses, and its
-      mask                  [B, W]     may x[p + 2] be a target?
-      greedy                [B, W]     the model's greedy guess of x[p + 2]
-  """
-  hidden = batch["hidden"].astype(jnp.float32)  # [B, n - 1, D]
-  return {"tokens": batch["tokens"][:, 1:-1], "features": hidden[:, :-1], "wanted": hidden[:, 1:],
-          "targets": batch["tokens"][:, 2:], "mask": batch["ok"][:, 2:],
-          "greedy": batch["greedy"][:, 1:]}
-
-
-def eagle_loss(objective: Objective, params: Params, batch: dict, base: Params,
-               ks: tuple[int, ...]):
-  """At each p of `eagle_targets`: smooth L1 from the predicted to the wanted feature
-  (`regression_weight`), plus `token_weight` x the token loss of its lm_head logits.
-  Unrolled step i (weight decay^(i - 1)) feeds the head, in place of h[p], its own step
-  i - 1 prediction at p - 1 (h[0] stays): a cheap training-time test. Unlike drafting,
-  where the prefix keeps the model's own features, every earlier position then holds
-  predicted features too."""
-  t = eagle_targets(batch)
-  features, loss, hits, counts = t["features"], 0.0, [], []
-  for step in range(objective.depth):
-    predicted = eagle_causal(params, base, t["tokens"], features,
-                             model_config=objective.model_config,
-                             num_layers=objective.num_layers)  # [B, W, D]
-    logits = lm_head(base, predicted, config=objective.model_config)  # [B, W, V]
-    regression = jnp.mean(optax.huber_loss(predicted, t["wanted"], delta=1.0), axis=-1)  # [B, W]
-    token = objective.token_losses(logits, t["targets"], t["wanted"], base)  # [B, W]
-    loss += objective.decay ** step * masked_mean(
-        objective.regression_weight * regression + objective.token_weight * token, t["mask"])
-    hits.append(top_k_hits(logits, t["greedy"], t["mask"], ks))
-    counts.append(jnp.sum(t["mask"]))
-    features = jnp.concatenate([features[:, :1], predicted[:, :-1]], axis=1)
-  return loss, {"hits": jnp.stack(hits), "count": jnp.stack(counts)}
-
-
 def accepted_length(top1: list[float]) -> float:
   """`1 + sum_k prod_{i <= k} top1[i]`: tokens per model pass when each guess is right
   with its own accuracy, independently (the model's own token always counts)."""
@@ -552,37 +546,17 @@ def accepted_length(top1: list[float]) -> float:
 # --- Training ---------------------------------------------------------------------------
 
 
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """Global-norm clipping, then AdamW (weight decay on matrices only) under
-  `lm.lr_schedule` (warmup, then cosine)."""
-  o = config.optim
-  return optax.chain(optax.clip_by_global_norm(o.clip_norm),
-                     optax.adamw(lm.lr_schedule(config), b1=o.b1, b2=o.b2,
-                                 weight_decay=o.weight_decay,
-                                 mask=lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)))
+def make_optimizer(config: HeadsTrainConfig) -> optax.GradientTransformation:
+  """`loop.make_optimizer`: weight decay on the heads' matrices only."""
+  return loop.make_optimizer(config, lambda params: jax.tree.map(lambda x: x.ndim >= 2, params))
 
 
 def make_train_step(objective: Objective, optimizer: optax.GradientTransformation,
                     shardings=None):
-  """`step(state, batch, base) -> (state, metrics)`, jitted, `state` donated.
-
-  state: {"params", "opt_state"} of the heads; base: the model's unembedding (frozen,
-  an argument so that jit does not bake it into the program as a constant).
-  `shardings` (on a mesh, a tree like `state`): where the new state is kept.
-  """
-
-  @functools.partial(jax.jit, donate_argnums=0)
-  def step(state, batch, base):
-    (loss, scores), grads = jax.value_and_grad(objective, has_aux=True)(
-        state["params"], batch, base, BAR_TOP)
-    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-    new_state = {"params": optax.apply_updates(state["params"], updates),
-                 "opt_state": opt_state}
-    if shardings is not None:
-      new_state = jax.lax.with_sharding_constraint(new_state, shardings)
-    return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **scores}
-
-  return step
+  """`loop.make_train_step` of `objective`: `step(state, batch, base)`, base the model's
+  unembedding (frozen); metrics: also each head's (step's) top-1 / top-5 hits."""
+  loss_fn = lambda params, batch, base: objective(params, batch, base, BAR_TOP)
+  return loop.make_train_step(loss_fn, optimizer, shardings)
 
 
 @functools.partial(programs.jit, static_argnames="objective")
@@ -606,26 +580,38 @@ def evaluate(params: Params, reader: Reader, objective: Objective, base: Params,
           "heldout_accepted_length": accepted_length(accuracy[:, 0])}
 
 
+def objective_of(config: HeadsTrainConfig, model_config: ModelConfig) -> Objective:
+  """The run's training objective: its family's loss with the config's weights."""
+  depth = config.unroll if get_family(config.family).sequential else config.num_heads
+  return Objective(family=config.family, model_config=model_config, depth=depth,
+                   num_layers=config.num_layers, loss=config.loss, decay=config.head_decay,
+                   regression_weight=config.regression_weight, token_weight=config.token_weight)
+
+
 def unembedding(model: Model) -> Params:
   """The only weights of the model the heads' losses read: embedding and lm_head."""
   return {k: model.params[k] for k in ("embed", "lm_head") if k in model.params}
 
 
-def heads_config(config: ml_collections.ConfigDict, model: Model) -> HeadsConfig:
+def heads_config(config: HeadsTrainConfig, model: Model) -> HeadsConfig:
   """The trained heads' config, before any accuracy is measured."""
   c = model.config
   return HeadsConfig(family=config.family, base_model=model.name or config.model,
                      base_family=c.family, hidden_size=c.hidden_size, vocab_size=c.vocab_size,
                      num_heads=config.num_heads, num_layers=config.num_layers,
-                     own_unembedding=config.family == "medusa" and config.own_unembedding)
+                     own_unembedding=(get_family(config.family).owns_unembedding
+                                      and config.own_unembedding),
+                     draft_vocab_size=config.draft_vocab_size,
+                     target_layers=get_family(config.family).layers_for(c))
 
 
-def validate(config: ml_collections.ConfigDict) -> None:
-  """Rejects values the run cannot work with, naming them, before any model is loaded."""
+def validate(config: ml_collections.ConfigDict | HeadsTrainConfig) -> HeadsTrainConfig:
+  """`config` typed (`mdjax.train.config.typed`), its values checked: rejects those the
+  run cannot work with, naming them, before any model is loaded."""
+  config = typed(HeadsTrainConfig, config)
   if not config.run_dir:
     raise MdjaxError("config.run_dir is required (where the cache, checkpoints and export go)")
-  if config.family not in FAMILIES:
-    raise MdjaxError(f"unknown heads family {config.family!r}; supported: {', '.join(FAMILIES)}")
+  family = get_family(config.family)
   if config.loss not in LOSSES:
     raise MdjaxError(f"config.loss must be one of {', '.join(LOSSES)}, got {config.loss!r}")
   weight_dtype(config.export_dtype)  # fails now, not at the export after training
@@ -635,12 +621,23 @@ def validate(config: ml_collections.ConfigDict) -> None:
   for name in ("num_heads", "num_layers", "samples_per_prompt", "max_new_tokens",
                "generation_batch", "text_row_tokens", "feature_batch", "unroll", "steps",
                "batch_size", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
-    check_count(f"config.{name}", config[name], 1)
-  if config.family == "eagle" and config.num_heads != 1:
-    raise MdjaxError(f"an eagle head drafts one token at a time: config.num_heads must be 1, "
-                     f"got {config.num_heads} (config.unroll trains deeper drafts)")
-  if config.family != "eagle" and config.unroll != 1:
-    raise MdjaxError(f"config.unroll is eagle's; {config.family} needs 1, got {config.unroll}")
+    check_count(f"config.{name}", getattr(config, name), 1)
+  if family.sequential and config.num_heads != 1:
+    raise MdjaxError(f"an {config.family} head drafts one token at a time: config.num_heads must "
+                     f"be 1, got {config.num_heads} (config.unroll trains deeper drafts)")
+  if not family.sequential and config.unroll != 1:
+    sequential = " and ".join(name for name, f in FAMILIES.items() if f.sequential)
+    raise MdjaxError(f"config.unroll is {sequential}'s; {config.family} needs 1, got "
+                     f"{config.unroll}")
+
+  check_count("config.draft_vocab_size", config.draft_vocab_size, 0)
+  if config.draft_vocab_size and not family.draft_vocabulary:
+    takers = ", ".join(name for name, f in FAMILIES.items() if f.draft_vocabulary)
+    raise MdjaxError(f"config.draft_vocab_size: {config.family} heads score the whole vocabulary "
+                     f"(a draft vocabulary is for {takers} heads); set it to 0")
+  if config.data_dir and (config.prompts or config.text_file):
+    raise MdjaxError("config.data_dir is the data: leave config.prompts and config.text_file "
+                     "empty")
   if config.prompts and config.text_file:
     raise MdjaxError("config.prompts and config.text_file are exclusive: prompts make the model "
                      "write the data, a text file is the data")
@@ -649,8 +646,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   check_real("config.temperature", config.temperature, 0.0)
   check_real("config.max_minutes", config.max_minutes, 0.0)
   for name in ("head_decay", "regression_weight", "token_weight"):
-    check_real(f"config.{name}", config[name], 0.0)
+    check_real(f"config.{name}", getattr(config, name), 0.0)
   devices.device_mesh(config.mesh, config.batch_size)
+  return config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -666,19 +664,20 @@ class Run:
   train_seconds: float  # every session's, summed
 
 
-def train(config: ml_collections.ConfigDict, *, model: Model | None = None,
+def train(config: ml_collections.ConfigDict | HeadsTrainConfig, *, model: Model | None = None,
           progress: bool = True) -> Run:
   """Prepares the data (or finds it cached), trains or resumes the heads up to
   `config.steps` (or `max_minutes`), evaluates them on the held-out prompts and exports
-  them. `model`: the base, already loaded (default: `mdjax.load(config.model)`); put on
-  `config.mesh` when it names one."""
+  them. `config`: a user's ConfigDict (`configs/heads_common.py`), typed and checked here
+  (`validate`). `model`: the base, already loaded (default: `mdjax.load(config.model)`);
+  put on `config.mesh` when it names one."""
   session_start = time.perf_counter()
-  validate(config)
+  config = validate(config)
   progress = progress and distributed.is_main_process()
   run_dir = pathlib.Path(config.run_dir)
   run_dir.mkdir(parents=True, exist_ok=True)
   if distributed.is_main_process():
-    (run_dir / "config.json").write_text(config.to_json(indent=2) + "\n")
+    (run_dir / "config.json").write_text(to_json(config))
   mesh = devices.device_mesh(config.mesh, config.batch_size)
   model = (on_mesh(model, mesh) if model is not None else
            mdjax.load(config.model, dtype=config.model_dtype, mesh=mesh))
@@ -686,65 +685,65 @@ def train(config: ml_collections.ConfigDict, *, model: Model | None = None,
   if layout is not None and config.batch_size % layout.mesh.shape["data"]:
     raise MdjaxError(f"config.batch_size ({config.batch_size}) must be a multiple of the "
                      f"model's mesh's data axis ({layout.mesh.shape['data']})")
-  run_data = prepare_data(config, model, run_dir, progress)
   spec = heads_config(config, model)
-  objective = Objective.from_config(config, model.config)
+  family = get_family(spec.family)
+  run_data = prepare_data(config, model, run_dir, family.target_layers(spec), progress)
+  draft_ids = (draft_vocabulary(config, run_data, model.config.vocab_size)
+               if config.draft_vocab_size else None)
+  objective = objective_of(config, model.config)
   optimizer = make_optimizer(config)
-  manager = lm.checkpoint_manager(config, run_dir)
-  start, state = _restore(config, spec, model.config, optimizer, manager, layout)
+  manager = loop.checkpoint_manager(config, run_dir)
+  start, state = _restore(config, spec, model, optimizer, manager, layout, draft_ids)
   log = MetricsLog(run_dir / "metrics.jsonl")
   log.truncate_after(start)
   base = unembedding(model)
-  readers = [Reader(f, config.family, config.num_heads, config.mask_prompt)
-             for f in (run_data.train, run_data.heldout)]
-  step_fn = make_train_step(objective, optimizer, devices.state_shardings(state, layout))
-  bar = _Progress(config, log, start, progress, run_dir.name, session_start)
-  end, stopped_early = start, False
+  if draft_ids is not None:  # frozen beside the model's: not trained
+    base["draft_ids"] = jnp.asarray(draft_ids)
+    base["draft_unembedding"] = vocab.unembedding_columns(base, base["draft_ids"])
+  window = get_family(config.family).window(config.num_heads)
+  train_reader, heldout_reader = (Reader(f, window, config.mask_prompt)
+                                  for f in (run_data.train, run_data.heldout))
+  evaluation = lambda params: evaluate(params, heldout_reader, objective, base, config.batch_size)
+  hooks = loop.Hooks(
+      step=make_train_step(objective, optimizer, devices.state_shardings(state, layout)),
+      extra=base, evaluate=evaluation,
+      batch=lambda i, rows: train_reader.batch(config.seed, i, config.batch_size, rows),
+      plot=functools.partial(plot_losses, path=run_dir / "losses.png", title=run_dir.name,
+                             loss_label="loss", accuracy_title="held-out",
+                             accuracy_label="accuracy vs the model's greedy token"),
+      fields=_accuracies, summed=("loss", "hits", "count"))
+  outcome = loop.run(config, hooks, state, start=start, end=config.steps, manager=manager,
+                     log=log, layout=layout, name=run_dir.name, progress=progress,
+                     max_minutes=config.max_minutes, session_start=session_start)
   with sharding.active(layout):
-    for step in range(start + 1, config.steps + 1):
-      batch = devices.shard_batch(functools.partial(readers[0].batch, config.seed, step - 1,
-                                                    config.batch_size), config.batch_size, layout)
-      state, metrics = step_fn(state, batch, base)
-      end = step
-      stopped_early = (config.max_minutes > 0 and step < config.steps and distributed.agreed(
-          time.perf_counter() - session_start > 60 * config.max_minutes))
-      bar.add(step, metrics, last=stopped_early)
-      if step % config.eval_every == 0 and step < config.steps and not stopped_early:
-        log.write({"step": step, **evaluate(state["params"], readers[1], objective, base,
-                                            config.batch_size)})
-      if lm.due(step, config.checkpoint_every, config.steps) or stopped_early:
-        manager.save(step, args=ocp.args.StandardSave(state), force=True)
-      if stopped_early:
-        break
-    bar.close()
-    manager.wait_until_finished()
-    heldout = _final_evaluation(log, end, state["params"], readers[1], objective, base,
-                                config.batch_size)
-  if distributed.is_main_process():
-    plot_heads(log.records(), run_dir / "losses.png", run_dir.name)
-  train_seconds = bar.wall_seconds()
+    heldout = _final_evaluation(log, outcome.step, outcome.state["params"], evaluation)
   directory = pathlib.Path(config.export_dir or run_dir / "export")
-  heads = export(Heads(config=spec, params=state["params"]), directory, config=config,
-                 run_data=run_data, heldout=heldout, step=end,
-                 train_seconds=train_seconds, stopped_early=stopped_early)
-  return Run(heads=heads, step=end, heldout=heldout, export_dir=directory, data=run_data,
-             stopped_early=stopped_early, train_seconds=train_seconds)
+  params = outcome.state["params"]
+  if draft_ids is not None:
+    params = {**params, "draft_ids": jnp.asarray(draft_ids)}
+  heads = export(Heads(config=spec, params=params), directory, config=config,
+                 run_data=run_data, heldout=heldout, step=outcome.step,
+                 train_seconds=outcome.train_seconds, stopped_early=outcome.stopped_early)
+  return Run(heads=heads, step=outcome.step, heldout=heldout, export_dir=directory,
+             data=run_data, stopped_early=outcome.stopped_early,
+             train_seconds=outcome.train_seconds)
 
 
-def _restore(config: ml_collections.ConfigDict, spec: HeadsConfig, model_config: ModelConfig,
+def _restore(config: HeadsTrainConfig, spec: HeadsConfig, model: Model,
              optimizer: optax.GradientTransformation, manager: ocp.CheckpointManager,
-             layout: sharding.Layout | None = None) -> tuple[int, dict]:
+             layout: sharding.Layout | None, draft_ids: np.ndarray | None) -> tuple[int, dict]:
   """(step, state) of the latest checkpoint, or (0, the seeded initial state) before any;
   the initial state is also the template restored into. With a `layout`, replicated
-  on its mesh (restored straight there: abstract arrays with that sharding)."""
-  params = init_heads(spec, model_config, seed=config.seed).params
+  on its mesh (restored straight there: abstract arrays with that sharding). The
+  params trained are the heads' floats: a draft vocabulary (`draft_ids`) stays out."""
+  ids = np.arange(model.config.vocab_size) if draft_ids is None else draft_ids
+  params = get_family(spec.family).restrict(init_heads(spec, model.config, seed=config.seed).params,
+                                            ids, distributed.to_host(model.params))
   state = {"params": params, "opt_state": optimizer.init(params)}
-  start = manager.latest_step() or 0
-  if start:
-    target = state if layout is None else jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
-            layout.mesh, PartitionSpec())), state)
-    state = manager.restore(start, args=ocp.args.StandardRestore(target))
+  target = None if layout is None else jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
+          layout.mesh, PartitionSpec())), state)
+  start, state = loop.restore(manager, state, target)
   return start, sharding.on_layout(state, layout)
 
 
@@ -762,105 +761,38 @@ def on_mesh(model: Model, mesh) -> Model:
   return model
 
 
-def _final_evaluation(log: MetricsLog, step: int, params, reader: Reader, objective: Objective,
-                      base: Params, batch_size: int) -> dict:
-  """The held-out record at `step`: logged already by an earlier session of a finished
-  run, else measured now and logged."""
+def _final_evaluation(log: MetricsLog, step: int, params: Params,
+                      evaluation: Callable[[Params], dict]) -> dict:
+  """The held-out record at `step`: logged already (by `loop.run`, or by an earlier
+  session of a finished run), else measured now and logged."""
   for record in log.records():
     if record["step"] == step and "heldout_topk" in record:
       return record
-  record = {"step": step, **evaluate(params, reader, objective, base, batch_size)}
+  record = {"step": step, **evaluation(params)}
   log.write(record)
   return record
 
 
-class _Progress:
-  """The train records of a session (every `log_every` steps and at the last) and its
-  progress bar: loss, each head's top-1 / top-5 accuracy and the simulated accepted
-  length since the previous record, summed on the device so no step waits for the host."""
-
-  def __init__(self, config: ml_collections.ConfigDict, log: MetricsLog, start: int,
-               progress: bool, name: str, session_start: float):
-    previous = [r["wall_s"] for r in log.records() if "wall_s" in r]
-    self.wall_offset = previous[-1] if previous else 0.0  # the earlier sessions' time
-    self.log, self.every, self.end = log, config.log_every, config.steps
-    self.lr = lm.lr_schedule(config)
-    self.bar = tqdm(total=config.steps, initial=start, disable=not progress, dynamic_ncols=True,
-                    desc=name)
-    self.session_start, self.last_step, self.sums = session_start, start, None
-
-  def add(self, step: int, metrics: dict, last: bool = False) -> None:
-    """Adds step `step`'s metrics; writes a record when one is due, or when `last`."""
-    sums = {k: metrics[k] for k in ("loss", "hits", "count")}
-    self.sums = sums if self.sums is None else jax.tree.map(jnp.add, self.sums, sums)
-    if step % self.every and step != self.end and not last:
-      return
-    sums = distributed.to_host(self.sums)
-    accuracy = sums["hits"] / np.maximum(sums["count"], 1)[:, None]  # [depth, len(BAR_TOP)]
-    record = {"step": step, "loss": float(sums["loss"]) / (step - self.last_step),
-              "grad_norm": float(metrics["grad_norm"]), "lr": float(self.lr(step - 1)),
-              "top1": accuracy[:, 0].tolist(), "top5": accuracy[:, 1].tolist(),
-              "accepted_length": accepted_length(accuracy[:, 0]), "wall_s": self.wall_seconds()}
-    self.log.write(record)
-    self.bar.update(step - self.last_step)
-    self.bar.set_postfix(loss=f"{record['loss']:.3f}",
-                         top1="/".join(f"{a:.2f}" for a in record["top1"]),
-                         top5="/".join(f"{a:.2f}" for a in record["top5"]),
-                         accepted=f"{record['accepted_length']:.2f}")
-    self.last_step, self.sums = step, None
-
-  def wall_seconds(self) -> float:
-    return self.wall_offset + time.perf_counter() - self.session_start
-
-  def close(self) -> None:
-    self.bar.close()
+def _accuracies(sums: dict, step: int, steps: int, seconds: float) -> tuple[dict, dict]:
+  """`loop.Hooks.fields`: each head's top-1 / top-5 accuracy and the simulated accepted
+  length since the previous record."""
+  accuracy = sums["hits"] / np.maximum(sums["count"], 1)[:, None]  # [depth, len(BAR_TOP)]
+  record = {"top1": accuracy[:, 0].tolist(), "top5": accuracy[:, 1].tolist(),
+            "accepted_length": accepted_length(accuracy[:, 0])}
+  return record, {"top1": "/".join(f"{a:.2f}" for a in record["top1"]),
+                  "top5": "/".join(f"{a:.2f}" for a in record["top5"]),
+                  "accepted": f"{record['accepted_length']:.2f}"}
 
 
-# --- Plot, card, export -------------------------------------------------------------------
+# --- Card, export -------------------------------------------------------------------------
 
 
-def plot_heads(records: list[dict], path: pathlib.Path, title: str) -> None:
-  """Left: train and held-out loss against step. Right: each head's (unrolled step's)
-  held-out top-1 (solid) and top-5 (dashed) accuracy."""
-  require("matplotlib", "a training plot").use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-  for key, style, label in (("loss", "-", "train"), ("heldout_loss", "o-", "held-out")):
-    points = [(r["step"], r[key]) for r in records if key in r]
-    if points:
-      left.plot(*zip(*points), style, label=label, linewidth=1.2, markersize=3)
-  left.set(xlabel="step", ylabel="loss", title=title)
-  evaluations = [r for r in records if "heldout_topk" in r]
-  for head in range(len(evaluations[0]["heldout_topk"]) if evaluations else 0):
-    steps = [r["step"] for r in evaluations]
-    line, = right.plot(steps, [r["heldout_topk"][head][0] for r in evaluations], "o-",
-                       label=f"head {head + 1} top-1", markersize=3)
-    right.plot(steps, [r["heldout_topk"][head][4] for r in evaluations], "s--",
-               color=line.get_color(), label=f"head {head + 1} top-5", markersize=3)
-  right.set(xlabel="step", ylabel="accuracy vs the model's greedy token", ylim=(0, 1),
-            title="held-out")
-  for axis in (left, right):
-    axis.grid(alpha=0.3)
-    if axis.has_data():
-      axis.legend(fontsize=8)
-  fig.tight_layout()
-  partial = path.with_name(f".{path.name}.partial.png")
-  fig.savefig(partial, dpi=110)
-  plt.close(fig)
-  os.replace(partial, path)
-
-
-def model_card(name: str, spec: HeadsConfig, config: ml_collections.ConfigDict,
+def model_card(name: str, spec: HeadsConfig, config: HeadsTrainConfig,
                run_data: RunData, heldout: dict, step: int, train_seconds: float,
-               stopped_early: bool) -> str:
+               stopped_early: bool, draft_ids: np.ndarray | None = None) -> str:
   """README.md of an export: base model, data, training, held-out numbers, usage."""
-  kind = {"medusa": f"{spec.num_heads} Medusa heads of {spec.num_layers} residual block(s)",
-          "eagle": f"An EAGLE-style head of {spec.num_layers} decoder layer(s)",
-          "mtp": f"{spec.num_heads} parallel MTP heads of {spec.num_layers} decoder layer(s)"
-          }[spec.family]
-  label = "draft step" if spec.family == "eagle" else "head"
-  strategy = "eagle" if spec.family == "eagle" else "medusa"  # mtp heads run under medusa
+  family = get_family(spec.family)
+  kind, label, strategy = family.describe(spec), family.step_label, family.strategy
   table = "\n".join(f"| {i + 1} | " + " | ".join(f"{a:.3f}" for a in (*acc[:5], acc[9])) + " |"
                     for i, acc in enumerate(heldout["heldout_topk"]))
   return f"""# {name}
@@ -876,7 +808,7 @@ heads learned to guess, from its final-norm hidden states, what it writes furthe
 ## Training
 
 {_card_training(spec, config, step, train_seconds, stopped_early)}
-
+{_card_vocabulary(spec, run_data, draft_ids)}
 ## Held-out accuracy
 
 Each {label}'s guesses against the base's greedy choice of the same token, on the
@@ -901,9 +833,27 @@ out = mdjax.generate(model, prompts, strategy={strategy!r}, heads=heads)
 """
 
 
-def _card_data(config: ml_collections.ConfigDict, run_data: RunData) -> str:
+def _card_vocabulary(spec: HeadsConfig, run_data: RunData, draft_ids: np.ndarray | None) -> str:
+  """The draft vocabulary's size and held-out coverage, when the heads have one."""
+  if draft_ids is None:
+    return ""
+  coverage = heldout_coverage(run_data, np.asarray(draft_ids))
+  return f"""
+## Draft vocabulary
+
+The heads score {len(draft_ids)} of the base's {spec.vocab_size} tokens (the most frequent
+in the training answers; `draft_ids`, `mdjax.heads.vocab`). They cover
+**{coverage:.1%}** of the base's greedy tokens in the held-out answers: a token outside
+is never drafted (the base's own verify still writes it, so decoding stays exact).
+"""
+
+
+def _card_data(config: HeadsTrainConfig, run_data: RunData) -> str:
   d, train, held = run_data.description, run_data.train, run_data.heldout
-  if config.text_file:
+  if config.data_dir:
+    lines = [f"- {d['source']}: {d['prompts']} prompts, held out by prompt as the data set "
+             f"splits them (`{HELDOUT_FILE}`); the base's own answers and hidden states"]
+  elif config.text_file:
     lines = [f"- {d['source']}, cut into rows of {config.text_row_tokens} tokens, a seeded "
              f"{config.heldout_fraction:.0%} of the rows held out (`{HELDOUT_FILE}`)"]
   else:
@@ -917,10 +867,10 @@ def _card_data(config: ml_collections.ConfigDict, run_data: RunData) -> str:
   return "\n".join(lines)
 
 
-def _card_training(spec: HeadsConfig, config: ml_collections.ConfigDict, step: int,
+def _card_training(spec: HeadsConfig, config: HeadsTrainConfig, step: int,
                    train_seconds: float, stopped_early: bool) -> str:
   device = jax.devices()[0]
-  unit = "positions" if spec.family == "medusa" else "rows"
+  unit = "rows" if get_family(spec.family).window(spec.num_heads) is None else "positions"
   unrolled = f", unrolled {config.unroll} steps" if config.unroll > 1 else ""
   return "\n".join([
       f"- {step} steps{' (stopped by the time budget)' if stopped_early else ''} of "
@@ -931,7 +881,7 @@ def _card_training(spec: HeadsConfig, config: ml_collections.ConfigDict, step: i
       f"{os.cpu_count()} CPU cores), Python {platform.python_version()}, seed {config.seed}"])
 
 
-def export(heads: Heads, directory: pathlib.Path, *, config: ml_collections.ConfigDict,
+def export(heads: Heads, directory: pathlib.Path, *, config: HeadsTrainConfig,
            run_data: RunData, heldout: dict, step: int, train_seconds: float,
            stopped_early: bool) -> Heads:
   """Writes the heads with their held-out accuracies (`HeadsConfig.top_accuracy`), the
@@ -939,7 +889,7 @@ def export(heads: Heads, directory: pathlib.Path, *, config: ml_collections.Conf
   writes; every process returns the heads once they are written)."""
   spec = dataclasses.replace(heads.config, top_accuracy=heldout["heldout_topk"])
   card = model_card(directory.name, spec, config, run_data, heldout, step, train_seconds,
-                    stopped_early)
+                    stopped_early, heads.params.get("draft_ids"))
   heads = Heads(config=spec, params=heads.params, card=card, name=str(directory))
   if distributed.is_main_process():
     with atomic_directory(directory) as staging:

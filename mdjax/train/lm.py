@@ -3,7 +3,7 @@
 One run lives in `run_dir`::
 
     run_dir/
-      config.json          the training config (ml_collections, as JSON)
+      config.json          the training config (`LMTrainConfig`, as JSON)
       heldout_files.json   data root, python version, the held-out relative paths
       tokenizer/           tokenizer.json + tokenizer_config.json (trained here unless
                            `config.tokenizer` names an existing one)
@@ -50,7 +50,6 @@ import functools
 import json
 import pathlib
 import platform
-import time
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +57,6 @@ import ml_collections
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from tqdm import tqdm
 
 from mdjax import distributed, programs, sharding
 from mdjax.errors import MdjaxError
@@ -66,8 +64,9 @@ from mdjax.models import hf
 from mdjax.models.config import ModelConfig
 from mdjax.models.random_init import init_params
 from mdjax.models.transformer import Params, causal_logits
-from mdjax.train import data, devices, distill
+from mdjax.train import data, devices, distill, loop
 from mdjax.train import tokenizer as tokenizer_lib
+from mdjax.train.config import LMTrainConfig, to_json, typed
 from mdjax.train.metrics import MetricsLog, plot_losses
 
 # matrices, not norms/biases; fused or split (`mdjax.sharding`), per layer or stacked
@@ -75,39 +74,20 @@ DECAYED = ("embed", "wqkv", "wq", "wk", "wv", "wo", "w_gate_up", "w_gate", "w_up
            "lm_head")
 
 
-def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
+def model_config(config: LMTrainConfig, vocab_size: int) -> ModelConfig:
   """The llama architecture of `config.model` over the tokenizer's vocabulary.
 
   Context length = `seq_len`: positions past what training saw are not trusted.
   """
-  m = config.model
-  return ModelConfig(family="llama", vocab_size=vocab_size, hidden_size=m.hidden_size,
-                     intermediate_size=m.intermediate_size, num_layers=m.num_layers,
-                     num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                     rope_theta=m.rope_theta, tie_word_embeddings=m.tie_word_embeddings,
+  return ModelConfig(family="llama", vocab_size=vocab_size, **dataclasses.asdict(config.model),
                      max_position_embeddings=config.seq_len, rms_norm_eps=1e-6,
                      bos_token_id=0, eos_token_id=(1,), pad_token_id=2)
 
 
-def lr_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
-  """Linear warmup to `optim.lr`, then cosine decay to `lr * min_lr_ratio` at `steps`."""
-  o = config.optim
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=o.lr, warmup_steps=o.warmup_steps,
-      decay_steps=max(config.steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio)
-
-
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """Global-norm clipping, then AdamW (no decay on norms) under `lr_schedule`."""
-  o = config.optim
-
-  def decay_mask(params):
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: path[-1].key in DECAYED, params)
-
-  return optax.chain(optax.clip_by_global_norm(o.clip_norm),
-                     optax.adamw(lr_schedule(config), b1=o.b1, b2=o.b2, weight_decay=o.weight_decay,
-                                 mask=decay_mask))
+def make_optimizer(config: LMTrainConfig) -> optax.GradientTransformation:
+  """`loop.make_optimizer`: weight decay on the `DECAYED` matrices, not on norms."""
+  return loop.make_optimizer(config, lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, _: path[-1].key in DECAYED, params))
 
 
 def token_losses(params: Params, sequences: jax.Array, config: ModelConfig):
@@ -134,22 +114,12 @@ def make_train_step(config: ModelConfig, optimizer: optax.GradientTransformation
     logits = causal_logits(params, inputs, config=config)  # [B, T, V]
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
     if teacher is None:
-      return loss
+      return loss, {}
     guide = distill.teacher_logits(teacher, teacher_params, inputs)
     kl = distill.kl_to_teacher(logits, guide, teacher.temperature).mean()
-    return (1 - teacher.weight) * loss + teacher.weight * kl
+    return (1 - teacher.weight) * loss + teacher.weight * kl, {}
 
-  @functools.partial(jax.jit, donate_argnums=0)
-  def step(state, batch, teacher_params=None):
-    loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch, teacher_params)
-    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    new_state = {"params": params, "opt_state": opt_state}
-    if shardings is not None:
-      new_state = jax.lax.with_sharding_constraint(new_state, shardings)
-    return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-
-  return step
+  return loop.make_train_step(loss_fn, optimizer, shardings)
 
 
 def evaluate(params: Params, sequences: np.ndarray, config: ModelConfig, batch_size: int,
@@ -263,7 +233,7 @@ class Data:
   train_tokens: int
 
 
-def prepare_data(config: ml_collections.ConfigDict, corpus: data.Corpus, fast_tokenizer) -> Data:
+def prepare_data(config: LMTrainConfig, corpus: data.Corpus, fast_tokenizer) -> Data:
   """Tokenizes and packs both splits; the held-out subset is evenly spaced and fixed."""
   eos = fast_tokenizer.token_to_id(tokenizer_lib.EOS)
   train = data.token_stream(corpus.texts("train"), fast_tokenizer, eos)
@@ -297,7 +267,7 @@ def evaluate_heldout(params: Params, config: ModelConfig, run_data: Data, batch_
   return record
 
 
-def load_or_train_tokenizer(config: ml_collections.ConfigDict, corpus: data.Corpus,
+def load_or_train_tokenizer(config: LMTrainConfig, corpus: data.Corpus,
                             run_dir: pathlib.Path):
   """`config.tokenizer` if set, else the run's own (trained on the train split once, by
   process 0: the others wait, then read it)."""
@@ -310,7 +280,7 @@ def load_or_train_tokenizer(config: ml_collections.ConfigDict, corpus: data.Corp
   return tokenizer_lib.load(directory)
 
 
-def initial_params(config: ml_collections.ConfigDict, cfg: ModelConfig) -> Params:
+def initial_params(config: LMTrainConfig, cfg: ModelConfig) -> Params:
   """Seeded random weights, or float32 copies of `config.init_from`'s (same architecture).
 
   A tied start may continue untied (`tie_word_embeddings=False`): its `lm_head` `[D, V]`
@@ -333,26 +303,20 @@ def initial_params(config: ml_collections.ConfigDict, cfg: ModelConfig) -> Param
   return start.params
 
 
-def _write_run_files(config, corpus: data.Corpus, run_dir: pathlib.Path) -> None:
+def _write_run_files(config: LMTrainConfig, corpus: data.Corpus, run_dir: pathlib.Path) -> None:
   if not distributed.is_main_process():
     return
-  (run_dir / "config.json").write_text(config.to_json(indent=2) + "\n")
+  (run_dir / "config.json").write_text(to_json(config))
   (run_dir / "heldout_files.json").write_text(json.dumps(
       {"root": str(corpus.root), "python": platform.python_version(),
        "train_files": len(corpus.train), "heldout": list(corpus.heldout)}, indent=1) + "\n")
-
-
-def checkpoint_manager(config, run_dir: pathlib.Path) -> ocp.CheckpointManager:
-  options = ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True,
-                                         enable_async_checkpointing=False,
-                                         cleanup_tmp_directories=True)
-  return ocp.CheckpointManager(run_dir / "checkpoints", options=options)
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
   """What a finished `train` hands back."""
 
+  config: LMTrainConfig
   params: Params  # on a mesh, its layout (`sharding.one_device_layout` gives one device's)
   model_config: ModelConfig
   tokenizer: object  # transformers.PreTrainedTokenizerFast
@@ -363,39 +327,42 @@ class Run:
   layout: sharding.Layout | None = None  # the mesh it trained on (config.mesh), if any
 
 
-def validate(config: ml_collections.ConfigDict) -> None:
-  """Rejects values the loop cannot run with, naming them, before any data is read."""
+def validate(config: ml_collections.ConfigDict | LMTrainConfig) -> LMTrainConfig:
+  """`config` typed (`mdjax.train.config.typed`), its values checked: rejects those the
+  loop cannot run with, naming them, before any data is read."""
+  config = typed(LMTrainConfig, config)
   if not config.run_dir:
     raise MdjaxError("config.run_dir is required (where checkpoints and metrics go)")
   for name in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "checkpoint_every",
                "keep_checkpoints", "eval_sequences"):
-    if config[name] < 1:
-      raise MdjaxError(f"config.{name} must be >= 1, got {config[name]}")
+    if getattr(config, name) < 1:
+      raise MdjaxError(f"config.{name} must be >= 1, got {getattr(config, name)}")
   data.RowMix.from_config(config).check(config.seq_len + 1)
   if config.export_shard_mb < 0:
     raise MdjaxError(f"config.export_shard_mb must be >= 0 (0: one file), got "
                      f"{config.export_shard_mb}")
   devices.device_mesh(config.mesh, config.batch_size)
+  return config
 
 
-def train(config: ml_collections.ConfigDict, *, progress: bool = True,
+def train(config: ml_collections.ConfigDict | LMTrainConfig, *, progress: bool = True,
           restore_only: bool = False) -> Run:
   """Trains (or resumes) up to `config.steps`; returns the final params and what made them.
 
-  `restore_only`: run no step, return the latest checkpoint's params (for an export), or,
-  before any checkpoint, `init_from`'s as they are (step 0: e.g. a soup or a grown model
-  exported with a card and held-out numbers like any trained one).
+  `config`: a user's ConfigDict (`configs/lm_common.py`), typed and checked here
+  (`validate`). `restore_only`: run no step, return the latest checkpoint's params (for
+  an export), or, before any checkpoint, `init_from`'s as they are (step 0: e.g. a soup
+  or a grown model exported with a card and held-out numbers like any trained one).
   """
-  validate(config)
+  config = validate(config)
   progress = progress and distributed.is_main_process()
   run_dir = pathlib.Path(config.run_dir)
   corpus, tokenizer, run_data = _prepare_run(config, run_dir)
   cfg = model_config(config, tokenizer.backend_tokenizer.get_vocab_size())
   layout = sharding.layout_for(devices.device_mesh(config.mesh, config.batch_size), cfg)
   optimizer = make_optimizer(config)
-  manager = checkpoint_manager(config, run_dir)
-  start, state = _restore(config, cfg, optimizer, manager, layout)
-  end = start if restore_only else config.steps
+  manager = loop.checkpoint_manager(config, run_dir)
+  start, state = restore_state(config, cfg, optimizer, manager, layout)
   if restore_only and not start and not config.init_from:
     raise MdjaxError(f"no checkpoint to export in {str(run_dir / 'checkpoints')!r} and no "
                      "init_from")
@@ -404,29 +371,23 @@ def train(config: ml_collections.ConfigDict, *, progress: bool = True,
   teacher = distill.load_teacher(config, cfg)
   teacher_params = teacher and (teacher.params if layout is None else sharding.Layout(
       mesh=layout.mesh, config=teacher.config).place(teacher.params))
-  train_step = make_train_step(cfg, optimizer, teacher, devices.state_shardings(state, layout))
-  losses = _LossLog(config, log, start, end, progress, run_dir.name)
-  with sharding.active(layout):
-    for step in range(start + 1, end + 1):
-      batch = devices.shard_batch(functools.partial(run_data.batches.batch, step - 1),
-                                  config.batch_size, layout)
-      state, metrics = train_step(state, batch, teacher_params)
-      losses.add(step, metrics)
-      if due(step, config.eval_every, end):
-        log.write({"step": step, **evaluate_heldout(state["params"], cfg, run_data,
-                                                    config.batch_size, teacher)})
-        if distributed.is_main_process():
-          plot_losses(log.records(), run_dir / "loss.png", run_dir.name)
-      if due(step, config.checkpoint_every, end):
-        saved = devices.checkpoint_state(state, cfg, layout)
-        manager.save(step, args=ocp.args.StandardSave(saved), force=True)
-  losses.close()
-  manager.wait_until_finished()
-  return Run(params=state["params"], model_config=cfg, tokenizer=tokenizer, corpus=corpus,
-             data=run_data, step=max(start, end), teacher=teacher, layout=layout)
+  tokens_per_step = config.batch_size * config.seq_len
+  hooks = loop.Hooks(
+      step=make_train_step(cfg, optimizer, teacher, devices.state_shardings(state, layout)),
+      extra=teacher_params, batch=run_data.batches.batch,
+      evaluate=lambda params: evaluate_heldout(params, cfg, run_data, config.batch_size, teacher),
+      plot=functools.partial(plot_losses, path=run_dir / "loss.png", title=run_dir.name),
+      fields=functools.partial(_rates, tokens_per_step),
+      saved=lambda state: devices.checkpoint_state(state, cfg, layout))
+  end = start if restore_only else config.steps
+  outcome = loop.run(config, hooks, state, start=start, end=end, manager=manager, log=log,
+                     layout=layout, name=run_dir.name, progress=progress)
+  return Run(config=config, params=outcome.state["params"], model_config=cfg,
+             tokenizer=tokenizer, corpus=corpus, data=run_data, step=outcome.step,
+             teacher=teacher, layout=layout)
 
 
-def _prepare_run(config: ml_collections.ConfigDict,
+def _prepare_run(config: LMTrainConfig,
                  run_dir: pathlib.Path) -> tuple[data.Corpus, object, Data]:
   """Creates `run_dir` and its run files; loads the corpus, the tokenizer and the data."""
   run_dir.mkdir(parents=True, exist_ok=True)
@@ -436,7 +397,7 @@ def _prepare_run(config: ml_collections.ConfigDict,
   return corpus, tokenizer, prepare_data(config, corpus, tokenizer.backend_tokenizer)
 
 
-def _restore(config: ml_collections.ConfigDict, cfg: ModelConfig,
+def restore_state(config: LMTrainConfig, cfg: ModelConfig,
              optimizer: optax.GradientTransformation, manager: ocp.CheckpointManager,
              layout: sharding.Layout | None = None) -> tuple[int, dict]:
   """(step, state) of the latest checkpoint, or (0, the initial state) before any; on
@@ -448,50 +409,13 @@ def _restore(config: ml_collections.ConfigDict, cfg: ModelConfig,
   """
   params = initial_params(config, cfg)
   state = {"params": params, "opt_state": optimizer.init(params)}
-  start = manager.latest_step() or 0
-  if start:
-    target = state if layout is None else devices.restore_target(state, layout)
-    state = manager.restore(start, args=ocp.args.StandardRestore(target))
+  target = None if layout is None else devices.restore_target(state, layout)
+  start, state = loop.restore(manager, state, target)
   return start, devices.state_on_mesh(state, layout)
 
 
-def due(step: int, every: int, end: int) -> bool:
-  """Is a periodic action (log, evaluation, checkpoint) due after `step`? Every `every`
-  steps and after the last."""
-  return step % every == 0 or step == end
-
-
-class _LossLog:
-  """The train-loss records of a session (`log_every` steps apart and at `end`) and its
-  progress bar. Each record holds the mean loss since the previous one, summed on the
-  device so that no step waits for the host in between."""
-
-  def __init__(self, config: ml_collections.ConfigDict, log: MetricsLog, start: int, end: int,
-               progress: bool, name: str):
-    previous = [r["wall_s"] for r in log.records() if "wall_s" in r]
-    self.wall_offset = previous[-1] if previous else 0.0  # the interrupted sessions' time
-    self.log, self.every, self.end = log, config.log_every, end
-    self.tokens_per_step = config.batch_size * config.seq_len
-    self.lr = lr_schedule(config)
-    self.bar = tqdm(total=end, initial=start, disable=not progress, dynamic_ncols=True,
-                    desc=name)
-    self.session_start = self.last_time = time.perf_counter()
-    self.last_step, self.loss_sum = start, 0.0
-
-  def add(self, step: int, metrics: dict[str, jax.Array]) -> None:
-    self.loss_sum = self.loss_sum + metrics["loss"]
-    if not due(step, self.every, self.end):
-      return
-    now = time.perf_counter()
-    loss = float(self.loss_sum) / (step - self.last_step)
-    rate = self.tokens_per_step * (step - self.last_step) / (now - self.last_time)
-    self.log.write({"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
-                    "lr": float(self.lr(step - 1)), "tokens_per_s": rate,
-                    "tokens_seen": step * self.tokens_per_step,
-                    "wall_s": self.wall_offset + now - self.session_start})
-    self.bar.update(step - self.last_step)
-    self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
-    self.last_time, self.last_step, self.loss_sum = now, step, 0.0
-
-  def close(self) -> None:
-    self.bar.close()
+def _rates(tokens_per_step: int, sums: dict, step: int, steps: int,
+           seconds: float) -> tuple[dict, dict]:
+  """`loop.Hooks.fields`: the tokens per second since the previous record, the tokens seen."""
+  rate = tokens_per_step * steps / seconds
+  return {"tokens_per_s": rate, "tokens_seen": step * tokens_per_step}, {"tok_s": f"{rate:.0f}"}

@@ -1,4 +1,5 @@
-"""Training metrics: one JSON object per line, and the loss-curve plot drawn from them.
+"""Training metrics: one JSON object per line, and the plot of the losses and accuracies
+drawn from them (both trainers').
 
 Records carry a `step`; a resumed run first drops the records past the checkpoint it
 restarts from, so the file never holds two histories. Under `jax.distributed` only
@@ -43,38 +44,50 @@ class MetricsLog:
         f.write(json.dumps(record) + "\n")
 
 
+LOSSES = (("loss", "-", "train"), ("heldout_loss", "o-", "held-out"),
+          ("heldout_copy_loss", "s--", "held-out, repeated half of copy rows"))
 ACCURACIES = (("heldout_accuracy", "held-out top-1"),
               ("heldout_copy_accuracy", "copy rows' repeated half, top-1"),
               ("heldout_greedy_copy", "copy rows copied greedily (32 tokens)"),
               ("random_copy_accuracy", "random ids' repeat, top-1 (induction)"))
+TOPK = "heldout_topk"  # per head: its cumulative top-1..top-k accuracies (the heads trainer's)
 
 
-def plot_losses(records: list[dict], path: str | os.PathLike, title: str) -> None:
-  """Left: train loss (every logged step), held-out loss and held-out copy loss (every
-  evaluation) against step. Right: the evaluations' accuracies (`ACCURACIES`)."""
+def plot_losses(records: list[dict], path: str | os.PathLike, title: str, *,
+                loss_label: str = "loss (nats / token)", accuracy_label: str = "accuracy",
+                accuracy_title: str = "held-out evaluations") -> None:
+  """Left: the `LOSSES` the records hold against step (train: every logged step;
+  held-out: every evaluation). Right: the evaluations' accuracies: the `ACCURACIES`
+  they hold, and for each head of a `TOPK` list its top-1 (solid) and top-5 (dashed).
+  Written atomically (a reader never sees half a picture)."""
   require("matplotlib", "a training plot").use("Agg")
   import matplotlib.pyplot as plt
 
-  train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-  heldout = [(r["step"], r["heldout_loss"]) for r in records if "heldout_loss" in r]
-  copying = [(r["step"], r["heldout_copy_loss"]) for r in records if "heldout_copy_loss" in r]
-  fig, (ax, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-  if train:
-    ax.plot(*zip(*train), label="train", linewidth=1)
-  if heldout:
-    ax.plot(*zip(*heldout), "o-", label="held-out", linewidth=1.5)
-  if copying:
-    ax.plot(*zip(*copying), "s--", label="held-out, repeated half of copy rows", linewidth=1.5)
-  ax.set(xlabel="step", ylabel="loss (nats / token)", title=title)
+  fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+  for key, style, label in LOSSES:
+    points = [(r["step"], r[key]) for r in records if key in r]
+    if points:
+      left.plot(*zip(*points), style, label=label, linewidth=1.2, markersize=3)
+  left.set(xlabel="step", ylabel=loss_label, title=title)
   for key, label in ACCURACIES:
     points = [(r["step"], r[key]) for r in records if key in r]
     if points:
       right.plot(*zip(*points), "o-", label=label, linewidth=1.5, markersize=3)
-  right.set(xlabel="step", ylabel="accuracy", ylim=(0, 1), title="held-out evaluations")
-  for axis in (ax, right):
+  evaluations = [r for r in records if TOPK in r]
+  steps = [r["step"] for r in evaluations]
+  for head in range(len(evaluations[0][TOPK]) if evaluations else 0):
+    line, = right.plot(steps, [r[TOPK][head][0] for r in evaluations], "o-",
+                       label=f"head {head + 1} top-1", markersize=3)
+    right.plot(steps, [r[TOPK][head][4] for r in evaluations], "s--",
+               color=line.get_color(), label=f"head {head + 1} top-5", markersize=3)
+  right.set(xlabel="step", ylabel=accuracy_label, ylim=(0, 1), title=accuracy_title)
+  for axis in (left, right):
     axis.grid(alpha=0.3)
     if axis.has_data():
       axis.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  path = pathlib.Path(path)
+  partial = path.with_name(f".{path.name}.partial.png")
+  fig.savefig(partial, dpi=110)
   plt.close(fig)
+  os.replace(partial, path)

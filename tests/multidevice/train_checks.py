@@ -30,7 +30,7 @@ from configs import heads_tiny_test, lm_tiny_test  # noqa: E402
 from mdjax import sharding  # noqa: E402
 from mdjax.models.layer_loop import unstack_layers  # noqa: E402
 from mdjax.models.model import Model  # noqa: E402
-from mdjax.train import data, export, lm  # noqa: E402
+from mdjax.train import data, export, lm, loop  # noqa: E402
 from mdjax.train import heads as heads_lib  # noqa: E402
 from tests.helpers import cycle_model, write_cycle_prompts  # noqa: E402
 
@@ -95,7 +95,7 @@ def test_the_lm_trainer_on_a_mesh_gives_the_losses_of_one_device(lm_one_device, 
   trained = sharding.one_device_layout(run.params, run.model_config)
   jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, atol=1e-5, rtol=0),
                trained, one.params)
-  assert not np.allclose(trained["embed"], lm.initial_params(lm_config(one_dir),
+  assert not np.allclose(trained["embed"], lm.initial_params(one.config,
                                                              run.model_config)["embed"])
 
 
@@ -123,14 +123,14 @@ def test_padded_vocabulary_rows_stay_zero_through_training(lm_mesh):
 def test_the_optimizer_state_follows_the_params_and_checkpoints_hold_one_device_layout(
     lm_mesh):
   run, run_dir = lm_mesh
-  config = lm_config(run_dir, mesh=LM_MESH)
-  manager = lm.checkpoint_manager(config, run_dir)
+  config = run.config
+  manager = loop.checkpoint_manager(config, run_dir)
   saved = ocp.StandardCheckpointer().metadata(
       run_dir / "checkpoints" / str(LM_STEPS) / "default").item_metadata
   assert "wqkv" in saved["params"]["layers"][0] and "wq" not in saved["params"]["layers"][0]
   assert tuple(saved["params"]["embed"].shape) == (LM_VOCAB, 32)  # the padding is not saved
-  step, state = lm._restore(config, run.model_config, lm.make_optimizer(config), manager,
-                            run.layout)
+  step, state = lm.restore_state(config, run.model_config, lm.make_optimizer(config), manager,
+                                 run.layout)
   assert step == LM_STEPS
   jax.tree.map(lambda got, want: np.testing.assert_array_equal(got, want), state["params"],
                run.params)
@@ -171,7 +171,7 @@ def test_an_interrupted_run_on_a_mesh_resumes_bitwise(lm_mesh, tmp_path):
 
 def test_a_mesh_run_exports_the_one_device_model(lm_mesh, tmp_path):
   run, run_dir = lm_mesh
-  summary = export.export(run, lm_config(run_dir, mesh=LM_MESH), tmp_path / "export")
+  summary = export.export(run, run.config, tmp_path / "export")
   exported = mdjax.load(str(tmp_path / "export"))
   assert exported.params["embed"].shape == (LM_VOCAB, 32)
   jax.tree.map(lambda got, want: np.testing.assert_array_equal(got, want),

@@ -1,0 +1,178 @@
+r"""`tree_budget="auto"`: the tree of the most expected tokens per second (Sequoia's
+objective, Chen et al. 2024), or no tree at all.
+
+A step verifies a tree of M nodes in one target pass over the last emitted token `c`
+and the nodes, and emits E tokens in expectation: the target's own, plus every node
+whose whole path is right, with the probability an *acceptance profile* gives it
+(`mdjax.heads.tree`: rank j at depth d is right with probability
+top_accuracy[d-1][j] - top_accuracy[d-1][j-1], depths independent; `expected_length`).
+With N branches per row (Medusa with questions) every branch feeds its own tree, so
+per branch::
+
+    rate(tree)  = E(tree) / (t(N (1 + M)) + draft(tree))     tokens per second
+    rate(plain) = 1 / t(N)                                   one token per pass
+
+t is the target's pass cost on this device (`mdjax.strategies.pass_cost`) and
+draft(tree) what drafting the tree costs, counted as passes of the drafter's weights
+over its rows: fraction x t(rows), with fraction = the drafter's weights (plus the
+target's unembedding when it reads it) over the target's (`draft_fraction`), since
+at small batches a pass's time goes to reading weights::
+
+    medusa            the K heads read h once             fraction x t(N K)
+    eagle             catch-up over 1 + D, D - 1 levels   fraction x (t(1 + D) + (D - 1) t(K))
+    speculative_tree  catch-up over 2, D - 1 levels       fraction x (t(2) + (D - 1) t(K))
+
+The candidates, no wider than the profile measured (N (1 + M) <= 64):
+
+    static trees   (medusa)   M = 1 .. 63: `build_tree(accuracy, M)`, the best M-node tree
+    dynamic trees  (eagle,    D, K = 1 .. 8: what EAGLE-2's loop drafts when the profile
+    speculative_tree)         is its score (K nodes at level 1, K children of each level's
+                              K best), and M = 1 .. K + (D - 1) K²: the best M of them
+
+The highest rate wins (ties: the smaller tree); plain decoding wins when no tree beats
+it. The profiles: Medusa heads carry `top_accuracy[k][j]` (head k's held-out top-(j+1)
+accuracy) and EAGLE heads the same per unrolled step; heads without one use
+`default_accuracy` (Medusa) or `DRAFT_ACCURACY`, and so does a draft model, which
+carries none: rank j right with probability 0.6 x 0.4^j at every depth, i.e. a
+drafter whose first guess is right 60% of the time, however deep (a default, not a
+measurement; `default_accuracy`'s first head).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Sequence
+
+import jax
+
+from mdjax.errors import MdjaxError
+from mdjax.heads.tree import (build_tree, default_accuracy, expected_length,
+                              node_value, rank_accuracy)
+from mdjax.sampling import SAMPLING_OPTIONS
+from mdjax.strategies.autoregressive import OnTarget
+from mdjax.strategies.base import Prompt, Sampled
+from mdjax.strategies.pass_cost import WIDTHS, PassCost
+
+MAX_DEPTH, MAX_TOP_K = 8, 8  # the dynamic trees searched
+DRAFT_ACCURACY = (default_accuracy(1)[0],) * MAX_DEPTH
+AUTO = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """What `auto` chose: `budget` nodes verified per pass (0: plain decoding), the
+  tree's `depth`, `top_k` children per expanded node (dynamic trees; 0 otherwise),
+  the expected tokens per pass and speedup over plain decoding, and the t(n) used."""
+
+  budget: int
+  depth: int
+  top_k: int
+  tokens_per_pass: float
+  speedup: float
+  cost: PassCost
+
+  @property
+  def plain(self) -> bool:
+    return self.budget == 0
+
+  def stats(self, greedy: bool) -> dict:
+    """What `out.stats` says of it (plain decoding is "greedy", or "sample" when the
+    strategy samples)."""
+    plain = "greedy" if greedy else "sample"
+    return {"tree_choice": plain if self.plain else "tree", "tree_budget": self.budget,
+            "tree_depth": self.depth, "tree_top_k": self.top_k,
+            "expected_tokens_per_pass": self.tokens_per_pass,
+            "expected_speedup": self.speedup, **self.cost.stats()}
+
+
+def check_budget(value, minimum: int) -> None:
+  """Raises `MdjaxError` naming `value` unless it is "auto" or an integer >= `minimum`."""
+  if isinstance(value, str) and value == AUTO:
+    return
+  if not isinstance(value, int) or isinstance(value, bool):
+    raise MdjaxError(f"tree_budget must be an integer or {AUTO!r}, got {value!r}")
+  if value < minimum:
+    raise MdjaxError(f"tree_budget must be an integer >= {minimum}, got {value!r}")
+
+
+def draft_fraction(drafter, target, *, reads_unembedding: bool) -> float:
+  """A drafter pass's cost relative to a target pass over as many tokens: its weights
+  (`drafter`, a params pytree; plus the target's unembedding when `reads_unembedding`)
+  over the target's (`target`)."""
+  size = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+  unembedding = target["lm_head"] if "lm_head" in target else target["embed"]
+  return (size(drafter) + (size(unembedding) if reads_unembedding else 0)) / size(target)
+
+
+def static_tree(accuracy, cost: PassCost, draft_s: float, *, branches: int = 1,
+                allow_plain: bool = True) -> Choice:
+  """The best `build_tree(accuracy, M)` (module docstring) for `branches` trees per
+  row, drafted for `draft_s` seconds whatever M."""
+  per_rank = rank_accuracy(accuracy)
+  available = sum(math.prod(len(row) for row in per_rank[:depth])
+                  for depth in range(1, len(per_rank) + 1))  # nodes the table can rank
+  plain = 1 / cost(branches)
+  best, best_rate = _plain(cost), plain if allow_plain else 0.0
+  for budget in range(1, min(_max_nodes(branches), available) + 1):
+    tree = build_tree(accuracy, budget)
+    length = expected_length(tree, accuracy)
+    rate = length / (cost(branches * (1 + budget)) + draft_s)
+    if rate > best_rate:
+      best_rate = rate
+      best = Choice(budget=budget, depth=max(map(len, tree)), top_k=0, tokens_per_pass=length,
+                    speedup=rate / plain, cost=cost)
+  return best
+
+
+def dynamic_tree(accuracy, cost: PassCost, draft_s: Callable[[int, int], float], *,
+                 depths: Sequence[int], top_ks: Sequence[int], allow_plain: bool = True) -> Choice:
+  """The best EAGLE-2 tree (module docstring) of a depth D in `depths`, a top-k K in
+  `top_ks` and any budget M, drafted for `draft_s(D, K)` seconds."""
+  per_rank = rank_accuracy(accuracy)
+  plain = 1 / cost(1)
+  best, best_rate = _plain(cost), plain if allow_plain else 0.0
+  for depth in depths:
+    for top_k in top_ks:
+      values = sorted(drafted_values(per_rank, depth, top_k), reverse=True)
+      draft, length = draft_s(depth, top_k), 1.0
+      for budget, value in enumerate(values[:_max_nodes(1)], start=1):
+        length += value
+        rate = length / (cost(1 + budget) + draft)
+        if rate > best_rate:
+          best_rate = rate
+          best = Choice(budget=budget, depth=depth, top_k=top_k, tokens_per_pass=length,
+                        speedup=rate / plain, cost=cost)
+  return best
+
+
+def plain_decoding(strategy: Sampled, params, prompt: Prompt, capacity: int,
+                   choice: Choice) -> OnTarget:
+  """`strategy`'s target decoding one token per pass with its sampling options, for
+  `choice` (no tree; its stats in `request_stats`)."""
+  plain = OnTarget(model=strategy.model,
+                   **{name: getattr(strategy, name) for name in SAMPLING_OPTIONS})
+  return dataclasses.replace(plain.for_request(params["target"], prompt, capacity),
+                             request_stats=choice.stats(strategy.sampling.greedy))
+
+
+def drafted_values(per_rank, depth: int, top_k: int) -> list[float]:
+  """The value (`node_value`) of every node EAGLE-2's loop drafts with `depth` levels
+  and `top_k`, when the values are its scores: level 1 is ranks 0 .. K-1; each further
+  level, the K children of the K best nodes of the level above (ties: the first)."""
+  level = [(rank,) for rank in range(top_k)]
+  drafted = list(level)
+  for _ in range(depth - 1):
+    front = sorted(level, key=lambda node: -node_value(node, per_rank))[:top_k]
+    level = [node + (rank,) for node in front for rank in range(top_k)]
+    drafted += level
+  return [node_value(node, per_rank) for node in drafted]
+
+
+def _max_nodes(branches: int) -> int:
+  """The most nodes a branch's tree may have for the pass to stay within the profile."""
+  return max(1, WIDTHS[-1] // branches - 1)
+
+
+def _plain(cost: PassCost) -> Choice:
+  return Choice(budget=0, depth=0, top_k=0, tokens_per_pass=1.0, speedup=1.0, cost=cost)
