@@ -1,21 +1,53 @@
-"""Multi-token-prediction heads vs mdjax greedy and prompt lookup, on the held-out prompts.
+"""Head strategies vs mdjax greedy and prompt lookup, per task kind, with `tree_budget="auto"`
+beside a sweep of fixed trees.
 
-    python3 -m experiments.bench_heads            # smollm2-135m-instruct with its shipped heads
-    python3 -m experiments.bench_heads --quick    # smoke test: a random model, untrained heads
+    python3 -m experiments.bench_heads                 # smollm2-135m-instruct, its shipped heads
+    python3 -m experiments.bench_heads --questions=mine.jsonl --batches=1 --per_kind=1
+    python3 -m experiments.bench_heads --quick         # smoke test: a random model, untrained heads
 
-For each batch size (rows of held-out chat prompts, never trained on): greedy, prompt
-lookup, `medusa` on the heads' calibrated tree, `blockwise` (the heads' top-1 chain)
-and `eagle`; every lossless contender's tokens are compared with greedy's. At batch 1
-`medusa` also runs at several tree budgets (tokens per target pass vs budget), and
-`eagle` with a smaller tree (`eagle_8`: depth 3, top-3, 8 nodes). Writes
-`bench_heads.json` and `bench_heads.png`: tokens per pass vs tree budget (measured,
-and the trainer's prediction from the held-out top-k accuracies), acceptance per depth,
-speed vs greedy per batch size.
+The prompts are held out from every head's training: `experiments/data/head_questions.jsonl`
+(two questions for each of 13 task kinds, written for this benchmark in plain language, not
+from `mdjax.train.head_prompts`' templates nor the self-instruct seeds), or a user's file of
+JSON lines `{"category": ..., "prompt": ...}` (`--questions`), each prompt one user turn of
+the model's chat template. At T = 0, each row generating `--new_tokens` tokens with no early
+stop, at every batch size of `--batches`:
+
+* the contenders: mdjax greedy (the baseline), `prompt_lookup`, and the head strategies, each
+  with the tree `auto` picks: `medusa` (Medusa heads), `eagle` (EAGLE-1 heads) and `eagle3`
+  (EAGLE-3 heads, decoded by the `eagle` strategy). A heads flag set to '' or naming heads
+  that do not load (or do not fit the model, or are of another family) leaves that strategy
+  out, with a printed note;
+* the sweep: every head strategy again with each fixed tree, `medusa@M` for the budgets M
+  of `--budgets`, `eagle@DxKxM` and `eagle3@DxKxM` for the (depth, top-k, budget) shapes
+  of `--eagle_trees`;
+* every contender's tokens compared with greedy's (all are lossless at T = 0): a mismatch
+  is listed under `mismatches` in the JSON and printed under the table.
+
+At batch 1 each prompt runs alone, so its numbers are per task kind (and overall, summed);
+at a larger batch the prompts run in groups of that many rows in file order, mixing kinds
+as a server's batch would, so only overall numbers exist there. Each contender is warmed
+up (compiled) once per slice of prompts, then timed `--repeats` times, interleaved, by
+median (`benchlib.timed`); speedups are greedy's seconds over the contender's in the same
+run. Tokens per target pass count the prefill as a pass (greedy's is 1). With every default
+the run takes hours on a 2-core CPU (twenty contenders, each compiled per prompt-length
+bucket and batch size): `--per_kind=1`, `--repeats=1` and shorter sweeps cut it down.
+
+Writes `bench_heads.json` and `bench_heads.png` into `--out_dir` and prints a table. The
+JSON holds, per batch (`batches["1"]`): `kinds` (batch 1 only: per task kind, per
+contender, a cell as `benchlib.summarize` plus `tokens_per_pass`, `acceptance_at` and
+`identical_to_greedy`), `overall` (the same, over every prompt), `sweep` (per head strategy,
+its fixed-tree contenders and their budgets) and `auto` (per head strategy: the tree it
+chose, from `out.stats`, its measured speedup and tokens per pass, the best fixed tree's,
+and whether auto is within 5% of the best fixed tree and at most 5% slower than greedy,
+issue 40's goal). The PNG: speedup and tokens per pass per task kind at batch 1, speedup vs
+tree budget with auto's choice marked, and the overall speedup at every batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import json
 import pathlib
 
@@ -24,60 +56,209 @@ import numpy as np
 
 import mdjax
 from experiments.cli import one_line_errors
-from experiments.benchlib import (machine_info, machine_line, memory_bandwidth, plt, run_mdjax,
-                                  save_figure, summarize, timed, write_results)
+from experiments.benchlib import (RATE_STATS, SUMMED_STATS, machine_info, machine_line,
+                                  memory_bandwidth, plt, run_mdjax, save_figure, summarize, timed,
+                                  write_results)
 from mdjax import chat
+from mdjax.errors import MdjaxError, check_count
 from mdjax.heads import HeadsConfig, init_heads
-from mdjax.heads import tree as head_trees
+from mdjax.heads.eagle3 import default_target_layers
+
+QUESTIONS = pathlib.Path(__file__).parent / "data" / "head_questions.jsonl"
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Model (name, directory, .gguf).")
-_MEDUSA = flags.DEFINE_string("medusa", "smollm2-135m-instruct-medusa", "Medusa heads.")
+_MEDUSA = flags.DEFINE_string("medusa", "smollm2-135m-instruct-medusa",
+                              "Medusa heads ('' to leave medusa out).")
 _EAGLE = flags.DEFINE_string("eagle", "smollm2-135m-instruct-eagle",
-                             "EAGLE heads ('' to leave eagle out).")
-_BATCHES = flags.DEFINE_list("batches", ["1", "4", "8"], "Batch sizes.")
-_BUDGETS = flags.DEFINE_list("budgets", ["4", "8", "16", "32", "64"],
-                             "Medusa tree budgets (nodes) swept at batch 1.")
-_PROMPTS = flags.DEFINE_integer("prompts", 8, "Held-out prompts (each batch size runs them all).")
+                             "EAGLE-1 heads ('' to leave eagle out).")
+_EAGLE3 = flags.DEFINE_string("eagle3", "smollm2-135m-instruct-eagle3",
+                              "EAGLE-3 heads ('' to leave eagle3 out).")
+_QUESTIONS = flags.DEFINE_string("questions", str(QUESTIONS),
+                                 'JSON lines {"category": ..., "prompt": ...}.')
+_PER_KIND = flags.DEFINE_integer("per_kind", 0, "Prompts of each task kind (0: all).")
+_BATCHES = flags.DEFINE_list("batches", ["1", "8"], "Batch sizes.")
+_BUDGETS = flags.DEFINE_list("budgets", ["2", "4", "8", "16", "32"],
+                             "Fixed Medusa tree budgets (nodes) swept at every batch size.")
+_EAGLE_TREES = flags.DEFINE_list("eagle_trees", ["2x2x2", "3x2x4", "3x3x8", "4x4x16", "5x4x32"],
+                                 "Fixed EAGLE trees DEPTHxTOP_KxBUDGET swept at every batch size.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "Generated tokens per row.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions of every contender (median).")
 _OUT_DIR = flags.DEFINE_string("out_dir", "results/bench_heads", "Where JSON and PNG go.")
 _QUICK = flags.DEFINE_bool("quick", False,
-                           "Smoke test: random-llama-tiny, untrained heads, 2 prompts, 8 tokens.")
+                           "Smoke test: random-llama-tiny, untrained heads of the three families, "
+                           "1 random prompt of each of 2 kinds, 8 tokens, 1 repeat.")
 
 LOOKUP = dict(prompt_lookup_num_tokens=4, max_ngram_size=3)
-EAGLE_TREE = dict(tree_depth=4, tree_top_k=4, tree_budget=16)
-EAGLE_SMALL_TREE = dict(tree_depth=3, tree_top_k=3, tree_budget=8)  # batch 1 only
+BASELINES = ("greedy", "prompt_lookup")
+CHOICE_PREFIXES = ("tree_", "expected_", "pass_cost_")  # what `out.stats` says of auto's choice
+MIXED = "mixed"  # the one slice of a batch > 1: its groups mix the kinds
+TOLERANCE = 0.95  # issue 40's goal: auto within 5% of the best fixed tree and of greedy
+QUICK_PROMPT_LEN = 24
+LINESTYLES = ("-", "--", ":", "-.")  # of the batch sizes, in turn, in the budget plot
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Settings:
   batches: tuple[int, ...]
   budgets: tuple[int, ...]
-  prompts: int
+  eagle_trees: tuple[str, ...]
+  per_kind: int
+  kinds: int  # the first `kinds` task kinds of the questions (0: all)
   new_tokens: int
   repeats: int
 
 
-QUICK = dict(batches=(1, 2), budgets=(2, 4), prompts=2, new_tokens=8, repeats=1)
+QUICK = dict(batches=(1, 2), budgets=(2, 4), eagle_trees=("2x2x2", "2x2x4"), per_kind=1, kinds=2,
+             new_tokens=8, repeats=1)
 
 
-def heldout_prompts(model: mdjax.Model, heads: mdjax.Heads, count: int) -> list[list[int]]:
-  """The first `count` held-out prompts saved with the heads, as chat-template ids."""
-  texts = json.loads((pathlib.Path(heads.path) / "heldout_prompts.json").read_text())
-  return [chat.chat_ids(model, text) for text in texts[:count]]
+@dataclasses.dataclass(frozen=True)
+class FixedTree:
+  """A fixed tree of `budget` nodes; EAGLE's also fixes its `depth` and `top_k`."""
+
+  budget: int
+  depth: int | None = None
+  top_k: int | None = None
+
+  @classmethod
+  def parse(cls, text: str) -> "FixedTree":
+    """From "DEPTHxTOP_KxBUDGET" (EAGLE's trees, `--eagle_trees`)."""
+    parts = text.split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+      raise MdjaxError(f"an EAGLE tree is DEPTHxTOP_KxBUDGET of positive integers (e.g. 4x4x16), "
+                       f"got {text!r}")
+    depth, top_k, budget = map(int, parts)
+    return cls(budget=budget, depth=depth, top_k=top_k)
+
+  @property
+  def label(self) -> str:
+    return str(self.budget) if self.depth is None else f"{self.depth}x{self.top_k}x{self.budget}"
+
+  def options(self) -> dict:
+    options = dict(tree_budget=self.budget)
+    if self.depth is not None:
+      options.update(tree_depth=self.depth, tree_top_k=self.top_k)
+    return options
 
 
-def quick_setup() -> tuple[mdjax.Model, mdjax.Heads, mdjax.Heads, list[list[int]]]:
-  """A random model, untrained heads of both families and random prompts."""
-  model = mdjax.load("random-llama-tiny")
+@dataclasses.dataclass(frozen=True)
+class HeadLine:
+  """A head strategy as the benchmark names it: `name` (its auto contender; its fixed
+  trees are `name@label`), the `strategy` that decodes its `heads` and its `trees`."""
+
+  name: str
+  strategy: str
+  heads: mdjax.Heads
+  trees: tuple[FixedTree, ...]
+
+  def contenders(self) -> dict[str, tuple[str, dict]]:
+    """Contender name -> (strategy, options): auto first, then the fixed trees."""
+    runs = {self.name: (self.strategy, dict(heads=self.heads))}
+    for tree in self.trees:
+      runs[f"{self.name}@{tree.label}"] = (self.strategy, dict(heads=self.heads, **tree.options()))
+    return runs
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+  """A question's task kind and its chat-template token ids."""
+
+  kind: str
+  ids: list[int]
+
+
+def read_questions(path: str | pathlib.Path) -> list[tuple[str, str]]:
+  """(category, prompt) of every line of a JSON-lines file (blank lines skipped); a
+  line that is not an object with non-empty string "category" and "prompt" is an
+  `MdjaxError` naming the file and the line."""
+  questions = []
+  for number, line in enumerate(pathlib.Path(path).read_text().splitlines(), start=1):
+    if not line.strip():
+      continue
+    try:
+      entry = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise MdjaxError(f"{path} line {number}: not JSON ({e.msg})") from None
+    if not (isinstance(entry, dict) and all(isinstance(entry.get(key), str) and entry[key].strip()
+                                            for key in ("category", "prompt"))):
+      raise MdjaxError(f'{path} line {number}: expected {{"category": <text>, "prompt": <text>}}, '
+                       f"got {line.strip()[:80]!r}")
+    questions.append((entry["category"], entry["prompt"]))
+  if not questions:
+    raise MdjaxError(f"{path} holds no questions")
+  return questions
+
+
+def selected(questions: list[tuple[str, str]], kinds: int, per_kind: int) -> list[tuple[str, str]]:
+  """The first `per_kind` questions (0: all) of each of the first `kinds` kinds (0: all),
+  in file order."""
+  chosen = list(dict.fromkeys(kind for kind, _ in questions))[:kinds or None]
+  taken = dict.fromkeys(chosen, 0)
+  kept = []
+  for kind, text in questions:
+    if kind in taken and (not per_kind or taken[kind] < per_kind):
+      taken[kind] += 1
+      kept.append((kind, text))
+  return kept
+
+
+def load_line(name: str, strategy: str, family: str, heads_name: str, model: mdjax.Model,
+              trees: tuple[FixedTree, ...]) -> HeadLine | None:
+  """The head strategy `name` on `heads_name`, or None (with a printed note) when the
+  flag is '' or the heads do not load, do not fit `model` or are not of `family`."""
+  if not heads_name:
+    print(f"note: {name} left out (no heads given)")
+    return None
+  try:
+    heads = mdjax.load_heads(heads_name)
+    heads.check_model(model.config)
+  except MdjaxError as e:
+    print(f"note: {name} left out: {e}")
+    return None
+  if heads.config.family != family:
+    print(f"note: {name} left out: {heads_name!r} are {heads.config.family} heads, not {family}")
+    return None
+  return HeadLine(name, strategy, heads, trees)
+
+
+def untrained_lines(model: mdjax.Model, settings: Settings) -> list[HeadLine]:
+  """Random heads of the three families for `model` (the smoke test)."""
   c = model.config
-  heads = {family: init_heads(HeadsConfig(family=family, base_model="random-llama-tiny",
-                                          base_family=c.family, hidden_size=c.hidden_size,
-                                          vocab_size=c.vocab_size,
-                                          num_heads=3 if family == "medusa" else 1), c)
-           for family in ("medusa", "eagle")}
-  prompts = np.random.default_rng(0).integers(3, c.vocab_size, (2, 24)).tolist()
-  return model, heads["medusa"], heads["eagle"], prompts
+
+  def heads(family: str, **fields) -> mdjax.Heads:
+    return init_heads(HeadsConfig(family=family, base_model=model.name, base_family=c.family,
+                                  hidden_size=c.hidden_size, vocab_size=c.vocab_size, **fields), c)
+
+  medusa, eagle = fixed_trees(settings)
+  return [HeadLine("medusa", "medusa", heads("medusa", num_heads=3), medusa),
+          HeadLine("eagle", "eagle", heads("eagle"), eagle),
+          HeadLine("eagle3", "eagle", heads("eagle3", own_unembedding=True,
+                                            target_layers=default_target_layers(c.num_layers)),
+                   eagle)]
+
+
+def fixed_trees(settings: Settings) -> tuple[tuple[FixedTree, ...], tuple[FixedTree, ...]]:
+  """The swept trees of Medusa and of EAGLE (both EAGLE families)."""
+  return (tuple(FixedTree(budget) for budget in settings.budgets),
+          tuple(FixedTree.parse(text) for text in settings.eagle_trees))
+
+
+def setup(settings: Settings) -> tuple[mdjax.Model, list[HeadLine], list[Prompt], dict]:
+  """The model, its head strategies, the prompts and what they were (for the JSON)."""
+  questions = selected(read_questions(_QUESTIONS.value), settings.kinds, settings.per_kind)
+  if _QUICK.value:  # random-llama-tiny has no tokenizer: random prompts, labelled by kind
+    model = mdjax.load("random-llama-tiny")
+    rng = np.random.default_rng(0)
+    prompts = [Prompt(kind, rng.integers(3, model.config.vocab_size, QUICK_PROMPT_LEN).tolist())
+               for kind, _ in questions]
+    return model, untrained_lines(model, settings), prompts, dict(questions="random ids")
+  model = mdjax.load(_MODEL.value)
+  medusa, eagle = fixed_trees(settings)
+  lines = [load_line("medusa", "medusa", "medusa", _MEDUSA.value, model, medusa),
+           load_line("eagle", "eagle", "eagle", _EAGLE.value, model, eagle),
+           load_line("eagle3", "eagle", "eagle3", _EAGLE3.value, model, eagle)]
+  prompts = [Prompt(kind, chat.chat_ids(model, text)) for kind, text in questions]
+  return model, [line for line in lines if line], prompts, dict(questions=_QUESTIONS.value)
 
 
 def groups_of(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
@@ -86,127 +267,244 @@ def groups_of(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
   return [rows[i:i + batch] for i in range(0, len(rows), batch)]
 
 
+def slices(prompts: list[Prompt], batch: int) -> dict[str, list[list[list[int]]]]:
+  """The groups each timed call runs: at batch 1 one slice per task kind (each prompt
+  a group of its own); at a larger batch one slice, `MIXED`, of every prompt."""
+  if batch > 1:
+    return {MIXED: groups_of([p.ids for p in prompts], batch)}
+  kinds: dict[str, list] = {}
+  for prompt in prompts:
+    kinds.setdefault(prompt.kind, []).append([prompt.ids])
+  return kinds
+
+
 def head_cell(result: dict, greedy: dict, steps: int, groups: int) -> dict:
   """`summarize`, plus tokens per target pass of a row (the prefill counts as one:
-  greedy's is 1) and the acceptance per depth of the tree strategies."""
+  greedy's is 1), the acceptance per depth of the tree strategies, and whether the
+  tokens are greedy's."""
   cell = summarize(result, greedy, steps, groups)
   stats = result["stats"]
   cell["tokens_per_pass"] = steps / (stats["target_passes"] + groups)
   if "accepted_at" in stats:
     cell["acceptance_at"] = (np.asarray(stats["accepted_at"])
                              / np.maximum(stats["drafted_at"], 1)).tolist()
+  cell["identical_to_greedy"] = cell["tokens"]["matching_tokens"] == cell["tokens"]["total_tokens"]
   return cell
 
 
-def bench_batch(model, medusa, eagle, prompts, batch: int, settings: Settings) -> dict:
-  groups = groups_of(prompts, batch)
-  n = settings.new_tokens
-  contenders = {"greedy": lambda: run_mdjax(model, groups, n, "greedy"),
-                "prompt_lookup": lambda: run_mdjax(model, groups, n, "prompt_lookup", **LOOKUP),
-                "medusa": lambda: run_mdjax(model, groups, n, "medusa", heads=medusa),
-                "blockwise": lambda: run_mdjax(model, groups, n, "blockwise", heads=medusa)}
-  if eagle is not None:
-    contenders["eagle"] = lambda: run_mdjax(model, groups, n, "eagle", heads=eagle, **EAGLE_TREE)
-  if batch == 1:
-    if eagle is not None:
-      contenders["eagle_8"] = lambda: run_mdjax(model, groups, n, "eagle", heads=eagle,
-                                                **EAGLE_SMALL_TREE)
-    for budget in settings.budgets:
-      contenders[f"medusa_{budget}"] = (
-          lambda budget=budget: run_mdjax(model, groups, n, "medusa", heads=medusa,
-                                          tree_budget=budget))
-  results = timed(contenders, settings.repeats, f"batch {batch}")
-  steps = n * len(groups)
-  return {name: head_cell(result, results["greedy"], steps, len(groups))
+def merged(parts: list[tuple[dict, int]]) -> dict:
+  """(result, groups) of several slices as one result over all their groups: seconds
+  and pass counts summed, rates averaged over the groups, the sequences in turn."""
+  results, weights = [r for r, _ in parts], [g for _, g in parts]
+  stats = results[0]["stats"]
+  summed = {k: np.sum([r["stats"][k] for r in results], axis=0).tolist()
+            for k in SUMMED_STATS if k in stats}
+  rates = {k: np.average([r["stats"][k] for r in results], axis=0, weights=weights).tolist()
+           for k in RATE_STATS if k in stats}
+  seconds = {k: sum(r[k] for r in results)
+             for k in ("seconds", "first_token_seconds", "decode_seconds")}
+  return dict(seconds, stats=summed | rates, sequences=[s for r in results for s in r["sequences"]])
+
+
+def cells_of(results: dict, groups: int, new_tokens: int) -> dict:
+  """Every contender's cell beside greedy's."""
+  return {name: head_cell(result, results["greedy"], new_tokens * groups, groups)
           for name, result in results.items()}
 
 
-def predicted(medusa: mdjax.Heads, budgets: tuple[int, ...]) -> dict:
-  """The trainer's prediction of tokens per pass: Medusa's expected accepted length of
-  the tree built from the held-out top-k accuracies at each budget, and the chain's."""
-  accuracy = medusa.config.top_accuracy
-  if not accuracy:
-    return {}
-  chain = tuple((0,) * d for d in range(1, len(accuracy) + 1))
-  return dict(tree={str(b): head_trees.expected_length(head_trees.build_tree(accuracy, b), accuracy)
-                    for b in budgets},
-              chain=head_trees.expected_length(chain, accuracy))
+def auto_choice(model: mdjax.Model, line: HeadLine, rows: list[list[int]]) -> dict:
+  """What `tree_budget="auto"` chose for `line` at the batch of `rows`, as `out.stats`
+  says it (the tree, its expected tokens per pass and speedup, the t(n) used)."""
+  out = mdjax.generate(model, rows, strategy=line.strategy, max_new_tokens=1, eos_token_id=[],
+                       heads=line.heads)
+  return {k: v for k, v in out.stats.items() if k.startswith(CHOICE_PREFIXES)}
+
+
+def auto_verdict(overall: dict, line: HeadLine, choice: dict) -> dict:
+  """Auto's choice and measured speed beside the best fixed tree's and greedy's."""
+  auto = overall[line.name]
+  verdict = dict(choice=choice, speedup_vs_greedy=auto["speedup_vs_greedy"],
+                 tokens_per_pass=auto["tokens_per_pass"],
+                 at_most_5pct_slower_than_greedy=auto["speedup_vs_greedy"] >= TOLERANCE)
+  fixed = [f"{line.name}@{tree.label}" for tree in line.trees]
+  if fixed:
+    best = max(fixed, key=lambda name: overall[name]["speedup_vs_greedy"])
+    ratio = auto["speedup_vs_greedy"] / overall[best]["speedup_vs_greedy"]
+    verdict.update(best_fixed=best, best_fixed_speedup=overall[best]["speedup_vs_greedy"],
+                   auto_over_best_fixed=ratio, within_5pct_of_best_fixed=ratio >= TOLERANCE,
+                   goal_met=ratio >= TOLERANCE and verdict["at_most_5pct_slower_than_greedy"])
+  return verdict
+
+
+def bench_batch(model: mdjax.Model, lines: list[HeadLine], prompts: list[Prompt], batch: int,
+                settings: Settings) -> dict:
+  """Every contender on every slice of the prompts at `batch` rows (`slices`)."""
+  runs = {"greedy": ("greedy", {}), "prompt_lookup": ("prompt_lookup", LOOKUP)}
+  for line in lines:
+    runs |= line.contenders()
+  parts = slices(prompts, batch)
+  kinds, collected = {}, {name: [] for name in runs}
+  for kind, groups in parts.items():
+    contenders = {name: functools.partial(run_mdjax, model, groups, settings.new_tokens, strategy,
+                                          **options)
+                  for name, (strategy, options) in runs.items()}
+    results = timed(contenders, settings.repeats, f"batch {batch}, {kind}")
+    kinds[kind] = cells_of(results, len(groups), settings.new_tokens)
+    for name, result in results.items():
+      collected[name].append((result, len(groups)))
+  groups = sum(len(g) for g in parts.values())
+  overall = cells_of({name: merged(p) for name, p in collected.items()}, groups,
+                     settings.new_tokens)
+  first_rows = next(iter(parts.values()))[0]
+  cell = dict(overall=overall,
+              sweep={line.name: {f"{line.name}@{t.label}": t.budget for t in line.trees}
+                     for line in lines},
+              auto={line.name: auto_verdict(overall, line, auto_choice(model, line, first_rows))
+                    for line in lines})
+  return cell if batch > 1 else dict(kinds=kinds, **cell)
+
+
+def mismatches(batches: dict) -> list[str]:
+  """"batch B, <kind or overall>, <contender>: m/n tokens" for every contender whose
+  tokens are not greedy's."""
+  found = []
+  for batch, cell in batches.items():
+    for part, cells in {**cell.get("kinds", {}), "overall": cell["overall"]}.items():
+      for name, c in cells.items():
+        if not c["identical_to_greedy"]:
+          found.append(f"batch {batch}, {part}, {name}: {c['tokens']['matching_tokens']}/"
+                       f"{c['tokens']['total_tokens']} tokens equal greedy's")
+  return found
 
 
 def run(settings: Settings) -> dict:
-  if _QUICK.value:
-    model, medusa, eagle, prompts = quick_setup()
-  else:
-    model = mdjax.load(_MODEL.value)
-    medusa = mdjax.load_heads(_MEDUSA.value)
-    eagle = mdjax.load_heads(_EAGLE.value) if _EAGLE.value else None
-    prompts = heldout_prompts(model, medusa, settings.prompts)
-  results = dict(machine=machine_info(memory_bandwidth(256)), settings=dataclasses.asdict(settings),
-                 model=model.description, medusa=medusa.name or "untrained",
-                 eagle=None if eagle is None else eagle.name or "untrained",
-                 predicted=predicted(medusa, settings.budgets), batches={})
-  for batch in settings.batches:
-    results["batches"][str(batch)] = bench_batch(model, medusa, eagle, prompts, batch, settings)
-  return results
+  model, lines, prompts, source = setup(settings)
+  batches = {str(batch): bench_batch(model, lines, prompts, batch, settings)
+             for batch in settings.batches}
+  return dict(machine=machine_info(memory_bandwidth(256)), settings=dataclasses.asdict(settings),
+              model=model.description, **source,
+              kinds={kind: sum(p.kind == kind for p in prompts)
+                     for kind in dict.fromkeys(p.kind for p in prompts)},
+              heads={line.name: line.heads.name or "untrained" for line in lines},
+              batches=batches, mismatches=mismatches(batches))
+
+
+def headline(results: dict) -> list[str]:
+  """The contenders compared per kind: the baselines but greedy, and auto's."""
+  return [name for name in next(iter(results["batches"].values()))["overall"]
+          if name == "prompt_lookup" or name in results["heads"]]
 
 
 def table(results: dict) -> str:
-  lines = ["batch  contender        ms/tok  vs greedy  tokens/pass  same tokens"]
-  for batch, cells in results["batches"].items():
-    for name, c in cells.items():
+  lines = []
+  for batch, cell in results["batches"].items():
+    lines.append(f"batch {batch}, overall     ms/tok  vs greedy  tokens/pass  same tokens")
+    for name, c in cell["overall"].items():
       same = f"{c['tokens']['matching_tokens']}/{c['tokens']['total_tokens']}"
-      lines.append(f"{batch:>5}  {name:<15} {c['ms_per_token']:7.2f}  "
-                   f"{c['speedup_vs_greedy']:8.2f}x  {c['tokens_per_pass']:11.2f}  {same}")
+      flag = "" if c["identical_to_greedy"] else "  MISMATCH"
+      lines.append(f"  {name:<20} {c['ms_per_token']:7.2f}  {c['speedup_vs_greedy']:8.2f}x  "
+                   f"{c['tokens_per_pass']:11.2f}  {same}{flag}")
+    if "kinds" in cell:
+      lines += kind_table(cell["kinds"], headline(results), batch)
+    lines += [auto_line(batch, name, verdict) for name, verdict in cell["auto"].items()]
+  if results["mismatches"]:
+    lines += ["TOKEN MISMATCH vs greedy (a lossless mode must equal it):"]
+    lines += [f"  {m}" for m in results["mismatches"]]
   return "\n".join(lines)
 
 
+def kind_table(kinds: dict, names: list[str], batch: str) -> list[str]:
+  """Per task kind: each contender's speedup vs greedy (tokens per pass)."""
+  lines = [f"batch {batch}, per kind: speedup vs greedy (tokens per pass)",
+           f"  {'kind':<20}" + "".join(f"{n:>16}" for n in names)]
+  for kind, cells in kinds.items():
+    row = [f"{cells[n]['speedup_vs_greedy']:8.2f}x ({cells[n]['tokens_per_pass']:4.2f})"
+           for n in names]
+    lines.append(f"  {kind:<20}" + "".join(row))
+  return lines
+
+
+def auto_line(batch: str, name: str, verdict: dict) -> str:
+  """Auto's choice and issue 40's goal for one head strategy, in words."""
+  c = verdict["choice"]
+  tree = ("plain decoding" if c.get("tree_choice") != "tree" else
+          f"budget {c['tree_budget']} (depth {c['tree_depth']}, top-k {c['tree_top_k']})")
+  line = (f"batch {batch}, {name} auto: {tree}, {verdict['speedup_vs_greedy']:.2f}x greedy "
+          f"[{'ok' if verdict['at_most_5pct_slower_than_greedy'] else 'FAILS'} >= 0.95x]")
+  if "best_fixed" in verdict:
+    line += (f"; best fixed {verdict['best_fixed']} {verdict['best_fixed_speedup']:.2f}x, auto "
+             f"{verdict['auto_over_best_fixed']:.0%} of it "
+             f"[{'ok' if verdict['within_5pct_of_best_fixed'] else 'FAILS'} >= 95%]")
+  return line
+
+
+def bars(ax, labels: list[str], series: dict[str, list[float]], ylabel: str) -> None:
+  """Grouped bars: one group per label, one bar per series; a line at 1 (greedy)."""
+  width = 0.8 / max(len(series), 1)
+  for i, (name, values) in enumerate(series.items()):
+    ax.bar(np.arange(len(labels)) + i * width, values, width, label=name)
+  ax.axhline(1.0, color="black", lw=0.8)
+  ax.set_xticks(np.arange(len(labels)) + width * (len(series) - 1) / 2, labels, rotation=30,
+                ha="right", fontsize=8)
+  ax.set_ylabel(ylabel)
+  ax.legend(fontsize=8)
+
+
+def plot_budgets(ax, results: dict) -> None:
+  """Speedup vs tree budget per head strategy and batch, auto's choice a star."""
+  widest, star = 1, "auto's choice"
+  for (batch, cell), style in zip(results["batches"].items(), itertools.cycle(LINESTYLES)):
+    for i, (name, sweep) in enumerate(cell["sweep"].items()):
+      color = f"C{i}"
+      ax.plot(list(sweep.values()), [cell["overall"][n]["speedup_vs_greedy"] for n in sweep],
+              "o" + style, color=color, label=f"{name}, batch {batch}")
+      auto = cell["auto"][name]
+      budget = auto["choice"].get("tree_budget", 0)
+      ax.plot([budget], [auto["speedup_vs_greedy"]], "*", color=color, markersize=16,
+              markeredgecolor="black", label=star)
+      star = None  # one legend entry for every star
+      widest = max(widest, budget, *sweep.values())
+  ax.axhline(1.0, color="black", lw=0.8)
+  ax.set_xscale("symlog", base=2, linthresh=1)
+  ax.set_xlim(-0.5, widest * 1.5)  # room for a star at 0 (plain decoding)
+  ax.set_xlabel("tree budget (nodes verified per pass; 0 = plain decoding)")
+  ax.set_ylabel("speedup vs mdjax greedy")
+  ax.set_title("fixed trees (lines) and auto's choice (stars)", fontsize=10)
+  ax.legend(fontsize=7)
+
+
 def plot(results: dict, path: pathlib.Path) -> None:
-  """Left: medusa's tokens per pass vs tree budget (batch 1), measured and predicted.
-  Middle: acceptance per depth. Right: speedup vs greedy per contender and batch."""
-  fig, (budget_ax, depth_ax, speed) = plt.subplots(1, 3, figsize=(16, 5))
-  first = next(iter(results["batches"].values()))
-  budgets = results["settings"]["budgets"]
-  budget_ax.plot(budgets, [first[f"medusa_{b}"]["tokens_per_pass"] for b in budgets], "o-",
-                 label="measured")
-  if results["predicted"]:
-    budget_ax.plot(budgets, [results["predicted"]["tree"][str(b)] for b in budgets], "x--",
-                   label="predicted from held-out top-k accuracy")
-  budget_ax.set_xscale("log", base=2)
-  budget_ax.set_xlabel("tree budget (nodes verified per pass)")
-  budget_ax.set_ylabel("tokens per target pass")
-  budget_ax.set_title("medusa, batch 1", fontsize=10)
-  budget_ax.legend(fontsize=8)
-  for name in ("medusa", "blockwise", "eagle"):
-    cell = first.get(name)
-    if cell and "acceptance_at" in cell:
-      rates = cell["acceptance_at"]
-      depth_ax.plot(range(1, len(rates) + 1), rates, "o-", label=name)
-  depth_ax.set_xlabel("depth")
-  depth_ax.set_ylabel("accepted / drafted at that depth")
-  depth_ax.set_title("acceptance per depth, batch 1", fontsize=10)
-  depth_ax.legend(fontsize=8)
-  names = [n for n in first if n != "greedy" and not n.startswith("medusa_")]
-  width = 0.8 / len(results["batches"])
-  for i, (batch, cells) in enumerate(results["batches"].items()):
-    x = np.arange(len(names)) + i * width
-    speed.bar(x, [cells.get(n, {}).get("speedup_vs_greedy", 0.0) for n in names], width,
-              label=f"batch {batch}")
-  speed.axhline(1.0, color="black", lw=0.8)
-  speed.set_xticks(np.arange(len(names)) + width * (len(results["batches"]) - 1) / 2, names,
-                   rotation=30, ha="right", fontsize=8)
-  speed.set_ylabel("speedup per token vs mdjax greedy")
-  speed.legend(fontsize=8)
-  save_figure(fig, path, f"{results['model']}; heads {results['medusa']}, {results['eagle']}\n"
-                         f"{machine_line(results['machine'])}")
+  """Top: speedup and tokens per pass per task kind at batch 1. Bottom: speedup vs tree
+  budget with auto marked, and the overall speedup at every batch."""
+  fig, ((speed, passes), (budgets, overall)) = plt.subplots(2, 2, figsize=(15, 10))
+  names = headline(results)
+  kinds = results["batches"].get("1", {}).get("kinds", {})
+  for ax, key, label in ((speed, "speedup_vs_greedy", "speedup vs mdjax greedy"),
+                         (passes, "tokens_per_pass", "tokens per target pass")):
+    bars(ax, list(kinds), {n: [cells[n][key] for cells in kinds.values()] for n in names}, label)
+    ax.set_title("per task kind, batch 1 (auto trees); greedy = 1", fontsize=10)
+  plot_budgets(budgets, results)
+  batches = list(results["batches"])
+  bars(overall, names, {f"batch {b}": [results["batches"][b]["overall"][n]["speedup_vs_greedy"]
+                                       for n in names] for b in batches},
+       "speedup vs mdjax greedy")
+  overall.set_title("overall, every batch (auto trees)", fontsize=10)
+  heads = ", ".join(f"{k}: {v}" for k, v in results["heads"].items())
+  save_figure(fig, path, f"{results['model']}; {heads}\n{machine_line(results['machine'])}")
 
 
 def main(argv):
   del argv
   settings = Settings(batches=tuple(int(b) for b in _BATCHES.value),
-                      budgets=tuple(int(b) for b in _BUDGETS.value), prompts=_PROMPTS.value,
+                      budgets=tuple(int(b) for b in _BUDGETS.value),
+                      eagle_trees=tuple(_EAGLE_TREES.value), per_kind=_PER_KIND.value, kinds=0,
                       new_tokens=_NEW_TOKENS.value, repeats=_REPEATS.value)
   if _QUICK.value:
     settings = dataclasses.replace(settings, **QUICK)
+  for batch in settings.batches:
+    check_count("batch size", batch, 1)
+  check_count("new_tokens", settings.new_tokens, 2)  # the decode after the first token is timed
+  check_count("repeats", settings.repeats, 1)
   write_results(run(settings), _OUT_DIR.value, "bench_heads", plot, table)
 
 

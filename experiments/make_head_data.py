@@ -41,8 +41,9 @@ _LAYER_LOOP = flags.DEFINE_enum("layer_loop", None, ["scan", "unrolled"],
                                 "The model's layer loop (default: the platform's).")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 1_000_000, "Stop after this many answer tokens "
                                    "(over all runs on the directory).")
-_MAX_MINUTES = flags.DEFINE_float("max_minutes", 0, "Stop starting answers after this many "
-                                  "minutes of this run (0: no limit); rows in flight finish.")
+_MAX_MINUTES = flags.DEFINE_float("max_minutes", 0, "Stop after this many minutes of this run "
+                                  "(0: no limit); rows in flight are dropped (a rerun "
+                                  "answers them).")
 _PROMPTS = flags.DEFINE_string("prompts_file", None, "Use these prompts (one per line, or "
                                "JSON lines) instead of the built-in and grown ones.")
 _GROW = flags.DEFINE_integer("grow_prompts", 4000, "Prompts the model writes (besides the "
@@ -58,7 +59,8 @@ _MAX_PROMPT = flags.DEFINE_integer("max_prompt_tokens", 256, "Longer prompts are
 _AUX = flags.DEFINE_list("aux_layers", [], "Layers (from 0) whose outputs are kept "
                          "(default: EAGLE-3's 1, L//2 - 1, L - 4).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds the prompts, the split, the order and sampling.")
-_BATCH = flags.DEFINE_integer("batch", 128, "Rows decoded at once.")
+_BATCH = flags.DEFINE_integer("batch", 256, "Rows decoded at once (256: ~8 GB of KV cache for "
+                              "SmolLM2 at the default lengths).")
 _REFILL = flags.DEFINE_integer("refill_rows", 0, "Finished rows refilled at once "
                                "(0: batch // 8).")
 _STEPS = flags.DEFINE_integer("steps_per_call", 8, "Decode steps per compiled call.")

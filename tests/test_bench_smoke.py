@@ -119,21 +119,53 @@ def test_bench_compile_quick(tmp_path):
   assert math.isfinite(results["decode_scan_over_unrolled"])
 
 
+HEAD_LINES = ("medusa", "eagle", "eagle3")
+
+
 def test_bench_heads_quick(tmp_path):
-  """Every head strategy reproduces greedy's tokens; tokens per pass and acceptance per
-  depth are reported for the tree strategies at every batch size and budget."""
+  """Every contender reproduces greedy's tokens; tokens per pass and speedup are reported
+  per task kind at batch 1 and overall at every batch; every head strategy's auto choice
+  is marked beside its fixed trees, with issue 40's goal checked."""
   results = run_quick("bench_heads", tmp_path)
   settings = results["settings"]
   assert list(results["batches"]) == [str(b) for b in settings["batches"]]
-  for batch, cells in results["batches"].items():
-    assert {"greedy", "prompt_lookup", "medusa", "blockwise", "eagle"} <= set(cells)
-    assert cells["greedy"]["tokens_per_pass"] == pytest.approx(1.0)
-    for name, cell in cells.items():
-      assert cell["tokens"]["matching_tokens"] == cell["tokens"]["total_tokens"], (batch, name)
-      assert 1.0 <= cell["tokens_per_pass"]
-    for name in ("medusa", "blockwise", "eagle"):
-      assert all(0 <= rate <= 1 for rate in cells[name]["acceptance_at"])
-  assert {f"medusa_{b}" for b in settings["budgets"]} <= set(results["batches"]["1"])
+  assert set(results["heads"]) == set(HEAD_LINES) and results["mismatches"] == []
+  kinds = results["batches"]["1"]["kinds"]
+  assert list(kinds) == list(results["kinds"]) and len(kinds) == 2
+  for batch, entry in results["batches"].items():
+    overall = entry["overall"]
+    for line in HEAD_LINES:
+      assert set(entry["sweep"][line]) <= set(overall)
+      assert len(entry["sweep"][line]) == len(settings["eagle_trees" if "eagle" in line
+                                                        else "budgets"])
+    for cells in [overall, *entry.get("kinds", {}).values()]:
+      assert {"greedy", "prompt_lookup", *HEAD_LINES} <= set(cells)
+      assert cells["greedy"]["tokens_per_pass"] == pytest.approx(1.0)
+      for name, cell in cells.items():
+        assert cell["identical_to_greedy"], (batch, name)
+        assert cell["tokens"]["matching_tokens"] == cell["tokens"]["total_tokens"] > 0
+        assert cell["tokens_per_pass"] >= 1.0 and cell["speedup_vs_greedy"] > 0
+        assert all(0 <= rate <= 1 for rate in cell.get("acceptance_at", []))
+    for line, auto in entry["auto"].items():
+      assert {"tree_choice", "tree_budget", "tree_depth", "tree_top_k",
+              "pass_cost_s"} <= set(auto["choice"])
+      assert auto["speedup_vs_greedy"] == overall[line]["speedup_vs_greedy"]
+      assert auto["best_fixed"] in entry["sweep"][line]
+      assert auto["auto_over_best_fixed"] == pytest.approx(
+          auto["speedup_vs_greedy"] / overall[auto["best_fixed"]]["speedup_vs_greedy"])
+      assert auto["goal_met"] == (auto["within_5pct_of_best_fixed"]
+                                  and auto["at_most_5pct_slower_than_greedy"])
+
+
+def test_bench_heads_bad_question_line(tmp_path):
+  """A question file's bad line is one error line naming it."""
+  questions = tmp_path / "questions.jsonl"
+  questions.write_text('{"category": "qa", "prompt": "Why?"}\n{"prompt": "no category"}\n')
+  done = subprocess.run([sys.executable, "-m", "experiments.bench_heads", "--quick",
+                         f"--questions={questions}", f"--out_dir={tmp_path}"],
+                        cwd=REPO, timeout=600, capture_output=True, text=True)
+  assert done.returncode == 1
+  assert done.stderr.strip().splitlines()[-1].startswith(f"error: {questions} line 2:")
 
 
 def test_bench_device_quick(tmp_path):

@@ -16,6 +16,8 @@ from mdjax.heads import Heads, HeadsConfig, export_heads, formats, load_heads, s
 from mdjax.heads.eagle3 import (default_target_layers, eagle3_step, init_eagle3, layer_config,
                                 unrolled_logits)
 from mdjax.models.model import Model
+from mdjax.models.transformer import forward_causal
+from mdjax.strategies.base import ModelFn
 from mdjax.topology import Topology
 
 from tests.helpers import chi_square_p_value, random_model, target_law
@@ -243,3 +245,18 @@ def test_sampling_with_a_draft_vocabulary_follows_the_target_law(target):
   for position in (1, 2):
     sample = [s[position] for s in out.sequences]
     assert chi_square_p_value(sample, target_law(model, prompt, position, options)) > 1e-3
+
+
+def test_the_verify_pass_hands_over_the_target_layers_of_a_full_forward(target):
+  """`ModelFn(hidden_layers=...)`'s hidden, what EAGLE-3 heads fuse, equals the residual
+  stream after those layers in a full cache-free forward, concatenated."""
+  layers = default_target_layers(target.config.num_layers)
+  tokens = jnp.asarray([PROMPTS[0]], jnp.int32)
+  positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+  model = ModelFn(config=target.config, hidden_layers=layers)
+  cache = KVCache.create(target.config, 1, 32)
+  _, hidden, _ = model(target.params, cache, tokens, positions, jnp.zeros_like(tokens),
+                       Topology.causal(1))
+  _, aux = forward_causal(target.params, tokens, config=target.config, aux_layers=layers)
+  assert hidden.shape == (1, tokens.shape[1], 3 * target.config.hidden_size)
+  np.testing.assert_allclose(hidden, aux.reshape(*aux.shape[:2], -1), rtol=1e-5, atol=1e-5)

@@ -196,8 +196,12 @@ def test_filter_and_dedup():
   assert keep("go to the shop go to the shop go to the shop", passage=False) == "garbage"
   assert keep("Write only the question about the history of trains.", passage=False) == "garbage"
   assert keep("<|im_start|>user what is the time now", passage=False) == "garbage"
+  assert keep("Sure, here is a question about trains and buses", passage=False) == "not a request"
+  assert keep("Here is one question a student might ask:", passage=False) == "not a request"
   assert self_instruct.clean('1. Question: "What is a prime number?"\nA prime is...', False) == \
       "What is a prime number?"
+  assert self_instruct.clean('The student asks: "Why do magnets attract iron?', False) == \
+      "Why do magnets attract iron?"
   deduper = self_instruct.Deduper(threshold=0.7)
   added = [deduper.add(t) for t in [
       "How do I bake bread at home?", "how do I bake   BREAD at home", "How do I bake bread "

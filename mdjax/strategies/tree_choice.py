@@ -41,6 +41,7 @@ measurement; `default_accuracy`'s first head).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -115,8 +116,7 @@ def static_tree(accuracy, cost: PassCost, draft_s: float, *, branches: int = 1,
   plain = 1 / cost(branches)
   best, best_rate = _plain(cost), plain if allow_plain else 0.0
   for budget in range(1, min(_max_nodes(branches), available) + 1):
-    tree = build_tree(accuracy, budget)
-    length = expected_length(tree, accuracy)
+    tree, length = best_static_tree(_hashable(accuracy), budget)
     rate = length / (cost(branches * (1 + budget)) + draft_s)
     if rate > best_rate:
       best_rate = rate
@@ -129,12 +129,11 @@ def dynamic_tree(accuracy, cost: PassCost, draft_s: Callable[[int, int], float],
                  depths: Sequence[int], top_ks: Sequence[int], allow_plain: bool = True) -> Choice:
   """The best EAGLE-2 tree (module docstring) of a depth D in `depths`, a top-k K in
   `top_ks` and any budget M, drafted for `draft_s(D, K)` seconds."""
-  per_rank = rank_accuracy(accuracy)
   plain = 1 / cost(1)
   best, best_rate = _plain(cost), plain if allow_plain else 0.0
   for depth in depths:
     for top_k in top_ks:
-      values = sorted(drafted_values(per_rank, depth, top_k), reverse=True)
+      values = drafted_values(_hashable(accuracy), depth, top_k)
       draft, length = draft_s(depth, top_k), 1.0
       for budget, value in enumerate(values[:_max_nodes(1)], start=1):
         length += value
@@ -156,17 +155,32 @@ def plain_decoding(strategy: Sampled, params, prompt: Prompt, capacity: int,
                              request_stats=choice.stats(strategy.sampling.greedy))
 
 
-def drafted_values(per_rank, depth: int, top_k: int) -> list[float]:
+@functools.lru_cache(maxsize=4096)
+def best_static_tree(accuracy: tuple, budget: int) -> tuple[tuple, float]:
+  """`build_tree(accuracy, budget)` and its expected length (memoised: every request
+  of the same heads searches the same trees)."""
+  tree = build_tree(accuracy, budget)
+  return tree, expected_length(tree, accuracy)
+
+
+@functools.lru_cache(maxsize=4096)
+def drafted_values(accuracy: tuple, depth: int, top_k: int) -> tuple[float, ...]:
   """The value (`node_value`) of every node EAGLE-2's loop drafts with `depth` levels
-  and `top_k`, when the values are its scores: level 1 is ranks 0 .. K-1; each further
-  level, the K children of the K best nodes of the level above (ties: the first)."""
+  and `top_k`, when the values are its scores, best first (memoised): level 1 is ranks
+  0 .. K-1; each further level, the K children of the K best nodes of the level above
+  (ties: the first)."""
+  per_rank = rank_accuracy(accuracy)
   level = [(rank,) for rank in range(top_k)]
   drafted = list(level)
   for _ in range(depth - 1):
     front = sorted(level, key=lambda node: -node_value(node, per_rank))[:top_k]
     level = [node + (rank,) for node in front for rank in range(top_k)]
     drafted += level
-  return [node_value(node, per_rank) for node in drafted]
+  return tuple(sorted((node_value(node, per_rank) for node in drafted), reverse=True))
+
+
+def _hashable(accuracy) -> tuple[tuple[float, ...], ...]:
+  return tuple(tuple(float(a) for a in row) for row in accuracy)
 
 
 def _max_nodes(branches: int) -> int:

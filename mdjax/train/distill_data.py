@@ -8,8 +8,10 @@ The prompts are mdjax's built-in set plus `grow_prompts` the model writes; a see
 answers prompt `order[i % P]` (`work_order`), sample `i // P`: every prompt is
 answered once before any twice, so a budget that stops early still covers the most
 prompts. Rerun on the same directory, it checks the settings against `meta.json` and
-answers only the items no chunk holds; a budget (`max_tokens` answer tokens,
-`max_minutes`) stops new items, and the rows in flight finish.
+answers only the items no chunk holds. The `max_tokens` budget (answer tokens)
+stops new items and lets the rows in flight finish; `max_minutes` stops at once, the
+rows in flight dropped (a rerun answers them): draining them would take up to
+`max_new_tokens` steps at falling occupancy.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class DataConfig:
   seed: int = 0
   max_tokens: int = 1_000_000
   max_minutes: float = 0.0  # 0: no time budget
-  batch: int = 128
+  batch: int = 256
   refill_rows: int = 0  # 0: batch // 8
   steps_per_call: int = 8
   chunk_tokens: int = 65536
@@ -110,9 +112,11 @@ def make(config: DataConfig, model: Model, given: list[str] | None = None) -> di
                            steps_per_call=config.steps_per_call)
   writer = ChunkWriter(out, lambda item: prompts[order[item]]["id"], config.chunk_tokens)
 
+  def out_of_time() -> bool:
+    return bool(config.max_minutes) and time.perf_counter() - started > 60 * config.max_minutes
+
   def keep_going() -> bool:
-    return (answered + stats.answer_tokens < config.max_tokens and
-            not (config.max_minutes and time.perf_counter() - started > 60 * config.max_minutes))
+    return answered + stats.answer_tokens < config.max_tokens and not out_of_time()
 
   for row in capture(model, items, options, batch=config.batch,
                      refill_rows=config.rows_per_refill,
@@ -121,6 +125,8 @@ def make(config: DataConfig, model: Model, given: list[str] | None = None) -> di
     writer.add(row)
     bar.update(row.answer_length)
     bar.set_postfix(tok_s=f"{(stats.prompt_tokens + stats.answer_tokens) / stats.seconds:.0f}")
+    if out_of_time():  # draining the rows in flight would run at falling occupancy
+      break
   writer.flush()
   bar.close()
   done, answered = written_items(out)

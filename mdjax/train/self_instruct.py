@@ -149,6 +149,11 @@ ECHO = re.compile(r"\b(write only|nothing else|write one|write a (short|casual|s
                   r"question|math|puzzle))\b", re.IGNORECASE)
 LABEL = re.compile(r"^\s*(?:\d+[.)]\s*|[-*]\s*)?(?:(?:question|message|request|problem|"
                    r"instruction|sentence|answer|paragraph)\s*\d*\s*:\s*)?", re.IGNORECASE)
+QUOTED = re.compile(r'["“]([^"”]{12,})["”]?')
+ASSISTANT_VOICE = re.compile(r"^(sure|certainly|of course|here'?s|here is|i'?m (ready|here|happy)|"
+                             r"i am (ready|here|happy)|i'?d (love|be happy)|i just|i simply|"
+                             r"one potential|as an? |a (user|chatbot|student) might)\b",
+                             re.IGNORECASE)
 STOPWORDS = frozenset(
     "a an the and or but if of to in on at for with from by about as is are was were be been "
     "do does did have has had can could will would should may might what which who whom whose "
@@ -185,17 +190,22 @@ def asks(seed: int) -> list[Ask]:
 
 def clean(answer: str, passage: bool) -> str:
   """The model's answer as a request: its first non-empty line, without a leading
-  label ("Question:", "1.") or quotes; a passage keeps every line, joined."""
+  label ("Question:", "1."); when it quotes something (`The student asks: "Why...?"`),
+  the quoted text. A passage keeps every line, joined."""
   lines = [line.strip() for line in answer.strip().splitlines() if line.strip()]
   if not lines:
     return ""
-  text = " ".join(lines) if passage else LABEL.sub("", lines[0], count=1)
-  return text.strip().strip('"“”\'').strip()
+  if passage:
+    return " ".join(lines)
+  text = LABEL.sub("", lines[0], count=1)
+  quoted = QUOTED.search(text)
+  return (quoted.group(1) if quoted else text).strip().strip('"“”\'').strip()
 
 
 def keep(text: str, passage: bool) -> str | None:
-  """Why `text` is dropped ("length", "language", "refusal", "garbage"), or None to
-  keep it. Requests have 4-80 words, passages 25-200."""
+  """Why `text` is dropped ("length", "language", "refusal", "not a request": the
+  assistant's voice or a lead-in, "garbage"), or None to keep it. Requests have 4-80
+  words, passages 25-200."""
   words = text.split()
   low, high = (25, 200) if passage else (4, 80)
   if not low <= len(words) <= high:
@@ -207,6 +217,8 @@ def keep(text: str, passage: bool) -> str | None:
     return "language"
   if REFUSAL.search(text):
     return "refusal"
+  if not passage and (ASSISTANT_VOICE.match(text) or text.endswith(":")):
+    return "not a request"
   trigrams = list(zip(lowered, lowered[1:], lowered[2:]))
   if ("<|" in text or "http" in text or ECHO.search(text) or re.search(r"(.)\1{5,}", text)
       or (trigrams and max(trigrams.count(t) for t in set(trigrams)) >= 3)

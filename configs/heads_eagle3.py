@@ -1,0 +1,25 @@
+"""EAGLE-3 heads for SmolLM2-135M-Instruct over a draft vocabulary, trained on a data set
+`experiments/make_head_data.py` wrote (the model's own answers and hidden states).
+
+    python -m experiments.make_head_data --out_dir=runs/head_data
+    python -m experiments.train_heads --config=configs/heads_eagle3.py \
+        --config.run_dir=runs/eagle3 --config.data_dir=runs/head_data
+
+One decoder layer over three of the model's layers (1, 14 and 26 of 30), 8192 draft
+tokens, the training-time test unrolled 7 steps (EAGLE-3's; step j weighted 0.8^j),
+cross-entropy to the model's greedy guesses; whole rows, 4 a step.
+"""
+
+from configs import heads_common
+
+
+def get_config():
+  config = heads_common.get_shipped_config("eagle3")
+  config.num_heads = 1
+  config.num_layers = 1
+  config.unroll = 7
+  config.draft_vocab_size = 8192
+  config.loss = "ce"
+  config.steps = 2000
+  config.batch_size = 4
+  return config
