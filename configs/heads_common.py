@@ -39,10 +39,12 @@ def get_base_config() -> ml_collections.ConfigDict:
   #                              training answers (eagle3: 8192 or 16384); 0 = all of them
   config.feature_dtype = "float32"  # the cached hidden states: "float32" or "float16"
   config.feature_batch = 8  # rows per forward pass of the base
-  # "ce": the data's tokens; "kl": the base's distribution of them (what the shipped heads
-  # used). Measured after shipping (Medusa on SmolLM2, 150 steps each, same data): held-out
-  # top-1 0.169 / 0.076 / 0.058 / 0.045 with "ce" against 0.172 / 0.075 / 0.058 / 0.045
-  # with "kl", at half the time per step: prefer "ce" for a time budget
+  # "ce": the data's tokens; "kl": the base's distribution of them; "greedy" (medusa, mtp):
+  # the base's greedy guesses of them, what a greedy verifier accepts, at "ce"'s cost
+  # (eagle3 always trains on those guesses). Measured (Medusa on SmolLM2, 150 steps each,
+  # same data): held-out top-1 0.169 / 0.076 / 0.058 / 0.045 with "ce" against 0.172 /
+  # 0.075 / 0.058 / 0.045 with "kl", at half the time per step: prefer "ce" or "greedy"
+  # for a time budget
   config.loss = "kl"
   config.head_decay = 0.8  # loss weight of head k (eagle: unrolled step k): decay^(k-1)
   config.mask_prompt = True  # no loss on targets inside the prompt

@@ -49,17 +49,22 @@ def start_processes(config) -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+def check_argv(argv: list[str]) -> None:
+  """What every entry point does first: stray arguments exit 2; absl logs only
+  warnings unless `--verbosity` is given."""
+  if len(argv) > 1:
+    fail(f"unexpected arguments {argv[1:]!r}", 2)
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+
+
 def json_main(run: Callable[[object], dict], config_flag) -> Callable[[list[str]], None]:
   """`main(argv)` for `app.run`: `run(config_flag.value)`, its summary printed as JSON;
-  bad input is one line (`one_line_errors`), stray arguments exit 2. absl logs only
-  warnings unless `--verbosity` is given."""
+  bad input is one line (`one_line_errors`); `check_argv` first."""
 
   @one_line_errors
   def main(argv):
-    if len(argv) > 1:
-      fail(f"unexpected arguments {argv[1:]!r}", 2)
-    if not flags.FLAGS["verbosity"].present:
-      logging.set_verbosity(logging.WARNING)
+    check_argv(argv)
     start_processes(config_flag.value)
     print(json.dumps(run(config_flag.value)))
 

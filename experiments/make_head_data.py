@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import json
 
-from absl import app, flags, logging
+from absl import app, flags
 
 import mdjax
-from experiments.cli import fail, one_line_errors
+from experiments.cli import check_argv, fail, one_line_errors
 from mdjax.train import head_prompts
 from mdjax.train.distill_data import DataConfig, make
 
@@ -71,10 +71,7 @@ flags.mark_flag_as_required("out_dir")
 
 @one_line_errors
 def main(argv):
-  if len(argv) > 1:
-    fail(f"unexpected arguments {argv[1:]!r}", 2)
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  check_argv(argv)
   try:
     aux_layers = tuple(int(x) for x in _AUX.value)
   except ValueError:

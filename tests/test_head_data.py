@@ -6,6 +6,7 @@ de-duplicated and split by prompt."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,12 +14,12 @@ import pytest
 import mdjax
 from mdjax.cache import KVCache
 from mdjax.models.layer_loop import take_layers, with_layer_loop
-from mdjax.models.transformer import forward_causal
-from mdjax.sampling import SamplingParams
+from mdjax.models.transformer import forward_causal, lm_head
+from mdjax.sampling import SamplingParams, process_logits, row_keys
 from mdjax.step import decode_step
 from mdjax.topology import Topology
 from mdjax.train import capture, distill_data, head_data, self_instruct
-from tests.helpers import GEMMA3_MIXED, random_model
+from tests.helpers import GEMMA3_MIXED, chi_square_p_value, random_model
 
 AUX = (0, 2, 3)
 
@@ -118,17 +119,26 @@ def test_captured_states_equal_a_teacher_forced_forward(chat_model):
                                  aux_layers=AUX)
     np.testing.assert_allclose(row.hidden, hidden[0], rtol=2e-3, atol=2e-3)  # float16 kept
     np.testing.assert_allclose(row.aux, aux[0], rtol=2e-3, atol=2e-3)
+    guesses = jnp.argmax(lm_head(chat_model.params, hidden[0], config=config), -1)  # [n]
+    last_prompt = row.prompt_length - 1  # the passes before it compute no logits
+    assert (row.greedy[:last_prompt] == -1).all()
+    np.testing.assert_array_equal(row.greedy[last_prompt:], guesses[last_prompt:])
 
 
-def test_capture_rejects_sampling_it_cannot_do():
-  model = random_model()
-  for sampling, message in [(SamplingParams(temperature=1.0), "top_k in"),
-                            (SamplingParams(temperature=1.0, top_p=0.9), "temperature and top_k")]:
-    options = capture.CaptureOptions(config=model.config, aux_layers=(), eos=(), max_new_tokens=2,
-                                     sampling=sampling)
-    with pytest.raises(mdjax.MdjaxError, match=message):
-      list(capture.capture(model, [(0, [3, 4])], options, batch=1, refill_rows=1,
-                           max_prompt_tokens=4, seed=0))
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.7, top_k=3),
+                                      SamplingParams(temperature=1.3, top_p=0.8),
+                                      SamplingParams(temperature=1.0)])
+def test_capture_draws_from_the_samplers_law(sampling):
+  """pick_tokens' inverse-CDF draw against `process_logits`' law: chi-square, 20k draws."""
+  logits = jnp.asarray([[2.0, 1.5, 1.5, 0.3, -1.0, -jnp.inf, 0.9, 0.0]])  # a tie, a -inf
+  draws = 20_000
+  keys = row_keys(jax.random.key(3), jnp.zeros(draws, jnp.int32), jnp.arange(draws))
+  tokens, greedy = jax.jit(lambda k: capture.pick_tokens(
+      k, jnp.broadcast_to(logits, (draws, 8)), sampling))(keys)
+  assert (greedy == 0).all()
+  law = np.asarray(jax.nn.softmax(process_logits(logits, sampling)), np.float64)[0]
+  law /= law.sum()
+  assert chi_square_p_value(tokens, law) > 1e-3  # and nothing outside the filtered set
 
 
 def data_config(out, **changes):
@@ -170,6 +180,7 @@ def test_a_killed_run_resumes_to_the_same_data(chat_model, tmp_path, monkeypatch
     assert (got[item].prompt, got[item].prompt_length) == (row.prompt, row.prompt_length)
     np.testing.assert_allclose(got[item].hidden, row.hidden, rtol=2e-3, atol=2e-3)
     np.testing.assert_allclose(got[item].aux, row.aux, rtol=2e-3, atol=2e-3)
+    np.testing.assert_array_equal(got[item].greedy, row.greedy)
   with pytest.raises(mdjax.MdjaxError, match="was made with temperature=0.7, not 0.5"):
     distill_data.make(data_config(tmp_path / "whole", temperature=0.5), chat_model, TEXTS)
 

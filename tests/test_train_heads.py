@@ -25,7 +25,8 @@ from configs import heads_tiny_test
 from mdjax.train import data, head_prompts
 from mdjax.heads import get_family, load_heads, save_heads
 from mdjax.heads.eagle import eagle_targets
-from mdjax.heads.objective import ahead, parallel_targets
+from mdjax.heads.objective import Objective, ahead, parallel_loss, parallel_targets
+from mdjax.models.config import ModelConfig
 from mdjax.train import heads as heads_lib
 from tests.helpers import cycle_model, write_cycle_prompts
 
@@ -71,6 +72,29 @@ def test_medusa_head_k_targets_token_t_plus_1_plus_k():
   hidden = jnp.arange(width + k, dtype=jnp.float32)[None, :, None]  # [1, W + K, 1]: h[t] = t
   teacher = ahead(hidden, k)[0, :, :, 0]  # head k's law of x[t+1+k] is lm_head(h[t+k])
   assert teacher.tolist() == [[t + head for head in range(1, k + 1)] for t in range(width)]
+
+
+def test_the_greedy_loss_is_cross_entropy_to_the_models_guesses_of_the_same_tokens():
+  """Head k at t: "greedy" trains on greedy[t + k] (the model's guess of x[t + 1 + k]),
+  "ce" on x[t + 1 + k]; the two agree where the data's tokens are the guesses."""
+  k, width, vocab_size = 2, 5, 11
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, vocab_size, (2, width + k + 1))  # [B, n]
+  greedy = rng.integers(0, vocab_size, (2, width + k))  # [B, n - 1]: guess of x[t + 1]
+  batch = {"tokens": jnp.asarray(tokens), "ok": jnp.ones(tokens.shape, bool),
+           "hidden": jnp.asarray(rng.normal(size=(2, width + k, 4)), jnp.float32),
+           "greedy": jnp.asarray(greedy)}
+  heads = jnp.asarray(rng.normal(size=(4, k, vocab_size)), jnp.float32)
+  head_logits = lambda params, hidden, base: jnp.einsum("btd,dkv->btkv", hidden, params)
+  config = ModelConfig(vocab_size=vocab_size, hidden_size=4,
+                       intermediate_size=4, num_layers=1, num_heads=1,
+                       num_kv_heads=1, head_dim=4)
+  loss = lambda name, batch: parallel_loss(head_logits, Objective(
+      family="medusa", model_config=config, depth=k, num_layers=1, loss=name, decay=0.8),
+      heads, batch, {}, (1,))[0]
+  assert not np.isclose(loss("greedy", batch), loss("ce", batch))
+  as_tokens = dict(batch, tokens=jnp.concatenate([batch["tokens"][:, :1], batch["greedy"]], 1))
+  np.testing.assert_allclose(loss("greedy", batch), loss("ce", as_tokens), rtol=1e-6)
 
 
 def test_eagle_reads_token_p_plus_1_and_feature_p_and_predicts_feature_and_token_after():
@@ -247,7 +271,7 @@ def test_a_text_file_is_the_data_as_it_is(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     ({"family": "hydra"}, "unknown heads family 'hydra'"),
     ({"family": "mtp", "unroll": 2}, "config.unroll is eagle and eagle3's; mtp needs 1, got 2"),
-    ({"loss": "mse"}, "config.loss must be one of ce, kl, got 'mse'"),
+    ({"loss": "mse"}, "config.loss must be one of ce, kl, greedy, got 'mse'"),
     ({"unroll": 2}, "config.unroll is eagle and eagle3's"),
     ({"family": "eagle", "num_heads": 3}, "config.num_heads must be 1"),
     ({"feature_dtype": "bfloat16"}, "config.feature_dtype must be one of"),

@@ -5,8 +5,9 @@ At position t of a row (x: the tokens, h: the model's final-norm hidden states, 
 the model's own guess of x[t + 1] is lm_head(h[t])), parallel heads (K of them, scored
 side by side: `parallel_loss`) learn::
 
-    head k   reads h[t] (medusa) or h[0..t] (mtp)   target x[t + 1 + k]  ("ce"), or the
-                                                    law softmax(lm_head(h[t + k])) ("kl")
+    head k   reads h[t] (medusa) or h[0..t] (mtp)   target x[t + 1 + k]  ("ce"), the
+                                                    model's greedy guess of it ("greedy"),
+                                                    or its law softmax(lm_head(h[t + k])) ("kl")
 
 Accuracies compare a head's ranked guesses with the model's greedy choice of the same
 token: what a verifier decoding greedily accepts.
@@ -27,7 +28,7 @@ from mdjax.models.config import ModelConfig
 from mdjax.models.transformer import Params, lm_head
 from mdjax.train import distill
 
-LOSSES = ("ce", "kl")
+LOSSES = ("ce", "kl", "greedy")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,7 +39,7 @@ class Objective:
   model_config: ModelConfig
   depth: int  # predictions scored per position: K parallel heads, or a head's unrolled steps
   num_layers: int
-  loss: str  # "ce" | "kl"
+  loss: str  # "ce" | "kl" | "greedy"
   decay: float  # weight of prediction k: decay^(k - 1)
   regression_weight: float = 1.0  # eagle's feature regression
   token_weight: float = 0.1  # eagle's token loss
@@ -49,10 +50,11 @@ class Objective:
 
   def token_losses(self, logits: Float[Array, "... V"], targets: Int[Array, "..."],
                    teacher_hidden: Float[Array, "... D"], base: Params) -> Float[Array, "..."]:
-    """Cross-entropy to the data's tokens ("ce"), or the KL from the model's law of them,
-    softmax(lm_head(teacher_hidden)) ("kl"); with a draft vocabulary (`base["draft_ids"]`)
-    `targets` are draft columns and the law is the model's over those tokens."""
-    if self.loss == "ce":
+    """Cross-entropy to `targets` ("ce": the data's tokens; "greedy": the model's greedy
+    guesses of them), or the KL from the model's law of them, softmax(lm_head(
+    teacher_hidden)) ("kl"); with a draft vocabulary (`base["draft_ids"]`) `targets`
+    are draft columns and the law is the model's over those tokens."""
+    if self.loss != "kl":
       return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     teacher = lm_head(base, teacher_hidden, config=self.model_config)
     if "draft_ids" in base:  # the model's law over the draft vocabulary, renormalised
@@ -107,6 +109,8 @@ def parallel_loss(head_logits: HeadLogits, objective: Objective, params: Params,
     targets, greedy = column[targets], column[greedy]
     trained, scored = mask & (targets >= 0), mask & (greedy >= 0)
     targets, greedy = jnp.maximum(targets, 0), jnp.maximum(greedy, 0)
+  if objective.loss == "greedy":  # what a greedy verifier accepts, at "ce"'s cost
+    targets, trained = greedy, scored
   losses = objective.token_losses(logits, targets, ahead(hidden, k), base)  # [B, W, K]
   weights = objective.decay ** jnp.arange(k)  # [K]
   loss = jnp.sum(weights * masked_mean(losses, trained, axis=(0, 1)))

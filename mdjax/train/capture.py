@@ -18,7 +18,9 @@ new prompts, never a pass of the whole batch; a compiled call then runs
 Every token, prompt and answer alike, leaves the pass that feeds it with its
 final-norm hidden state `[D]` and the residual stream after `aux_layers` `[A, D]`
 (float16): a prompt's from its refill pass, an answer token's from the decode step
-that feeds it. A finished row feeds its last token (the EOS) once more before it
+that feeds it. The passes that compute logits (the last prompt token's, every answer
+token's) also leave the model's greedy guess of the token after it, the argmax the
+sampler's top-k has already found: what a greedy verifier accepts, free. A finished row feeds its last token (the EOS) once more before it
 stops, so every token has its states, which are those of `forward_causal` over the
 row's tokens: no second pass.
 
@@ -46,12 +48,11 @@ from mdjax.models.config import ModelConfig
 from mdjax.models.model import Model
 from mdjax.models.transformer import Params
 from mdjax.prompts import bucket
-from mdjax.sampling import SamplingParams, row_keys
+from mdjax.sampling import SamplingParams, process_logits, row_keys
 from mdjax.step import decode_step
 from mdjax.topology import Topology
 
 MIN_PROMPT_BUCKET = 64  # refill widths are powers of two from here: few compiled programs
-MAX_TOP_K = 1024
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,20 +104,18 @@ class CaptureState:
 
 
 def pick_tokens(keys: jax.Array, logits: Float[Array, "B V"], sampling: SamplingParams
-                ) -> Int[Array, "B"]:
-  """`mdjax.sampling.choose`'s law for greedy or temperature + top-k sampling, drawn
-  from the k best logits only: on CPU the Gumbel noise of a full-vocabulary draw (49k
-  per row for SmolLM2) costs more than the `lm_head` that made the logits, and a top-k
-  of the row less than its argmax."""
-  if sampling.top_p < 1 or sampling.min_p > 0:
-    raise MdjaxError(f"capture samples with temperature and top_k only, got {sampling}")
-  if not sampling.greedy and not 0 < sampling.top_k <= MAX_TOP_K:
-    raise MdjaxError(f"capture's sampling needs top_k in [1, {MAX_TOP_K}], got {sampling.top_k!r}")
-  best, ids = jax.lax.top_k(logits, 1 if sampling.greedy else sampling.top_k)  # [B, k]
+                ) -> tuple[Int[Array, "B"], Int[Array, "B"]]:
+  """(the token drawn, the row's argmax). The draw follows `mdjax.sampling.choose`'s law
+  (`process_logits`), by inverse CDF: one uniform per row (its key), the first token
+  whose cumulative weight passes it. Cheap on CPU, where the Gumbel noise of a
+  full-vocabulary draw costs more than the `lm_head` that made the logits."""
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
   if sampling.greedy:
-    return ids[:, 0]
-  drawn = jax.vmap(jax.random.categorical)(keys, best / sampling.temperature)  # [B]
-  return jnp.take_along_axis(ids, drawn[:, None], axis=1)[:, 0]
+    return greedy, greedy
+  logits = process_logits(logits, sampling)  # [B, V], filtered tokens at -inf
+  cumulative = jnp.cumsum(jnp.exp(logits - logits.max(axis=-1, keepdims=True)), axis=-1)
+  drawn = jax.vmap(jax.random.uniform)(keys)[:, None] * cumulative[:, -1:]  # [B, 1]
+  return jnp.argmax(cumulative > drawn, axis=-1).astype(jnp.int32), greedy
 
 
 def _states(hidden: Float[Array, "... D"], aux: list) -> tuple:
@@ -130,7 +129,8 @@ def refill(params: Params, state: CaptureState, rows: Int[Array, "R"], tokens: I
            options: CaptureOptions):
   """Starts `items` in `rows` (B for an unused entry: dropped) from their prompts,
   `tokens` right-padded to P; samples each first answer token. Returns the state and
-  the prompts' `(hidden [R, P, D], aux [R, P, A, D] or None)` in float16."""
+  the prompts' `(hidden [R, P, D], aux [R, P, A, D] or None)` in float16 and the
+  greedy guess after each prompt's last token `[R]`."""
   r, p = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (r, p))  # [R, P]
   segments = jnp.where(positions < lengths[:, None], 0, -1)  # [R, P] padding: -1
@@ -138,8 +138,8 @@ def refill(params: Params, state: CaptureState, rows: Int[Array, "R"], tokens: I
       params, KVCache.create(options.config, r, p, state.cache.k.dtype), tokens, positions,
       segments, Topology.causal(r), config=options.config, logits_at=(lengths - 1)[:, None],
       aux_layers=options.aux_layers)  # logits [R, 1, V]
-  first = pick_tokens(row_keys(key, items, jnp.zeros_like(items)), logits[:, 0],
-                      options.sampling)
+  first, greedy = pick_tokens(row_keys(key, items, jnp.zeros_like(items)), logits[:, 0],
+                              options.sampling)
   cache = state.cache
   cache = cache.replace(
       k=cache.k.at[:, rows, :p].set(fresh.k, mode="drop"),
@@ -151,14 +151,15 @@ def refill(params: Params, state: CaptureState, rows: Int[Array, "R"], tokens: I
   state = CaptureState(cache=cache, last=put(state.last, first),
                        next_pos=put(state.next_pos, lengths), count=put(state.count, 1),
                        item=put(state.item, items), live=put(state.live, True))
-  return state, _states(hidden, aux)
+  return state, (*_states(hidden, aux), greedy)
 
 
 @functools.partial(programs.jit, static_argnames=("options",), donate_argnames=("state",))
 def decode(params: Params, state: CaptureState, key: jax.Array, *, options: CaptureOptions):
   """`options.steps_per_call` decode steps of every live row. Returns the state and,
   per step k and row b, what was fed: `(token [K, B], fed [K, B] (bool: a live row's
-  token), hidden [K, B, D], aux [K, B, A, D] or None)`, states in float16."""
+  token), hidden [K, B, D], aux [K, B, A, D] or None, greedy [K, B] (the model's
+  greedy guess of the token after it))`, states in float16."""
   batch = state.last.shape[0]
   topology = Topology.causal(batch)
   eos = jnp.asarray(options.eos, jnp.int32)
@@ -170,9 +171,10 @@ def decode(params: Params, state: CaptureState, key: jax.Array, *, options: Capt
         params, state.cache, state.last[:, None], state.next_pos[:, None], segments, topology,
         config=options.config, attention=options.attention,
         aux_layers=options.aux_layers)  # logits [B, 1, V]
-    token = pick_tokens(row_keys(key, state.item, state.count), logits[:, 0], options.sampling)
+    token, greedy = pick_tokens(row_keys(key, state.item, state.count), logits[:, 0],
+                                options.sampling)
     going = state.live & ~finishing
-    fed = (state.last, state.live, *_states(hidden[:, 0], [a[:, 0] for a in aux]))
+    fed = (state.last, state.live, *_states(hidden[:, 0], [a[:, 0] for a in aux]), greedy)
     return CaptureState(cache=cache, last=jnp.where(going, token, state.last),
                         next_pos=state.next_pos + state.live, count=state.count + going,
                         item=state.item, live=going), fed
@@ -189,6 +191,8 @@ class CapturedRow:
   prompt_length: int
   hidden: np.ndarray  # float16 [n, D]: final-norm hidden state of each token
   aux: np.ndarray  # float16 [n, A, D]: residual stream after each aux layer (A may be 0)
+  greedy: np.ndarray  # int32 [n]: the model's greedy guess of the token after each one;
+                      # -1 before the prompt's last token (no logits computed there)
 
   @property
   def answer_length(self) -> int:
@@ -228,26 +232,32 @@ class _HostRows:
     self.tokens = np.zeros((batch, slots), np.int32)
     self.hidden = np.zeros((batch, slots, hidden), np.float16)
     self.aux = np.zeros((batch, slots, aux, hidden), np.float16)  # A = 0: no aux layers
+    self.greedy = np.full((batch, slots), -1, np.int32)
     self.length = np.zeros(batch, np.int32)
     self.prompt_length = np.zeros(batch, np.int32)
     self.item = np.full(batch, -1, np.int64)
 
   def start(self, rows: np.ndarray, items, prompts: np.ndarray, lengths: np.ndarray,
-            hidden: np.ndarray, aux: np.ndarray | None) -> None:
+            hidden: np.ndarray, aux: np.ndarray | None, greedy: np.ndarray) -> None:
     p = prompts.shape[1]
     self.tokens[rows, :p], self.hidden[rows, :p] = prompts, hidden
     if aux is not None:
       self.aux[rows, :p] = aux
+    self.greedy[rows] = -1
+    self.greedy[rows, lengths - 1] = greedy
     self.length[rows] = self.prompt_length[rows] = lengths
     self.item[rows] = items
 
   def append(self, token: np.ndarray, fed: np.ndarray, hidden: np.ndarray,
-             aux: np.ndarray | None) -> None:
-    """One decode call's `[K, B, ...]` outputs: each fed token after its row's last."""
+             aux: np.ndarray | None, greedy: np.ndarray) -> None:
+    """One decode call's `[K, B, ...]` outputs: each fed token after its row's last.
+    A fed token's greedy guess belongs to it; the token itself was sampled after the
+    previous one, whose guess is already in place."""
     for k in range(len(fed)):
       rows = np.flatnonzero(fed[k])
       at = self.length[rows]
       self.tokens[rows, at], self.hidden[rows, at] = token[k, rows], hidden[k, rows]
+      self.greedy[rows, at] = greedy[k, rows]
       if aux is not None:
         self.aux[rows, at] = aux[k, rows]
       self.length[rows] += 1
@@ -256,7 +266,8 @@ class _HostRows:
     n = self.length[row]
     return CapturedRow(item=int(self.item[row]), tokens=self.tokens[row, :n].copy(),
                        prompt_length=int(self.prompt_length[row]),
-                       hidden=self.hidden[row, :n].copy(), aux=self.aux[row, :n].copy())
+                       hidden=self.hidden[row, :n].copy(), aux=self.aux[row, :n].copy(),
+                       greedy=self.greedy[row, :n].copy())
 
 
 def capture(model: Model, items: Iterable[tuple[int, list[int]]], options: CaptureOptions, *,
@@ -287,9 +298,9 @@ def capture(model: Model, items: Iterable[tuple[int, list[int]]], options: Captu
       del free[:len(starting)]
     if len(free) == batch:
       break
-    state, (token, fed, hidden, aux) = decode(model.params, state, key, options=options)
-    token, fed, hidden, aux = jax.device_get((token, fed, hidden, aux))
-    host.append(token, fed, hidden, aux)
+    state, outputs = decode(model.params, state, key, options=options)
+    token, fed, hidden, aux, greedy = jax.device_get(outputs)
+    host.append(token, fed, hidden, aux, greedy)
     stats.answer_tokens += int(fed.sum())
     stats.decode_slots += batch * options.steps_per_call
     live = np.asarray(state.live)
@@ -319,11 +330,12 @@ def _start(model: Model, state: CaptureState, host: _HostRows, rows: list[int],
   items[:len(starting)] = [item for item, _ in starting]
   where = np.full(refill_rows, batch, np.int32)  # unused entries: row B, dropped
   where[:len(rows)] = rows
-  state, (hidden, aux) = refill(model.params, state, jnp.asarray(where), jnp.asarray(prompts),
+  state, (hidden, aux, greedy) = refill(model.params, state, jnp.asarray(where), jnp.asarray(prompts),
                                 jnp.asarray(lengths), jnp.asarray(items), key, options=options)
   n = len(starting)
-  hidden, aux = jax.device_get((hidden[:n], None if aux is None else aux[:n]))
-  host.start(np.asarray(rows), items[:n], prompts[:n], lengths[:n], hidden, aux)
+  hidden, aux, greedy = jax.device_get((hidden[:n], None if aux is None else aux[:n],
+                                        greedy[:n]))
+  host.start(np.asarray(rows), items[:n], prompts[:n], lengths[:n], hidden, aux, greedy)
   stats.prompt_tokens += int(lengths[:n].sum())
   stats.refill_slots += refill_rows * width
   return state

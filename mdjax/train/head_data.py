@@ -11,6 +11,8 @@ read, written in chunks as `mdjax.train.capture` yields rows, and read back.
           tokens.npy     int32 [N]      every row's tokens, prompt then answer, end to end
           hidden.npy     float16 [N, D]     final-norm hidden state of each token
           aux.npy        float16 [N, A, D]  residual stream after each of meta's aux_layers
+          greedy.npy     int32 [N]      the model's greedy guess of the token after each
+                                        one (-1 before a prompt's last token)
         00001/ ...
 
 Row r of a chunk is tokens `[start, start + length)` of its files: the first
@@ -37,6 +39,7 @@ from mdjax.files import atomic_directory
 from mdjax.train.capture import CapturedRow
 
 ROW_FIELDS = ("item", "prompt", "start", "length", "prompt_length")
+ARRAYS = ("tokens", "hidden", "aux", "greedy")  # a chunk's per-token files
 SPLITS = ("train", "heldout")
 
 
@@ -51,6 +54,7 @@ class Row:
   prompt_length: int
   hidden: np.ndarray  # float16 [n, D]
   aux: np.ndarray  # float16 [n, A, D]
+  greedy: np.ndarray  # int32 [n]: guess of the next token; -1 before the prompt's last
 
 
 class HeadData:
@@ -73,14 +77,19 @@ class HeadData:
     if split is not None and split not in SPLITS:
       raise MdjaxError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
     for chunk in self.chunks:
+      lacking = [name for name in ARRAYS if not (chunk / f"{name}.npy").is_file()]
+      if lacking:
+        raise MdjaxError(f"the chunk {str(chunk)!r} has no {', '.join(lacking)} (an older "
+                         "make_head_data wrote it): delete it and run make_head_data again")
       arrays = {name: np.load(chunk / f"{name}.npy", mmap_mode="r")
-                for name in ("tokens", "hidden", "aux")}
+                for name in ARRAYS}
       for item, prompt, start, length, prompt_length in np.load(chunk / "rows.npy").tolist():
         if split is None or self.split_of[prompt] == split:
           window = slice(start, start + length)
           yield Row(item=item, prompt=prompt, split=self.split_of[prompt],
                     tokens=arrays["tokens"][window], prompt_length=prompt_length,
-                    hidden=arrays["hidden"][window], aux=arrays["aux"][window])
+                    hidden=arrays["hidden"][window], aux=arrays["aux"][window],
+                    greedy=arrays["greedy"][window])
 
   def token_count(self, split: str | None = None, answers_only: bool = False) -> int:
     return sum(len(r.tokens) - (r.prompt_length if answers_only else 0) for r in self.rows(split))
@@ -129,8 +138,7 @@ class ChunkWriter:
                      for r, s, n in zip(self.buffer, starts, lengths)], np.int32)  # [R, 5]
     with atomic_directory(self.root / f"{self.next_index:05d}") as staging:
       np.save(staging / "rows.npy", rows)
-      np.save(staging / "tokens.npy", np.concatenate([r.tokens for r in self.buffer]))
-      np.save(staging / "hidden.npy", np.concatenate([r.hidden for r in self.buffer]))
-      np.save(staging / "aux.npy", np.concatenate([r.aux for r in self.buffer]))
+      for name in ARRAYS:
+        np.save(staging / f"{name}.npy", np.concatenate([getattr(r, name) for r in self.buffer]))
     self.next_index += 1
     self.buffer = []

@@ -43,8 +43,8 @@ states, so that the model's own guess of x[p + 1] is lm_head(h[p])), each family
 
 A data set written by `experiments/make_head_data.py` (`config.data_dir`: the model's
 answers with their hidden states, `mdjax.train.head_data`) replaces the generation
-and the model's passes: its rows become the run's cache, the greedy guesses computed
-from the stored final-norm states. Heads of a family that takes one score a draft
+and the model's passes: its rows become the run's cache, with the greedy guesses the
+generation stored (on answers: a data set needs `mask_prompt`). Heads of a family that takes one score a draft
 vocabulary (`config.draft_vocab_size`): the most frequent tokens of the training
 answers (`mdjax.heads.vocab`), saved with the heads.
 
@@ -190,7 +190,10 @@ def data_set_features(config: HeadsTrainConfig, model: Model, run_dir: pathlib.P
                       layers: tuple[int, ...], progress: bool) -> RunData:
   """The run's data from `config.data_dir` (`mdjax.train.head_data`): its rows as the
   cache's `Features` (written once, by process 0), the features the stored states of
-  `layers` (or the final-norm ones), the greedy guesses computed from the latter."""
+  `layers` (or the final-norm ones), with the stored greedy guesses."""
+  if not config.mask_prompt:
+    raise MdjaxError("a data set (data_dir) stores the model's greedy guesses on answers "
+                     "only: train on it with mask_prompt=True")
   data = HeadData(config.data_dir)
   if data.meta.get("model") not in (model.name, config.model):
     raise MdjaxError(f"the data set {config.data_dir!r} was written by the model "
@@ -210,7 +213,7 @@ def data_set_features(config: HeadsTrainConfig, model: Model, run_dir: pathlib.P
       for split in ("train", "heldout"):
         rows = list(data.rows(split))
         write_stored_features(model, rows, staging / split, config.feature_dtype,
-                              [stored.index(layer) for layer in layers], progress)
+                              [stored.index(layer) for layer in layers])
     (cache_dir / "key.json").write_text(json.dumps({"key": key}, indent=1) + "\n")
   distributed.barrier("features")
   heldout = [p["text"] for p in data.prompts if p["split"] == "heldout"]
@@ -221,18 +224,11 @@ def data_set_features(config: HeadsTrainConfig, model: Model, run_dir: pathlib.P
       features / "heldout"), heldout_prompts=heldout, description=source, cache_dir=cache_dir)
 
 
-@functools.partial(programs.jit, static_argnames="config")
-def _stored_greedy(params: Params, hidden: Float[Array, "B T D"], *,
-                   config: ModelConfig) -> Int[Array, "B T"]:
-  return greedy_guesses(params, hidden.astype(jnp.float32), config=config)
-
-
 def write_stored_features(model: Model, rows: list, directory: pathlib.Path, dtype: str,
-                          aux_index: list[int], progress: bool, batch_rows: int = 16) -> None:
+                          aux_index: list[int]) -> None:
   """`Features` files of data-set rows (`head_data.Row`) into `directory`: tokens
   zero-padded to a multiple of 16, the stored states (`aux_index`: which of the stored
-  layers, concatenated; []: the final-norm states), and the greedy guesses from the
-  final-norm states, `batch_rows` rows per pass of the model's lm_head."""
+  layers, concatenated; []: the final-norm states) and greedy guesses."""
   if not rows:
     raise MdjaxError(f"the data set has no {directory.name} rows")
   width = -(-max(len(r.tokens) for r in rows) // 16) * 16
@@ -242,18 +238,10 @@ def write_stored_features(model: Model, rows: list, directory: pathlib.Path, dty
   pairs = [[list(r.tokens[:r.prompt_length]), list(r.tokens[r.prompt_length:])] for r in rows]
   d = model.config.hidden_size
   files = _open_features(directory, pairs, tokens, dtype, d * max(1, len(aux_index)))
-  for start in tqdm(range(0, len(rows), batch_rows), disable=not progress,
-                    desc=f"data set ({directory.name})", dynamic_ncols=True):
-    chunk = rows[start:start + batch_rows]
-    hidden = np.zeros((batch_rows, width, d), np.float32)  # every call the same shape
-    for i, row in enumerate(chunk):
-      n = len(row.tokens)
-      hidden[i, :n] = row.hidden
-      stored = row.aux[:, aux_index].reshape(n, -1) if aux_index else row.hidden
-      files["hidden"][start + i, :n] = stored
-    greedy = np.asarray(_stored_greedy(unembedding(model), jnp.asarray(hidden),
-                                       config=model.config))
-    files["greedy"][start:start + len(chunk)] = greedy[:len(chunk)]
+  for i, row in enumerate(rows):
+    n = len(row.tokens)
+    files["hidden"][i, :n] = row.aux[:, aux_index].reshape(n, -1) if aux_index else row.hidden
+    files["greedy"][i, :n] = np.maximum(row.greedy, 0)  # -1 (inside the prompt): masked
   for array in files.values():
     array.flush()
 
@@ -468,11 +456,17 @@ def heldout_coverage(data: RunData, draft_ids: np.ndarray) -> float:
 # --- Batches ----------------------------------------------------------------------------
 
 
+ROW_WIDTH_STEP = 64  # whole-row batches: widths 64, 128, ...: few compiled steps
+
+
 class Reader:
   """Batches of one split. A unit is a (row, first position) pair: a window of `window`
   tokens per source position p (x[p..p + window - 1], h[p..p + window - 2]: medusa's,
   `HeadFamily.window`), or whole rows (`window` None: heads that attend to the whole
-  prefix). A batch (numpy, the step's input)::
+  prefix). Whole rows are kept in length order and a batch is `size` neighbours in it,
+  cropped to its longest row (rounded up to `ROW_WIDTH_STEP`): rows of 60 to 500
+  tokens padded to the longest of the data set would spend most of a step on padding.
+  A batch (numpy, the step's input)::
 
       tokens  int32 [B, n]         x[p], x[p + 1], ...
       ok      bool  [B, n]         may token j be a target (inside the row, past the
@@ -487,9 +481,9 @@ class Reader:
       self.rows, self.starts = window_sources(features, mask_prompt)
       self.width = window
     else:
-      self.rows = np.arange(features.rows)
+      self.rows = np.argsort(features.lengths, kind="stable")
       self.starts = np.zeros(features.rows, np.int64)
-      self.width = features.tokens.shape[1]
+      self.width = None
     if not len(self.rows):
       raise MdjaxError("the data has no position to train on: every row is too short "
                        "(or all prompt, with mask_prompt)")
@@ -500,21 +494,34 @@ class Reader:
   def batch(self, seed: int, step: int, size: int,
             rows: slice = slice(None)) -> dict[str, np.ndarray]:
     """Batch `step`: `size` units drawn by (seed, step) alone; or only its `rows` (a
-    process's part of it: `devices.shard_batch`)."""
-    picked = np.random.default_rng([seed, step]).integers(0, len(self), size)[rows]
-    return self.read(picked, np.ones(len(picked), bool))
+    process's part of it: `devices.shard_batch`; its width is the whole batch's)."""
+    rng = np.random.default_rng([seed, step])
+    if self.width is None:  # neighbours in length order
+      picked = (rng.integers(0, len(self)) + np.arange(size)) % len(self)
+    else:
+      picked = rng.integers(0, len(self), size)
+    width = self.batch_width(picked)
+    return self.read(picked[rows], np.ones(len(picked[rows]), bool), width)
+
+  def batch_width(self, picked: np.ndarray) -> int:
+    """n: the window, or the longest picked row rounded up to `ROW_WIDTH_STEP`."""
+    if self.width is not None:
+      return self.width
+    longest = int(self.features.lengths[self.rows[picked]].max())
+    return min(-(-longest // ROW_WIDTH_STEP) * ROW_WIDTH_STEP, self.features.tokens.shape[1])
 
   def chunks(self, size: int):
     """Every unit once, `size` at a time; the last chunk is padded with dead units."""
     for start in range(0, len(self), size):
       picked = np.arange(start, start + size)
       live = picked < len(self)
-      yield self.read(np.where(live, picked, 0), live)
+      picked = np.where(live, picked, start)
+      yield self.read(picked, live, self.batch_width(picked))
 
-  def read(self, picked: np.ndarray, live: np.ndarray) -> dict[str, np.ndarray]:
+  def read(self, picked: np.ndarray, live: np.ndarray, width: int) -> dict[str, np.ndarray]:
     f = self.features
     rows = self.rows[picked][:, None]  # [B, 1]
-    index = self.starts[picked][:, None] + np.arange(self.width)  # [B, n]
+    index = self.starts[picked][:, None] + np.arange(width)  # [B, n]
     ok = (index < f.lengths[rows]) & live[:, None]
     if self.mask_prompt:
       ok &= index >= f.prompt_lengths[rows]
