@@ -219,6 +219,13 @@ def test_killed_run_resumes_bitwise_without_running_the_model_again(trained, bas
   assert steps == sorted(set(steps)) and steps[-1] == config.steps
 
 
+def test_a_relative_run_dir_checkpoints(base, prompts_file, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  config = tiny_config("relative/run", prompts_file, steps=10, eval_every=10)
+  heads_lib.train(config, model=base, progress=False)
+  assert (tmp_path / "relative" / "run" / "checkpoints" / "10").is_dir()
+
+
 def test_eagle_head_learns_the_cycle_with_an_unrolled_step(base, prompts_file, tmp_path):
   config = tiny_config(tmp_path, prompts_file, family="eagle", num_heads=1, unroll=2,
                        batch_size=4, steps=30, eval_every=30)

@@ -806,7 +806,7 @@ def model_card(name: str, spec: HeadsConfig, config: HeadsTrainConfig,
 
 {kind} for `{spec.base_model}`, trained by self-distillation with `mdjax.train.heads`
 (`python -m experiments.train_heads`): the base wrote its own training text, and the
-heads learned to guess, from its final-norm hidden states, what it writes further ahead.
+heads learned to guess, from its hidden states, what it writes further ahead.
 
 ## Data
 

@@ -85,7 +85,8 @@ def checkpoint_manager(config: TrainConfig,
   options = ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True,
                                          enable_async_checkpointing=False,
                                          cleanup_tmp_directories=True)
-  return ocp.CheckpointManager(run_dir / "checkpoints", options=options)
+  # absolute: orbax refuses a relative path, at the first save (a run_dir given relative)
+  return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options)
 
 
 def restore(manager: ocp.CheckpointManager, initial: dict, target=None) -> tuple[int, dict]:
