@@ -19,10 +19,11 @@ Every token, prompt and answer alike, leaves the pass that feeds it with its
 final-norm hidden state `[D]` and the residual stream after `aux_layers` `[A, D]`
 (float16): a prompt's from its refill pass, an answer token's from the decode step
 that feeds it. The passes that compute logits (the last prompt token's, every answer
-token's) also leave the model's greedy guess of the token after it, the argmax the
-sampler's top-k has already found: what a greedy verifier accepts, free. A finished row feeds its last token (the EOS) once more before it
-stops, so every token has its states, which are those of `forward_causal` over the
-row's tokens: no second pass.
+token's) also leave the model's greedy guess of the token after it (the argmax of the
+logits the sampler draws from): what a greedy verifier accepts, with no extra pass. A
+finished row feeds its last token (the EOS) once more before it stops, so every token
+has its states, which are those of `forward_causal` over the row's tokens: no second
+pass.
 
 Sampling keys are per (item, answer token) (`mdjax.sampling.row_keys`): an item's
 answer does not depend on the row or the batch that decoded it, so an item lost to a
@@ -330,8 +331,9 @@ def _start(model: Model, state: CaptureState, host: _HostRows, rows: list[int],
   items[:len(starting)] = [item for item, _ in starting]
   where = np.full(refill_rows, batch, np.int32)  # unused entries: row B, dropped
   where[:len(rows)] = rows
-  state, (hidden, aux, greedy) = refill(model.params, state, jnp.asarray(where), jnp.asarray(prompts),
-                                jnp.asarray(lengths), jnp.asarray(items), key, options=options)
+  state, (hidden, aux, greedy) = refill(
+      model.params, state, jnp.asarray(where), jnp.asarray(prompts), jnp.asarray(lengths),
+      jnp.asarray(items), key, options=options)
   n = len(starting)
   hidden, aux, greedy = jax.device_get((hidden[:n], None if aux is None else aux[:n],
                                         greedy[:n]))

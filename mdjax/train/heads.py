@@ -44,9 +44,9 @@ states, so that the model's own guess of x[p + 1] is lm_head(h[p])), each family
 A data set written by `experiments/make_head_data.py` (`config.data_dir`: the model's
 answers with their hidden states, `mdjax.train.head_data`) replaces the generation
 and the model's passes: its rows become the run's cache, with the greedy guesses the
-generation stored (on answers: a data set needs `mask_prompt`). Heads of a family that takes one score a draft
-vocabulary (`config.draft_vocab_size`): the most frequent tokens of the training
-answers (`mdjax.heads.vocab`), saved with the heads.
+generation stored (on answers: a data set needs `mask_prompt`). Heads of a family that
+takes one score a draft vocabulary (`config.draft_vocab_size`): the most frequent
+tokens of the training answers (`mdjax.heads.vocab`), saved with the heads.
 
 Accuracies compare a head's ranked guesses with the model's greedy choice of the same
 token (`greedy`): what a verifier decoding greedily accepts. The simulated accepted
@@ -171,7 +171,7 @@ def prepare_data(config: HeadsTrainConfig, model: Model, run_dir: pathlib.Path,
   """The run's data from its cache, generating and computing what the cache lacks;
   the features are the target's `layers` concatenated ((): its final-norm states)."""
   if config.data_dir:
-    return data_set_features(config, model, run_dir, layers, progress)
+    return data_set_features(config, model, run_dir, layers)
   source, rows = _source(config, model)
   key = _cache_key(config, model, rows, layers)
   cache_dir = run_dir / "cache" / hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
@@ -187,7 +187,7 @@ def prepare_data(config: HeadsTrainConfig, model: Model, run_dir: pathlib.Path,
 
 
 def data_set_features(config: HeadsTrainConfig, model: Model, run_dir: pathlib.Path,
-                      layers: tuple[int, ...], progress: bool) -> RunData:
+                      layers: tuple[int, ...]) -> RunData:
   """The run's data from `config.data_dir` (`mdjax.train.head_data`): its rows as the
   cache's `Features` (written once, by process 0), the features the stored states of
   `layers` (or the final-norm ones), with the stored greedy guesses."""
