@@ -73,6 +73,9 @@ _EAGLE = flags.DEFINE_string("eagle", "smollm2-135m-instruct-eagle",
                              "EAGLE-1 heads ('' to leave eagle out).")
 _EAGLE3 = flags.DEFINE_string("eagle3", "smollm2-135m-instruct-eagle3",
                               "EAGLE-3 heads ('' to leave eagle3 out).")
+_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
+                           "Weights of the model and its heads (default: the platform's, "
+                           "float32 on CPU).")
 _QUESTIONS = flags.DEFINE_string("questions", str(QUESTIONS),
                                  'JSON lines {"category": ..., "prompt": ...}.')
 _PER_KIND = flags.DEFINE_integer("per_kind", 0, "Prompts of each task kind (0: all).")
@@ -210,7 +213,7 @@ def load_line(name: str, strategy: str, family: str, heads_name: str, model: mdj
     print(f"note: {name} left out (no heads given)")
     return None
   try:
-    heads = mdjax.load_heads(heads_name)
+    heads = mdjax.load_heads(heads_name, dtype=model.params["embed"].dtype)
     heads.check_model(model.config)
   except MdjaxError as e:
     print(f"note: {name} left out: {e}")
@@ -252,7 +255,7 @@ def setup(settings: Settings) -> tuple[mdjax.Model, list[HeadLine], list[Prompt]
     prompts = [Prompt(kind, rng.integers(3, model.config.vocab_size, QUICK_PROMPT_LEN).tolist())
                for kind, _ in questions]
     return model, untrained_lines(model, settings), prompts, dict(questions="random ids")
-  model = mdjax.load(_MODEL.value)
+  model = mdjax.load(_MODEL.value, dtype=_DTYPE.value)
   medusa, eagle = fixed_trees(settings)
   lines = [load_line("medusa", "medusa", "medusa", _MEDUSA.value, model, medusa),
            load_line("eagle", "eagle", "eagle", _EAGLE.value, model, eagle),

@@ -1,4 +1,5 @@
-"""Every matrix product of a float32 model runs in full float32 (`mdjax.models.numerics`).
+"""Every matrix product of a float32 model runs in full float32 (`mdjax.models.numerics`);
+`linear`, the weight product every layer uses, sums in float32 in any dtype and any shape.
 
 On CPU XLA computes float32 products in float32 whatever the precision says, so the
 tokens cannot show a mistake here; on an NVIDIA GPU JAX's default is TF32, which broke
@@ -12,11 +13,13 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from mdjax.cache import KVCache
+from mdjax.cache import KVCache, write_layer
 from mdjax.heads.eagle import eagle_inputs
 from mdjax.heads.medusa import medusa_logits
+from mdjax.models.numerics import linear
 from mdjax.models.transformer import causal_logits
 from mdjax.step import decode_step
 from mdjax.topology import Topology
@@ -72,3 +75,46 @@ def test_products_outside_mdjax_keep_the_callers_precision():
   x = jnp.ones((2, 3))
   (dot,) = _dots(jax.jit(lambda a: a @ a.T).lower(x))
   assert "HIGHEST" not in dot
+
+
+@pytest.mark.parametrize("rows", [(1,), (1, 1), (3,), (2, 4)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_linear_sums_in_float32(rows, transposed):
+  """bfloat16 operands, float32 sums rounded once (as transformers does), one row (which
+  runs as two on CPU) or many, the weight [D, F] or transposed [F, D]; in float32 the
+  product of an untransposed weight is exactly `x @ w`."""
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((*rows, 48)).astype(np.float32)  # [..., D]
+  w = rng.standard_normal((48, 40)).astype(np.float32)  # [D, F]
+  stored = lambda a: a.T.copy() if transposed else a
+  x16 = jnp.asarray(x, jnp.bfloat16)
+  w16 = jnp.asarray(stored(w), jnp.bfloat16)
+  w_read = np.asarray(w16, np.float32)  # the bfloat16 values, as [D, F] or [F, D]
+  reference = np.asarray(x16, np.float32) @ (w_read.T if transposed else w_read)  # [..., F]
+  out = jax.jit(linear, static_argnames=("out_dtype", "transposed"))(x16, w16, jnp.float32,
+                                                                     transposed=transposed)
+  assert out.shape == (*rows, 40) and out.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(out), reference, rtol=1e-5, atol=1e-5)
+  rounded = linear(x16, w16, transposed=transposed)  # x's dtype: rounded once
+  assert rounded.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(rounded, np.float32),
+                                np.asarray(jnp.asarray(out, jnp.bfloat16), np.float32))
+  float32 = linear(jnp.asarray(x), jnp.asarray(stored(w)), transposed=transposed)
+  if transposed:  # contracted in place: another summation order than `x @ w`
+    np.testing.assert_allclose(np.asarray(float32), x @ w, rtol=1e-5, atol=1e-5)
+  else:
+    np.testing.assert_array_equal(np.asarray(float32), np.asarray(jnp.asarray(x) @ jnp.asarray(w)))
+
+
+def test_a_bfloat16_cache_keeps_its_values():
+  """On CPU a bfloat16 cache is stored in float32 (XLA:CPU writes bfloat16 arrays slowly):
+  what is written reads back as the bfloat16 values; elsewhere it is bfloat16."""
+  model = random_model()
+  cache = KVCache.create(model.config, 1, 8, jnp.bfloat16)
+  cpu = jax.default_backend() == "cpu"
+  assert cache.k.dtype == (jnp.float32 if cpu else jnp.bfloat16)
+  k = jnp.asarray(np.random.default_rng(1).standard_normal(
+      (1, 2, model.config.num_kv_heads, model.config.head_dim)), jnp.bfloat16)  # [B, T, K, H]
+  written = write_layer(cache, 0, jnp.asarray([[3, 5]]), k, k)
+  np.testing.assert_array_equal(np.asarray(written.k[0, 0, jnp.asarray([3, 5])], np.float32),
+                                np.asarray(k[0], np.float32))

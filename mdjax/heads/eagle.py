@@ -42,7 +42,7 @@ from mdjax.heads.base import HeadsConfig
 from mdjax.heads.decoder import decoder_config
 from mdjax.heads.objective import Objective, masked_mean, top_k_hits
 from mdjax.models.config import ModelConfig
-from mdjax.models.numerics import full_float32
+from mdjax.models.numerics import full_float32, linear
 from mdjax.models.random_init import init_params
 from mdjax.models.transformer import Params, embed, forward, forward_causal, lm_head
 from mdjax.topology import Topology
@@ -66,7 +66,7 @@ def eagle_inputs(heads_params: Params, model_params: Params, tokens: Int[Array, 
   """fc(concat(embedding of each token, its feature)): what the decoder layers read."""
   x = jnp.concatenate([embed(model_config, model_params, tokens),
                        features.astype(heads_params["fc"].dtype)], axis=-1)  # [B, T, 2D]
-  return x @ heads_params["fc"] + heads_params["fc_bias"]
+  return linear(x, heads_params["fc"]) + heads_params["fc_bias"]
 
 
 @functools.partial(programs.jit, static_argnames=("model_config", "num_layers", "attention"),

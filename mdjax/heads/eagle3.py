@@ -59,7 +59,7 @@ from mdjax.heads.decoder import decoder_config
 from mdjax.heads.objective import Objective, masked_mean, top_k_hits
 from mdjax.models.attention import masked_attention
 from mdjax.models.config import ModelConfig
-from mdjax.models.numerics import full_float32
+from mdjax.models.numerics import full_float32, linear
 from mdjax.models.random_init import init_params
 from mdjax.models.transformer import Params, decoder_layers, embed, forward, rms_norm
 from mdjax.topology import Topology
@@ -110,7 +110,7 @@ def fuse(heads_params: Params, features: Float[Array, "... F"]) -> Float[Array, 
   as it is (F = D)."""
   if features.shape[-1] == heads_params["fc"].shape[-1]:
     return features
-  fused = features.astype(heads_params["fc"].dtype) @ heads_params["fc"]
+  fused = linear(features, heads_params["fc"], heads_params["fc"].dtype)
   return fused + heads_params["fc_bias"] if "fc_bias" in heads_params else fused
 
 
@@ -123,7 +123,7 @@ def layer_params(heads_params: Params, model_params: Params, tokens: Int[Array, 
   d = model_config.hidden_size
   e = rms_norm(embed(model_config, model_params, tokens), lp.pop("embed_norm"),
                model_config.rms_norm_eps, plus_one=model_config.gemma_norms)  # [B, T, D]
-  bias = e @ lp["wqkv"][:d]  # [B, T, (N + 2K) H]
+  bias = linear(e, lp["wqkv"][:d])  # [B, T, (N + 2K) H]
   lp["bqkv"] = bias + lp["bqkv"] if "bqkv" in lp else bias
   lp["wqkv"] = lp["wqkv"][d:]
   return {"layers": [lp]}
@@ -135,7 +135,7 @@ def draft_logits(heads_params: Params, outputs: Float[Array, "... D"], *,
   """The draft vocabulary's logits (float32) after outputs o."""
   normed = rms_norm(outputs, heads_params["final_norm"], model_config.rms_norm_eps,
                     plus_one=model_config.gemma_norms)
-  return jnp.matmul(normed, heads_params["lm_head"], preferred_element_type=jnp.float32)
+  return linear(normed, heads_params["lm_head"], jnp.float32)
 
 
 @functools.partial(programs.jit, static_argnames=("model_config", "attention"),

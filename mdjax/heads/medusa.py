@@ -27,7 +27,7 @@ from mdjax.heads import family
 from mdjax.heads.base import HeadsConfig
 from mdjax.heads.objective import Objective, parallel_loss
 from mdjax.models.config import ModelConfig
-from mdjax.models.numerics import full_float32
+from mdjax.models.numerics import full_float32, linear
 from mdjax.models.transformer import Params, lm_head
 
 
@@ -53,7 +53,8 @@ def medusa_features(heads_params: Params, hidden: Float[Array, "... D"]
                                               hidden.shape[-1]))  # [..., K, D]
   for layer in range(blocks["w"].shape[1]):
     w, b = blocks["w"][:, layer], blocks["b"][:, layer]  # [K, D, D], [K, D]
-    x = x + jax.nn.silu(jnp.einsum("...kd,kde->...ke", x, w) + b)
+    x = x + jax.nn.silu(jnp.einsum("...kd,kde->...ke", x, w, preferred_element_type=jnp.float32)
+                        .astype(x.dtype) + b)  # float32 sums: see `linear`
   return x
 
 
@@ -69,7 +70,7 @@ def medusa_logits(heads_params: Params, model_params: Params, hidden: Float[Arra
     return jnp.einsum("...kd,kdv->...kv", x, heads_params["lm_head"],
                       preferred_element_type=jnp.float32)
   if "draft_unembedding" in heads_params:  # the model's draft columns [D, V_d]
-    return jnp.matmul(x, heads_params["draft_unembedding"], preferred_element_type=jnp.float32)
+    return linear(x, heads_params["draft_unembedding"], jnp.float32)
   return lm_head(model_params, x, config=model_config)
 
 

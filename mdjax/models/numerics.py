@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 MATMUL_PRECISION = "float32"  # `jax.default_matmul_precision`: no TF32, no bfloat16 passes
 
@@ -36,3 +37,31 @@ def full_float32(fn):
       return fn(*args, **kwargs)
 
   return wrapped
+
+
+
+def linear(x: jax.Array, weight: jax.Array, out_dtype=None, *,
+           transposed: bool = False) -> jax.Array:
+  """`x @ weight` ([..., D] @ [D, F] -> [..., F]; `transposed`: `weight` is [F, D], as a
+  tied embedding serves as the unembedding) accumulated in float32, returned in
+  `out_dtype` (None: `x`'s dtype), as transformers computes a bfloat16 linear layer.
+
+  Written for XLA:CPU, measured on a 2-core AVX-512 server with a 576 x 49,152 weight:
+  a bfloat16 product that outputs bfloat16, or that has one row, takes a slow path
+  (~42 ms), while 2 to 16 rows with a float32 output take 3.5-5.3 ms (about float32's
+  one-row product, 3.4 ms, and flat in the row count, where float32's few-row product
+  doubles it), so a one-row bfloat16 product is computed as two rows on CPU; and a
+  transposed weight is contracted in place (`weight.T @` costs 44 ms in bfloat16, 5.5 ms
+  in float32, against 3.3 ms). On GPUs and TPUs, which accumulate bfloat16 products in
+  float32 anyway, the result is the same as `x @ weight`."""
+  out_dtype = x.dtype if out_dtype is None else out_dtype
+  rows = x.reshape(-1, x.shape[-1])  # [M, D]
+  single = (weight.dtype == jnp.bfloat16 and rows.shape[0] == 1
+            and jax.default_backend() == "cpu")
+  if single:
+    rows = jnp.concatenate([rows, rows])  # [2, D]
+  contract = (((1,), (1 if transposed else 0,)), ((), ()))
+  out = jax.lax.dot_general(rows.astype(weight.dtype), weight, contract,
+                            preferred_element_type=jnp.float32)  # [M, F]
+  out = out[:1] if single else out
+  return out.reshape(*x.shape[:-1], out.shape[-1]).astype(out_dtype)

@@ -62,7 +62,7 @@ from mdjax.models.attention import (ATTENTION_BLOCK, LayerAttention, Queries, at
                                     masked_attention)
 from mdjax.models.config import ModelConfig
 from mdjax.models.layer_loop import count_layers, layer_loop_of
-from mdjax.models.numerics import full_float32
+from mdjax.models.numerics import full_float32, linear
 from mdjax.sharding import constrain, constrain_cache
 from mdjax.topology import Topology, visibility_limits, visible
 
@@ -99,12 +99,12 @@ def _project_qkv(config: ModelConfig, lp: Params, h: Float[Array, "B T D"], posi
   n, k, hd = config.num_heads, config.num_kv_heads, config.head_dim
   b, t, _ = h.shape
   if "wqkv" in lp:  # fused (one device)
-    qkv = h @ lp["wqkv"]  # [B, T, (N + 2K) * H]
+    qkv = linear(h, lp["wqkv"])  # [B, T, (N + 2K) * H]
     if config.qkv_bias:
       qkv = qkv + lp["bqkv"]
     q, key, value = jnp.split(qkv, [n * hd, (n + k) * hd], axis=-1)
   else:  # split (a mesh: see `mdjax.sharding`)
-    q, key, value = (h @ lp["w" + x] for x in "qkv")
+    q, key, value = (linear(h, lp["w" + x]) for x in "qkv")
     if config.qkv_bias:
       q, key, value = q + lp["bq"], key + lp["bk"], value + lp["bv"]
   q = constrain(q.reshape(b, t, n, hd), "batch", None, "heads", None)
@@ -119,18 +119,18 @@ def _project_qkv(config: ModelConfig, lp: Params, h: Float[Array, "B T D"], posi
 
 def _mlp(config: ModelConfig, lp: Params, h: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
   if "w_gate_up" in lp:  # fused (one device)
-    gate_up = h @ lp["w_gate_up"]  # [B, T, 2F]
+    gate_up = linear(h, lp["w_gate_up"])  # [B, T, 2F]
     if config.mlp_bias:
       gate_up = gate_up + lp["b_gate_up"]
     gate, up = jnp.split(gate_up, 2, axis=-1)
   else:  # split (a mesh)
-    gate, up = h @ lp["w_gate"], h @ lp["w_up"]  # [B, T, F] each
+    gate, up = linear(h, lp["w_gate"]), linear(h, lp["w_up"])  # [B, T, F] each
     if config.mlp_bias:
       gate, up = gate + lp["b_gate"], up + lp["b_up"]
   # gemma3: GeGLU with the tanh-approximated GELU (HF's gelu_pytorch_tanh)
   act = jax.nn.gelu(gate, approximate=True) if config.family == "gemma3" else jax.nn.silu(gate)
   inner = constrain(act * up, "batch", None, "mlp")  # [B, T, F]
-  out = inner @ lp["w_down"]
+  out = linear(inner, lp["w_down"])
   return constrain(out + lp["b_down"] if config.mlp_bias else out, "batch", None, None)
 
 
@@ -195,7 +195,7 @@ def _layer(config: ModelConfig, lp: Params, x: Float[Array, "B T D"],
   h = _norm(config, x, lp["attn_norm"]) if "attn_norm" in lp else x  # (EAGLE-1 has none)
   q, k, v = _project_qkv(config, lp, h, positions, like)
   out, carry = attend(q, k, v, layer, layer_attention(config, like), carry)  # [B, T, N, H]
-  out = out.reshape(*out.shape[:2], -1) @ lp["wo"]  # --> [B, T, D]
+  out = linear(out.reshape(*out.shape[:2], -1), lp["wo"])  # --> [B, T, D]
   if config.o_bias:
     out = out + lp["bo"]
   if config.gemma_norms:
@@ -349,8 +349,9 @@ def lm_head(params: Params, hidden: Float[Array, "... D"], *,
   """Logits in float32, soft-capped when the config says so; the tied head reuses the
   (unscaled) embedding. A vocabulary padded for a mesh (`mdjax.sharding`) is cut back
   to `vocab_size`."""
-  weight = params["lm_head"] if "lm_head" in params else params["embed"].T
-  logits = jnp.matmul(hidden, weight, preferred_element_type=jnp.float32)
+  tied = "lm_head" not in params
+  logits = linear(hidden, params["embed"] if tied else params["lm_head"], jnp.float32,
+                  transposed=tied)
   logits = logits[..., :config.vocab_size]
   cap = config.final_logit_softcapping
   return logits if cap is None else cap * jnp.tanh(logits / cap)
