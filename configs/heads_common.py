@@ -51,6 +51,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.regression_weight = 1.0  # eagle: smooth-L1 to the base's next hidden state
   config.token_weight = 0.1  # eagle: the token loss (config.loss) of the predicted state
   config.unroll = 1  # eagle: steps fed their own predicted features (1 = teacher forcing)
+  # eagle: unrolled steps scored on the held-out data (0 = config.unroll): runs trained
+  # with different unroll lengths compared at one depth
+  config.eval_unroll = 0
   config.steps = 1000
   config.batch_size = 256  # medusa: positions; eagle, mtp: rows
   # "data,tensor", e.g. "4,2": the model on a ("data", "tensor") mesh of all the devices

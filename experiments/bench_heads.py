@@ -21,7 +21,9 @@ stop, at every batch size of `--batches`:
   of `--budgets`, `eagle@DxKxM` and `eagle3@DxKxM` for the (depth, top-k, budget) shapes
   of `--eagle_trees`;
 * every contender's tokens compared with greedy's (all are lossless at T = 0): a mismatch
-  is listed under `mismatches` in the JSON and printed under the table.
+  is listed under `mismatches` in the JSON and printed under the table, with the gap
+  between greedy's top-2 logits where each row parted (`divergence_gaps`): in bfloat16
+  two batch shapes round their sums apart, so rows may part at a near-tie.
 
 At batch 1 each prompt runs alone, so its numbers are per task kind (and overall, summed);
 at a larger batch the prompts run in groups of that many rows in file order, mixing kinds
@@ -353,6 +355,11 @@ def bench_batch(model: mdjax.Model, lines: list[HeadLine], prompts: list[Prompt]
                   for name, (strategy, options) in runs.items()}
     results = timed(contenders, settings.repeats, f"batch {batch}, {kind}")
     kinds[kind] = cells_of(results, len(groups), settings.new_tokens)
+    for name, c in kinds[kind].items():
+      if not c["identical_to_greedy"]:
+        c["divergence_gaps"] = divergence_gaps(model, [r for g in groups for r in g],
+                                               results["greedy"]["sequences"],
+                                               results[name]["sequences"])
     for name, result in results.items():
       collected[name].append((result, len(groups)))
   groups = sum(len(g) for g in parts.values())
@@ -367,6 +374,22 @@ def bench_batch(model: mdjax.Model, lines: list[HeadLine], prompts: list[Prompt]
   return cell if batch > 1 else dict(kinds=kinds, **cell)
 
 
+def divergence_gaps(model: mdjax.Model, rows: list[list[int]], greedy: list[list[int]],
+                    ours: list[list[int]]) -> list[float]:
+  """For each row whose tokens leave greedy's: the gap between the top two of greedy's
+  logits where they part (mdjax's forward of the prompt and greedy's tokens so far). A
+  gap within the dtype's rounding is a near-tie, where two batch shapes may round
+  their sums apart and pick different tokens; a large gap is a bug."""
+  gaps = []
+  for prompt, reference, tokens in zip(rows, greedy, ours):
+    parted = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), None)
+    if parted is not None:
+      logits = mdjax.forward_logits(model, list(prompt) + list(reference[:parted]))[-1]  # [V]
+      top2 = np.sort(logits)[-2:]
+      gaps.append(float(top2[1] - top2[0]))
+  return gaps
+
+
 def mismatches(batches: dict) -> list[str]:
   """"batch B, <kind or overall>, <contender>: m/n tokens" for every contender whose
   tokens are not greedy's."""
@@ -375,8 +398,11 @@ def mismatches(batches: dict) -> list[str]:
     for part, cells in {**cell.get("kinds", {}), "overall": cell["overall"]}.items():
       for name, c in cells.items():
         if not c["identical_to_greedy"]:
+          gaps = c.get("divergence_gaps")
+          where = (f", parted where greedy's top-2 logits were {max(gaps):.3g} apart at most"
+                   if gaps else "")
           found.append(f"batch {batch}, {part}, {name}: {c['tokens']['matching_tokens']}/"
-                       f"{c['tokens']['total_tokens']} tokens equal greedy's")
+                       f"{c['tokens']['total_tokens']} tokens equal greedy's{where}")
   return found
 
 

@@ -195,3 +195,18 @@ def test_bench_device_quick(tmp_path):
       tokens = cells[name]["tokens"]
       assert tokens["matching_tokens"] == tokens["total_tokens"] > 0, (mesh, name)
       assert cells[name]["speedup_vs_greedy"] > 0
+
+
+def test_divergence_gaps_read_greedys_top2_where_rows_part():
+  """Where a row leaves greedy's tokens, the gap between greedy's top-2 logits there
+  (mdjax's forward of the prompt and greedy's tokens so far); rows that never part
+  give none."""
+  import mdjax
+  from experiments.bench_heads import divergence_gaps
+  model = mdjax.load("random-llama-tiny")
+  prompt = [5, 6, 7]
+  (greedy,) = mdjax.generate(model, [prompt], max_new_tokens=4, eos_token_id=[]).sequences
+  parted = greedy[:2] + [greedy[2] + 1] + greedy[3:]
+  gaps = divergence_gaps(model, [prompt, prompt], [greedy, greedy], [greedy, parted])
+  top2 = sorted(mdjax.forward_logits(model, prompt + greedy[:2])[-1])[-2:]
+  assert gaps == [pytest.approx(top2[1] - top2[0])]

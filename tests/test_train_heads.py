@@ -242,11 +242,13 @@ def test_eagle3_learns_the_cycle_over_a_draft_vocabulary_and_decodes_it(base, pr
   """The training-time test on the synthetic base (the answer is determined): each of
   3 unrolled steps learns its shifted target (token p + 2 + j), through the target's
   three layers and a draft vocabulary of the cycle's 16 ids plus 4; the exported heads
-  then draft whole chains that the base accepts, its greedy output unchanged."""
+  then draft whole chains that the base accepts, its greedy output unchanged. The
+  held-out data is scored over 4 steps (`eval_unroll`), one more than trained."""
   config = tiny_config(tmp_path, prompts_file, family="eagle3", num_heads=1, unroll=3,
-                       draft_vocab_size=20, loss="ce", batch_size=4, steps=40, eval_every=40)
+                       eval_unroll=4, draft_vocab_size=20, loss="ce", batch_size=4, steps=40,
+                       eval_every=40)
   run = heads_lib.train(config, model=base, progress=False)
-  assert len(run.heldout["heldout_top1"]) == 3 and min(run.heldout["heldout_top1"]) > 0.9
+  assert len(run.heldout["heldout_top1"]) == 4 and min(run.heldout["heldout_top1"][:3]) > 0.9
   heads = mdjax.load_heads(run.export_dir)
   assert heads.config.family == "eagle3" and heads.config.draft_vocab_size == 20
   assert set(range(3, 19)) <= set(np.asarray(heads.params["draft_ids"]).tolist())
@@ -280,6 +282,10 @@ def test_a_text_file_is_the_data_as_it_is(tmp_path):
     ({"family": "mtp", "unroll": 2}, "config.unroll is eagle and eagle3's; mtp needs 1, got 2"),
     ({"loss": "mse"}, "config.loss must be one of ce, kl, greedy, got 'mse'"),
     ({"unroll": 2}, "config.unroll is eagle and eagle3's"),
+    ({"eval_unroll": 2}, "config.eval_unroll is for heads that draft one token at a time; "
+                         "medusa needs 0, got 2"),
+    ({"family": "eagle3", "num_heads": 1, "eval_unroll": -1},
+     "config.eval_unroll must be an integer >= 0, got -1"),
     ({"family": "eagle", "num_heads": 3}, "config.num_heads must be 1"),
     ({"feature_dtype": "bfloat16"}, "config.feature_dtype must be one of"),
     ({"heldout_fraction": 1.0}, "config.heldout_fraction must be in (0, 1), got 1.0"),

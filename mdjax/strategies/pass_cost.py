@@ -4,13 +4,17 @@ r"""What one target pass costs on the device that runs it: t(n), the seconds of 
 sizes its tree by it::
 
     t(n) / t(1)       n =  1    2    4    8    16   32   64
-    2-core CPU             1  1.57 1.45 1.61 2.13 3.53 5.89    SmolLM2-135M, batch 1:
+    2-core CPU, float32    1  1.57 1.45 1.61 2.13 3.53 5.89    SmolLM2-135M, batch 1:
                                                                trees must stay small
+    2-core CPU, bfloat16   1  0.91 1.02 1.10 1.50 1.80 3.11    (`numerics.linear`)
     a GPU                  1   ~1   ~1   ~1   ~1   ~1   ~1.2   flat: wide trees are
                                                                nearly free
 
 Between the measured widths t is linear in n; past 64 it goes on along the last
-segment.
+segment. A pass of n tokens can always run as a wider one with padding, so each width
+costs at most what any wider one costs (the suffix minimum): a noisy width, or a device
+where 2 tokens cost less than 1 (bfloat16 on XLA:CPU, see `mdjax.models.numerics.linear`),
+cannot make a smaller tree look dearer than a larger one.
 
 Measured once per (architecture, attention, device kind and count, dtype, batch
 bucket: the request's rows rounded up to a power of two) and cached on disk, as
@@ -57,10 +61,11 @@ from mdjax.topology import Topology
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # tokens fed per row
 PREFIX = 256  # cached tokens every measured pass attends to (fewer when the context is short)
-MEASURE_S = 0.2  # seconds of timed passes per width
+MEASURE_S = 0.2  # seconds of timed passes per width and round
+ROUNDS = 3  # timed rounds per width: the fastest is kept (the least disturbed)
 MAX_REPEATS = 100
 PIN_VARIABLE = "MDJAX_PASS_COST"
-VERSION = 1  # bump when measuring changes, so older cached profiles are not reused
+VERSION = 2  # bump when measuring changes, so older cached profiles are not reused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +85,11 @@ class PassCost:
                        f"n = {', '.join(map(str, WIDTHS))}), got {self.seconds!r}")
 
   def __call__(self, n: float) -> float:
-    """t(n): linear between the measured widths, along the last segment past them."""
+    """t(n): linear between the measured widths (each at most any wider one), along
+    the last segment past them."""
     if n <= WIDTHS[-1]:
-      return float(np.interp(n, WIDTHS, self.seconds))
+      padded = np.minimum.accumulate(np.asarray(self.seconds)[::-1])[::-1]
+      return float(np.interp(n, WIDTHS, padded))
     slope = (self.seconds[-1] - self.seconds[-2]) / (WIDTHS[-1] - WIDTHS[-2])
     return self.seconds[-1] + slope * (n - WIDTHS[-1])
 
@@ -173,7 +180,8 @@ def _read(path, key: dict) -> tuple[float, ...] | None:
 
 def _measure(model: ModelFn, params, batch: int) -> tuple[float, ...]:
   """Seconds per pass at every width: each width's program compiled, timed over one
-  pass, then over as many as take about `MEASURE_S` (as many on every process)."""
+  pass, then `ROUNDS` times over as many as take about `MEASURE_S` (as many on every
+  process), the fastest round kept."""
   seconds = []
   bar = tqdm(WIDTHS, desc=f"mdjax: measuring t(n) at batch {batch}", unit="width", delay=1.0,
              disable=not distributed.is_main_process(), file=sys.stderr)
@@ -184,7 +192,7 @@ def _measure(model: ModelFn, params, batch: int) -> tuple[float, ...]:
     once = _timed(run, params, 1)
     repeats = int(distributed.from_main(np.asarray(
         min(MAX_REPEATS, max(2, math.ceil(MEASURE_S / max(once, 1e-6)))), np.int64)))
-    seconds.append(_timed(run, params, repeats) / repeats)
+    seconds.append(min(_timed(run, params, repeats) for _ in range(ROUNDS)) / repeats)
   return tuple(seconds)
 
 

@@ -126,6 +126,7 @@ class HeadsTrainConfig(TrainConfig):
   regression_weight: float
   token_weight: float
   unroll: int
+  eval_unroll: int
   max_minutes: float
 
 

@@ -637,6 +637,10 @@ def validate(config: ml_collections.ConfigDict | HeadsTrainConfig) -> HeadsTrain
     raise MdjaxError(f"config.unroll is {sequential}'s; {config.family} needs 1, got "
                      f"{config.unroll}")
 
+  check_count("config.eval_unroll", config.eval_unroll, 0)
+  if not family.sequential and config.eval_unroll:
+    raise MdjaxError(f"config.eval_unroll is for heads that draft one token at a time; "
+                     f"{config.family} needs 0, got {config.eval_unroll}")
   check_count("config.draft_vocab_size", config.draft_vocab_size, 0)
   if config.draft_vocab_size and not family.draft_vocabulary:
     takers = ", ".join(name for name, f in FAMILIES.items() if f.draft_vocabulary)
@@ -710,7 +714,8 @@ def train(config: ml_collections.ConfigDict | HeadsTrainConfig, *, model: Model 
   window = get_family(config.family).window(config.num_heads)
   train_reader, heldout_reader = (Reader(f, window, config.mask_prompt)
                                   for f in (run_data.train, run_data.heldout))
-  evaluation = lambda params: evaluate(params, heldout_reader, objective, base, config.batch_size)
+  scored = dataclasses.replace(objective, depth=config.eval_unroll or objective.depth)
+  evaluation = lambda params: evaluate(params, heldout_reader, scored, base, config.batch_size)
   hooks = loop.Hooks(
       step=make_train_step(objective, optimizer, devices.state_shardings(state, layout)),
       extra=base, evaluate=evaluation,
