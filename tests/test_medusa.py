@@ -190,6 +190,10 @@ def test_the_tree_a_strategy_verifies(tiny):
   assert Medusa(model=target, heads=shipped, tree_budget=2).nodes == ((0,), (1,))
   assert Medusa(model=target, heads=shipped, tree=[[0], [0, 0]]).nodes == ((0,), (0, 0))
   assert Blockwise(model=target, heads=shipped, num_heads=2).nodes == ((0,), (0, 0))
+  # only the heads as deep as the tree run: (0,), (1,) reads head 1 alone
+  assert Medusa(model=target, heads=shipped, tree_budget=2).drafting_heads == 1
+  assert Medusa(model=target, heads=shipped, tree_budget=0).drafting_heads == 3
+  assert Blockwise(model=target, heads=shipped, num_heads=2).drafting_heads == 2
 
 
 # ------------------------------------------------------------------ typical acceptance
@@ -236,6 +240,7 @@ def gemma3():
     ("medusa", dict()),  # the default, "auto" (a flat cost pinned in conftest: 63 nodes)
     ("medusa", dict(tree_budget=6, num_heads=2)),
     ("medusa", dict(tree=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))),
+    ("medusa", dict(tree=((0,), (1,), (2,)))),  # depth 1: only head 1 runs
     ("blockwise", dict()),
 ])
 def test_greedy_output_equals_the_target_greedy(tiny, strategy, options):

@@ -137,11 +137,14 @@ def test_saved_heads_load_as_they_were(tiny, tmp_path):
 # ------------------------------------------------------------------ decoding
 
 
-@pytest.mark.parametrize("strategy", ["medusa", "blockwise"])
-def test_greedy_output_equals_the_target_greedy(tiny, strategy):
+@pytest.mark.parametrize("strategy,options", [
+    ("medusa", dict()), ("blockwise", dict()),
+    ("medusa", dict(tree=((0,), (1,), (2,)))),  # depth 1: only head 1 runs, and its cache
+])
+def test_greedy_output_equals_the_target_greedy(tiny, strategy, options):
   greedy = mdjax.generate(tiny, PROMPTS, max_new_tokens=NEW, eos_token_id=[])
   out = mdjax.generate(tiny, PROMPTS, strategy=strategy, heads=random_heads(tiny),
-                       max_new_tokens=NEW, eos_token_id=[])
+                       max_new_tokens=NEW, eos_token_id=[], **options)
   assert out.sequences == greedy.sequences
   stats = out.stats
   assert 0 < stats["accepted"] < stats["drafted"]

@@ -36,17 +36,24 @@ def test_static_tree_is_the_hand_computed_optimum():
       4  (1, 0)  .1     2.2    1.475     1.4915
   """
   accuracy = ((0.6, 0.8), (0.5, 0.6))
-  choice = tree_choice.static_tree(accuracy, COST, 0.0)
+  choice = tree_choice.static_tree(accuracy, COST, lambda depth: 0.0)
   assert (choice.budget, choice.depth, choice.top_k) == (3, 2, 0)
   assert choice.tokens_per_pass == pytest.approx(2.1)
   assert choice.speedup == pytest.approx(2.1 / 1.3)
   # Two branches per row: plain feeds 2 tokens (1 / 1.1); M = 1 feeds 4: 1.6 / 1.3 wins
   # over M = 2 (1.9 / t(6) = 1.9 / 1.65) and M = 3 (2.1 / t(8) = 2.1 / 2).
-  two = tree_choice.static_tree(accuracy, COST, 0.0, branches=2)
+  two = tree_choice.static_tree(accuracy, COST, lambda depth: 0.0, branches=2)
   assert two.budget == 1 and two.speedup == pytest.approx(1.6 / 1.3 * 1.1)
   # Drafting that costs 0.4 of a pass: M = 3 gives 2.1 / 1.7 = 1.235, M = 4 2.2 / 1.875,
   # M = 1 1.6 / 1.5: still M = 3.
-  assert tree_choice.static_tree(accuracy, COST, 0.4).budget == 3
+  assert tree_choice.static_tree(accuracy, COST, lambda depth: 0.4).budget == 3
+  # Each head costs 0.25 of a pass, and a tree of depth D runs D heads: M = 1 (depth 1)
+  # gives 1.6 / 1.35 = 1.185, M = 3 (depth 2) 2.1 / 1.8 = 1.167. Had both heads run
+  # whatever the tree (0.5), M = 3 would win: 2.1 / 1.8 over M = 1's 1.6 / 1.6.
+  per_head = tree_choice.static_tree(accuracy, COST, lambda depth: 0.25 * depth)
+  assert (per_head.budget, per_head.depth) == (1, 1)
+  assert per_head.speedup == pytest.approx(1.6 / 1.35)
+  assert tree_choice.static_tree(accuracy, COST, lambda depth: 0.5).budget == 3
 
 
 def test_dynamic_tree_is_the_hand_computed_optimum():
@@ -80,11 +87,11 @@ def test_no_tree_pays_on_a_linear_cost():
   """t(n) = n: a tree of M nodes costs M + 1 passes and gains less than M tokens."""
   steep = PassCost(seconds=tuple(map(float, WIDTHS)), batch=1, source="pinned")
   accuracy = ((0.9, 0.95),) * 3
-  for choice in (tree_choice.static_tree(accuracy, steep, 0.0),
+  for choice in (tree_choice.static_tree(accuracy, steep, lambda depth: 0.0),
                  tree_choice.dynamic_tree(accuracy, steep, lambda d, k: 0.0, depths=(1, 2, 3),
                                           top_ks=(1, 2))):
     assert choice.plain and choice.budget == 0 and choice.speedup == 1.0
-  forced = tree_choice.static_tree(accuracy, steep, 0.0, allow_plain=False)
+  forced = tree_choice.static_tree(accuracy, steep, lambda depth: 0.0, allow_plain=False)
   assert forced.budget == 1 and forced.speedup < 1
   assert choice.stats(greedy=False)["tree_choice"] == "sample"  # plain decoding that samples
 

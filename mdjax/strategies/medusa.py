@@ -291,14 +291,21 @@ class Medusa(Sampled):
 
   @property
   def used_heads(self) -> int:
+    """The heads the tree may draw on (`num_heads`, 0: all of them)."""
     return self.num_heads or self.heads.num_heads
+
+  @property
+  def drafting_heads(self) -> int:
+    """The heads that run each step: as many as the tree is deep (a tree of depth d
+    reads heads 1 .. d only; the rest would cost time and draft nothing)."""
+    return self.arrays.max_depth
 
   @functools.cached_property
   def guess(self) -> MedusaGuess | MtpGuess:
     """What the heads of this family read, and how it follows the committed text:
     heads with a cache of their own (mtp) follow it through that cache."""
     if get_family(self.heads.family).cache_config(self.heads, self.model.config) is not None:
-      return MtpGuess(model=self.model, num_heads=self.used_heads,
+      return MtpGuess(model=self.model, num_heads=self.drafting_heads,
                       num_layers=self.heads.num_layers)
     return MedusaGuess(model=self.model)
 
@@ -315,12 +322,15 @@ class Medusa(Sampled):
       return self
     branches = prompt.branch_segment.shape[1]
     cost = pass_cost(self.model, params["target"], prompt.tokens.shape[0])
-    heads = self._used(params)["heads"]  # a draft vocabulary's columns are among them
-    fraction = tree_choice.draft_fraction(heads, params["target"], reads_unembedding=not (
-        self.heads.own_unembedding or "draft_unembedding" in heads))
-    choice = tree_choice.static_tree(self.accuracy, cost,
-                                     fraction * cost(branches * self.used_heads),
-                                     branches=branches, allow_plain=not self.return_metadata)
+
+    def draft_s(depth: int) -> float:  # the first `depth` heads over every branch's row
+      heads = self._heads(params, depth)  # a draft vocabulary's columns are among them
+      fraction = tree_choice.draft_fraction(heads, params["target"], reads_unembedding=not (
+          self.heads.own_unembedding or "draft_unembedding" in heads))
+      return fraction * cost(branches * depth)
+
+    choice = tree_choice.static_tree(self.accuracy, cost, draft_s, branches=branches,
+                                     allow_plain=not self.return_metadata)
     if choice.plain:
       return tree_choice.plain_decoding(self, params, prompt, capacity, choice)
     return dataclasses.replace(self, tree_budget=choice.budget,
@@ -360,12 +370,15 @@ class Medusa(Sampled):
     return -(-slots // SLOT_MULTIPLE) * SLOT_MULTIPLE
 
   def _used(self, params) -> dict:
-    """`{"target", "heads"}` with the heads cut to the first `used_heads` (a draft
-    vocabulary, `SHARED_LEAVES`, is every head's)."""
-    heads = {name: value if name in SHARED_LEAVES else
-             jax.tree.map(lambda a: a[:self.used_heads], value)
-             for name, value in params["heads"].items()}
-    return {"target": params["target"], "heads": heads}
+    """`{"target", "heads"}` with the heads cut to the `drafting_heads`."""
+    return {"target": params["target"], "heads": self._heads(params, self.drafting_heads)}
+
+  @staticmethod
+  def _heads(params, count: int) -> dict:
+    """The first `count` heads of `params["heads"]` (a draft vocabulary,
+    `SHARED_LEAVES`, is every head's)."""
+    return {name: value if name in SHARED_LEAVES else jax.tree.map(lambda a: a[:count], value)
+            for name, value in params["heads"].items()}
 
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
            capacity: int) -> HeadsState:

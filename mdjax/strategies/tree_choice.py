@@ -18,7 +18,8 @@ over its rows: fraction x t(rows), with fraction = the drafter's weights (plus t
 target's unembedding when it reads it) over the target's (`draft_fraction`), since
 at small batches a pass's time goes to reading weights::
 
-    medusa            the K heads read h once             fraction x t(N K)
+    medusa            the D heads a tree of depth D reads fraction x t(N D)
+                      (the others do not run), over h once
     eagle             catch-up over 1 + D, D - 1 levels   fraction x (t(1 + D) + (D - 1) t(K))
     speculative_tree  catch-up over 2, D - 1 levels       fraction x (t(2) + (D - 1) t(K))
 
@@ -106,10 +107,10 @@ def draft_fraction(drafter, target, *, reads_unembedding: bool) -> float:
   return (size(drafter) + (size(unembedding) if reads_unembedding else 0)) / size(target)
 
 
-def static_tree(accuracy, cost: PassCost, draft_s: float, *, branches: int = 1,
-                allow_plain: bool = True) -> Choice:
+def static_tree(accuracy, cost: PassCost, draft_s: Callable[[int], float], *,
+                branches: int = 1, allow_plain: bool = True) -> Choice:
   """The best `build_tree(accuracy, M)` (module docstring) for `branches` trees per
-  row, drafted for `draft_s` seconds whatever M."""
+  row, a tree of depth D drafted for `draft_s(D)` seconds (only its first D heads run)."""
   per_rank = rank_accuracy(accuracy)
   available = sum(math.prod(len(row) for row in per_rank[:depth])
                   for depth in range(1, len(per_rank) + 1))  # nodes the table can rank
@@ -117,10 +118,11 @@ def static_tree(accuracy, cost: PassCost, draft_s: float, *, branches: int = 1,
   best, best_rate = _plain(cost), plain if allow_plain else 0.0
   for budget in range(1, min(_max_nodes(branches), available) + 1):
     tree, length = best_static_tree(_hashable(accuracy), budget)
-    rate = length / (cost(branches * (1 + budget)) + draft_s)
+    depth = max(map(len, tree))
+    rate = length / (cost(branches * (1 + budget)) + draft_s(depth))
     if rate > best_rate:
       best_rate = rate
-      best = Choice(budget=budget, depth=max(map(len, tree)), top_k=0, tokens_per_pass=length,
+      best = Choice(budget=budget, depth=depth, top_k=0, tokens_per_pass=length,
                     speedup=rate / plain, cost=cost)
   return best
 
