@@ -322,15 +322,14 @@ class Medusa(Sampled):
       return self
     branches = prompt.branch_segment.shape[1]
     cost = pass_cost(self.model, params["target"], prompt.tokens.shape[0])
-
-    def draft_s(depth: int) -> float:  # the first `depth` heads over every branch's row
-      heads = self._heads(params, depth)  # a draft vocabulary's columns are among them
-      fraction = tree_choice.draft_fraction(heads, params["target"], reads_unembedding=not (
-          self.heads.own_unembedding or "draft_unembedding" in heads))
-      return fraction * cost(branches * depth)
-
-    choice = tree_choice.static_tree(self.accuracy, cost, draft_s, branches=branches,
-                                     allow_plain=not self.return_metadata)
+    # a tree of depth d runs the first d heads (a draft vocabulary's columns among them)
+    reads_unembedding = not (self.heads.own_unembedding or "draft_unembedding" in params["heads"])
+    fraction = {depth: tree_choice.draft_fraction(self._heads(params, depth), params["target"],
+                                                  reads_unembedding=reads_unembedding)
+                for depth in range(1, self.used_heads + 1)}
+    choice = tree_choice.static_tree(
+        self.accuracy, cost, lambda depth: fraction[depth] * cost(branches * depth),
+        branches=branches, allow_plain=not self.return_metadata)
     if choice.plain:
       return tree_choice.plain_decoding(self, params, prompt, capacity, choice)
     return dataclasses.replace(self, tree_budget=choice.budget,
