@@ -352,9 +352,12 @@ def lm_head(params: Params, hidden: Float[Array, "... D"], *,
   embed = params["embed"]
   # a tied bfloat16 embedding is contracted in place (XLA:CPU's `E.T @` is 10x slower:
   # see `linear`); float32 keeps `E.T`, so an untied copy gives the same logits bit for bit
-  in_place = "lm_head" not in params and embed.dtype == jnp.bfloat16
-  weight = params.get("lm_head", embed if in_place else embed.T)
-  logits = linear(hidden, weight, jnp.float32, transposed=in_place)
+  if "lm_head" in params:
+    logits = linear(hidden, params["lm_head"], jnp.float32)
+  elif embed.dtype == jnp.bfloat16:
+    logits = linear(hidden, embed, jnp.float32, transposed=True)
+  else:
+    logits = linear(hidden, embed.T, jnp.float32)
   logits = logits[..., :config.vocab_size]
   cap = config.final_logit_softcapping
   return logits if cap is None else cap * jnp.tanh(logits / cap)

@@ -87,11 +87,11 @@ class PassCost:
   def __call__(self, n: float) -> float:
     """t(n): linear between the measured widths (each at most any wider one), along
     the last segment past them."""
+    padded = np.minimum.accumulate(np.asarray(self.seconds)[::-1])[::-1]
     if n <= WIDTHS[-1]:
-      padded = np.minimum.accumulate(np.asarray(self.seconds)[::-1])[::-1]
       return float(np.interp(n, WIDTHS, padded))
-    slope = (self.seconds[-1] - self.seconds[-2]) / (WIDTHS[-1] - WIDTHS[-2])
-    return self.seconds[-1] + slope * (n - WIDTHS[-1])
+    slope = (padded[-1] - padded[-2]) / (WIDTHS[-1] - WIDTHS[-2])
+    return float(padded[-1] + slope * (n - WIDTHS[-1]))
 
   def stats(self) -> dict:
     """What `out.stats` shows of it."""
