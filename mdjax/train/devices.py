@@ -15,6 +15,7 @@ see), so a run resumes on any number of processes too.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -71,16 +72,26 @@ def checkpoint_state(state: dict, config: ModelConfig, layout: sharding.Layout |
   inverse), so that any mesh, or one device, restores it. The split parts (and a padded
   vocabulary) are first gathered whole onto every device: a fused weight's shard
   boundaries do not fall where its parts' did (left to XLA, that is a "full
-  rematerialization" warning), so a save briefly holds those weights unsharded."""
+  rematerialization" warning), so a save briefly holds those weights unsharded.
+
+  One program does it all: as eager operations (a program each over every process's
+  devices), their transfers could run in another order on each process and wait on
+  each other for good, which hung a save under gloo about one run in ten."""
   if layout is None:
     return state
+  return _one_device_state(state, config, layout)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "layout"))
+def _one_device_state(state: dict, config: ModelConfig, layout: sharding.Layout) -> dict:
   gathered = SPLIT_PARTS + (("embed", "lm_head") if layout.padded_vocab != config.vocab_size
                             else ())
   replicated = NamedSharding(layout.mesh, PartitionSpec())
 
   def one_device(params):
     params = jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.device_put(x, replicated) if path[-1].key in gathered else x, params)
+        lambda path, x: (jax.lax.with_sharding_constraint(x, replicated)
+                         if path[-1].key in gathered else x), params)
     return sharding.one_device_layout(params, config)
   return map_param_trees(one_device, state)
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
+from absl import flags
 from tqdm import tqdm
 
 from mdjax import distributed, sharding
@@ -85,8 +86,21 @@ def checkpoint_manager(config: TrainConfig,
   options = ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True,
                                          enable_async_checkpointing=False,
                                          cleanup_tmp_directories=True)
+  coordinated_barriers()
   # absolute: orbax refuses a relative path, at the first save (a run_dir given relative)
   return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options)
+
+
+def coordinated_barriers() -> None:
+  """Makes orbax's checkpoint barriers (several per save) wait at the coordination
+  service, with a timeout, instead of running a collective over every device: under
+  gloo (processes of CPU devices) such a collective once in a while hung a save for
+  good. A no-op with one process. Sets orbax's own flag, as its command-line switch
+  `--experimental_orbax_use_distributed_barrier` would."""
+  if jax.process_count() == 1:
+    return
+  flag = flags.FLAGS["experimental_orbax_use_distributed_barrier"]
+  flag.value, flag.present = True, 1  # `present`: readable before absl parses a command line
 
 
 def restore(manager: ocp.CheckpointManager, initial: dict, target=None) -> tuple[int, dict]:
