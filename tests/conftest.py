@@ -2,6 +2,8 @@
 
 import os
 import pathlib
+import shutil
+import tempfile
 
 # The suite's models are tiny, so its time is XLA compiling hundreds of programs;
 # without LLVM's optimisation passes that is ~30% faster. Set before jax starts its
@@ -14,6 +16,15 @@ os.environ["XLA_FLAGS"] = " ".join(
 # (a GPU-like device, where the widest trees pay), so no test pays a measurement and
 # every test's tree is the same on any machine; tests/test_tree_auto.py measures.
 os.environ["MDJAX_PASS_COST"] = "1,1,1,1,1,1,1"
+# Most of those programs are compiled again and again: by each worker, by the
+# subprocesses the suite starts (CLIs, notebooks, benchmarks, multi-process runs), and
+# after each module frees its programs (below). JAX's persistent compilation cache,
+# one per test run (the workers and subprocesses inherit it; removed at the end),
+# compiles each distinct program once. A user's own cache directory is left alone.
+OWN_XLA_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if OWN_XLA_CACHE:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="mdjax-tests-xla-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -58,3 +69,10 @@ def _free_compiled_programs_when_many():
   yield
   if MAPS.exists() and MAPS.read_text().count("\n") > MAX_MAPPINGS:
     _free_programs()
+
+
+def pytest_sessionfinish(session):
+  """The run's compilation cache goes with it (removed by the process that made it: the
+  xdist controller, or the one process without xdist)."""
+  if OWN_XLA_CACHE and not hasattr(session.config, "workerinput"):
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
