@@ -72,7 +72,29 @@ def test_dynamic_tree_is_the_hand_computed_optimum():
   assert (choice.budget, choice.depth, choice.top_k) == (3, 2, 2)
   assert choice.tokens_per_pass == pytest.approx(2.0)
   assert choice.speedup == pytest.approx(2.0 / 1.4)
-  assert tree_choice.drafted_values(accuracy, 2, 2) == (0.5, 0.25, 0.25, 0.125, 0.125, 0.0625)
+  assert tree_choice.drafted_values(accuracy, 2, 2) == (
+      (0.5, 1), (0.25, 1), (0.25, 2), (0.125, 2), (0.125, 2), (0.0625, 2))
+
+
+def test_a_batch_waits_for_its_slowest_row():
+  """A one-node tree right with p .5: X = 1 or 2 tokens per pass, E X = 1.5, Var X = .25.
+  8 rows of 100 tokens: a row needs 100 / 1.5 = 66.67 passes, give or take
+  sqrt(100 x .25 / 1.5^3 + (100 x .3 x .5 / 1.5^2)^2) = 7.2008 (the steps' luck, the
+  prompt's); the slowest of 8 needs 1.4342 (Blom's z_8) of those more: E = 100 / 76.99."""
+  assert tree_choice.PROMPT_SPREAD == 0.3
+  assert tree_choice.batch_tokens_per_pass([0.5], tree_choice.Batch()) == 1.5
+  eight = tree_choice.Batch(rows=8, new_tokens=100)
+  assert tree_choice.batch_tokens_per_pass([0.5], eight) == pytest.approx(1.29880, abs=1e-5)
+  assert tree_choice.batch_tokens_per_pass([0.0], eight) == 1.0  # nothing drafted pays
+  # A pass of two tokens costs 1.3 of one: the tree pays alone (1.5 / 1.3 = 1.154), not
+  # for 8 rows (1.2988 / 1.3 = 0.999), where plain decoding runs.
+  cost = PassCost(seconds=(1.0, 1.3, 1.6, 2.0, 3.0, 4.0, 5.0), batch=1, source="pinned")
+  one = tree_choice.static_tree(((0.5,),), cost, lambda depth: 0.0)
+  assert one.budget == 1 and one.speedup == pytest.approx(1.5 / 1.3)
+  assert tree_choice.static_tree(((0.5,),), cost, lambda depth: 0.0, batch=eight).plain
+  dynamic = tree_choice.dynamic_tree(((0.5,),), cost, lambda d, k: 0.0, depths=(1,),
+                                     top_ks=(1,), batch=eight)
+  assert dynamic.plain
 
 
 def test_a_width_costs_at_most_a_wider_one():

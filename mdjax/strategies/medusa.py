@@ -329,7 +329,8 @@ class Medusa(Sampled):
                 for depth in range(1, self.used_heads + 1)}
     choice = tree_choice.static_tree(
         self.accuracy, cost, lambda depth: fraction[depth] * cost(branches * depth),
-        branches=branches, allow_plain=not self.return_metadata)
+        branches=branches, allow_plain=not self.return_metadata,
+        batch=tree_choice.Batch(rows=prompt.tokens.shape[0] * branches, new_tokens=capacity))
     if choice.plain:
       return tree_choice.plain_decoding(self, params, prompt, capacity, choice)
     return dataclasses.replace(self, tree_budget=choice.budget,

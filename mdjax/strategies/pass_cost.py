@@ -62,10 +62,10 @@ from mdjax.topology import Topology
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # tokens fed per row
 PREFIX = 256  # cached tokens every measured pass attends to (fewer when the context is short)
 MEASURE_S = 0.2  # seconds of timed passes per width and round
-ROUNDS = 3  # timed rounds per width: the fastest is kept (the least disturbed)
+ROUNDS = 5  # timed rounds of every width: the fastest of each is kept (the least disturbed)
 MAX_REPEATS = 100
 PIN_VARIABLE = "MDJAX_PASS_COST"
-VERSION = 2  # bump when measuring changes, so older cached profiles are not reused
+VERSION = 3  # bump when measuring changes, so older cached profiles are not reused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,21 +179,29 @@ def _read(path, key: dict) -> tuple[float, ...] | None:
 
 
 def _measure(model: ModelFn, params, batch: int) -> tuple[float, ...]:
-  """Seconds per pass at every width: each width's program compiled, timed over one
-  pass, then `ROUNDS` times over as many as take about `MEASURE_S` (as many on every
-  process), the fastest round kept."""
-  seconds = []
-  bar = tqdm(WIDTHS, desc=f"mdjax: measuring t(n) at batch {batch}", unit="width", delay=1.0,
-             disable=not distributed.is_main_process(), file=sys.stderr)
-  for width in bar:
+  """Seconds per pass at every width: each width's program compiled and timed over one
+  pass, then `ROUNDS` rounds, each timing every width in turn over as many passes as
+  take about `MEASURE_S` (as many on every process); each width's fastest round kept.
+  Interleaved, a spell of load on the machine slows every width alike, not one."""
+  runs, repeats = [], []
+  bar = tqdm(total=len(WIDTHS) * (1 + ROUNDS), desc=f"mdjax: measuring t(n) at batch {batch}",
+             unit="pass", delay=1.0, disable=not distributed.is_main_process(), file=sys.stderr)
+  for width in WIDTHS:
     run = jax.jit(functools.partial(_passes, model=model, batch=batch, width=width,
                                     prefix=_prefix(model)))
     _timed(run, params, 1)  # compiles
     once = _timed(run, params, 1)
-    repeats = int(distributed.from_main(np.asarray(
-        min(MAX_REPEATS, max(2, math.ceil(MEASURE_S / max(once, 1e-6)))), np.int64)))
-    seconds.append(min(_timed(run, params, repeats) for _ in range(ROUNDS)) / repeats)
-  return tuple(seconds)
+    runs.append(run)
+    repeats.append(int(distributed.from_main(np.asarray(
+        min(MAX_REPEATS, max(2, math.ceil(MEASURE_S / max(once, 1e-6)))), np.int64))))
+    bar.update()
+  best = [math.inf] * len(WIDTHS)
+  for _ in range(ROUNDS):
+    for i, (run, count) in enumerate(zip(runs, repeats)):
+      best[i] = min(best[i], _timed(run, params, count) / count)
+      bar.update()
+  bar.close()
+  return tuple(best)
 
 
 def _timed(run, params, repeats: int) -> float:

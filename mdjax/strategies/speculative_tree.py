@@ -147,6 +147,7 @@ class TreeDrafter(Sampled):
         depths=(self.tree_depth,) if self.tree_depth else range(1, tree_choice.MAX_DEPTH + 1),
         top_ks=((self.tree_top_k,) if self.tree_top_k
                 else range(1, min(tree_choice.MAX_TOP_K, self.model.vocab_size) + 1)),
+        batch=tree_choice.Batch(rows=prompt.tokens.shape[0], new_tokens=capacity),
         allow_plain=not self.return_metadata)
     if choice.plain:
       return tree_choice.plain_decoding(self, params, prompt, capacity, choice)

@@ -30,6 +30,18 @@ The candidates, no wider than the profile measured (N (1 + M) <= 64):
     speculative_tree)         is its score (K nodes at level 1, K children of each level's
                               K best), and M = 1 .. K + (D - 1) K²: the best M of them
 
+A batch of B rows runs until its slowest row is done, so its E is not the mean row's
+but `batch_tokens_per_pass`'s: L tokens per row, X = 1 + A tokens per pass and row (A
+the accepted path's length, P(A >= k) = the summed values of the tree's depth-k nodes)::
+
+    passes of a row     ~ L / EX  +/-  sqrt(L Var X / EX^3        the steps' luck
+                                         + (L c (EX - 1) / EX^2)^2)   the prompt's
+    passes of a batch   ~ the most of B rows'   = mean + z_B sd
+    E(batch)            = L / passes of a batch                 (= EX at B = 1)
+
+with c = `PROMPT_SPREAD` (how much a row's accepted tokens differ between prompts)
+and z_B the expected largest of B standard normals. Plain decoding pays none of it.
+
 The highest rate wins (ties: the smaller tree); plain decoding wins when no tree beats
 it. The profiles: Medusa heads carry `top_accuracy[k][j]` (head k's held-out top-(j+1)
 accuracy) and EAGLE heads the same per unrolled step; heads without one use
@@ -44,13 +56,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import statistics
 from typing import Callable, Sequence
 
 import jax
 
 from mdjax.errors import MdjaxError
-from mdjax.heads.tree import (build_tree, default_accuracy, expected_length,
-                              node_value, rank_accuracy)
+from mdjax.heads.tree import build_tree, default_accuracy, node_value, rank_accuracy
 from mdjax.sampling import SAMPLING_OPTIONS
 from mdjax.strategies.autoregressive import OnTarget
 from mdjax.strategies.base import Prompt, Sampled
@@ -59,6 +71,20 @@ from mdjax.strategies.pass_cost import WIDTHS, PassCost
 MAX_DEPTH, MAX_TOP_K = 8, 8  # the dynamic trees searched
 DRAFT_ACCURACY = (default_accuracy(1)[0],) * MAX_DEPTH
 AUTO = "auto"
+# The coefficient of variation, over prompts, of a row's accepted tokens per pass (its
+# mean E X - 1): measured over the 13 task kinds of experiments/data/head_questions.jsonl
+# at batch 1 (docs/bench_heads_r4.json): 0.24 for the shipped Medusa heads, 0.34 for the
+# shipped EAGLE-3 head (prompt lookup: 0.89).
+PROMPT_SPREAD = 0.3
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+  """The rows (branches counted apart) a step advances together, and the tokens each
+  generates: the batch runs until its slowest row is done."""
+
+  rows: int = 1
+  new_tokens: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,18 +133,36 @@ def draft_fraction(drafter, target, *, reads_unembedding: bool) -> float:
   return (size(drafter) + (size(unembedding) if reads_unembedding else 0)) / size(target)
 
 
+def batch_tokens_per_pass(reach: Sequence[float], batch: Batch) -> float:
+  """The expected tokens per pass of `batch` (module docstring) when each row accepts
+  at least k drafted tokens with probability `reach[k - 1]`."""
+  reach = list(reach)
+  mean = 1.0 + sum(reach)
+  if batch.rows == 1 or mean == 1.0:
+    return mean
+  square = sum((2 * k - 1) * p for k, p in enumerate(reach, start=1))  # E A^2
+  passes = batch.new_tokens / mean
+  luck = batch.new_tokens * (square - (mean - 1) ** 2) / mean**3
+  prompts = (batch.new_tokens * PROMPT_SPREAD * (mean - 1) / mean**2) ** 2
+  return batch.new_tokens / (passes + _largest_normal(batch.rows) * math.sqrt(luck + prompts))
+
+
 def static_tree(accuracy, cost: PassCost, draft_s: Callable[[int], float], *,
-                branches: int = 1, allow_plain: bool = True) -> Choice:
+                branches: int = 1, batch: Batch = Batch(), allow_plain: bool = True) -> Choice:
   """The best `build_tree(accuracy, M)` (module docstring) for `branches` trees per
-  row, a tree of depth D drafted for `draft_s(D)` seconds (only its first D heads run)."""
+  row, a tree of depth D drafted for `draft_s(D)` seconds (only its first D heads run),
+  for a batch of `batch` (its rows each branch counted apart)."""
   per_rank = rank_accuracy(accuracy)
   available = sum(math.prod(len(row) for row in per_rank[:depth])
                   for depth in range(1, len(per_rank) + 1))  # nodes the table can rank
   plain = 1 / cost(branches)
   best, best_rate = _plain(cost), plain if allow_plain else 0.0
   for budget in range(1, min(_max_nodes(branches), available) + 1):
-    tree, length = best_static_tree(_hashable(accuracy), budget)
+    tree = best_static_tree(_hashable(accuracy), budget)
     depth = max(map(len, tree))
+    reach = [sum(node_value(node, per_rank) for node in tree if len(node) == d)
+             for d in range(1, depth + 1)]
+    length = batch_tokens_per_pass(reach, batch)
     rate = length / (cost(branches * (1 + budget)) + draft_s(depth))
     if rate > best_rate:
       best_rate = rate
@@ -128,17 +172,19 @@ def static_tree(accuracy, cost: PassCost, draft_s: Callable[[int], float], *,
 
 
 def dynamic_tree(accuracy, cost: PassCost, draft_s: Callable[[int, int], float], *,
-                 depths: Sequence[int], top_ks: Sequence[int], allow_plain: bool = True) -> Choice:
+                 depths: Sequence[int], top_ks: Sequence[int], batch: Batch = Batch(),
+                 allow_plain: bool = True) -> Choice:
   """The best EAGLE-2 tree (module docstring) of a depth D in `depths`, a top-k K in
-  `top_ks` and any budget M, drafted for `draft_s(D, K)` seconds."""
+  `top_ks` and any budget M, drafted for `draft_s(D, K)` seconds, for a batch of `batch`."""
   plain = 1 / cost(1)
   best, best_rate = _plain(cost), plain if allow_plain else 0.0
   for depth in depths:
     for top_k in top_ks:
-      values = drafted_values(_hashable(accuracy), depth, top_k)
-      draft, length = draft_s(depth, top_k), 1.0
-      for budget, value in enumerate(values[:_max_nodes(1)], start=1):
-        length += value
+      nodes = drafted_values(_hashable(accuracy), depth, top_k)
+      draft, reach = draft_s(depth, top_k), [0.0] * depth
+      for budget, (value, level) in enumerate(nodes[:_max_nodes(1)], start=1):
+        reach[level - 1] += value
+        length = batch_tokens_per_pass(reach, batch)
         rate = length / (cost(1 + budget) + draft)
         if rate > best_rate:
           best_rate = rate
@@ -158,19 +204,18 @@ def plain_decoding(strategy: Sampled, params, prompt: Prompt, capacity: int,
 
 
 @functools.lru_cache(maxsize=4096)
-def best_static_tree(accuracy: tuple, budget: int) -> tuple[tuple, float]:
-  """`build_tree(accuracy, budget)` and its expected length (memoised: every request
-  of the same heads searches the same trees)."""
-  tree = build_tree(accuracy, budget)
-  return tree, expected_length(tree, accuracy)
+def best_static_tree(accuracy: tuple, budget: int) -> tuple:
+  """`build_tree(accuracy, budget)` (memoised: every request of the same heads searches
+  the same trees)."""
+  return build_tree(accuracy, budget)
 
 
 @functools.lru_cache(maxsize=4096)
-def drafted_values(accuracy: tuple, depth: int, top_k: int) -> tuple[float, ...]:
-  """The value (`node_value`) of every node EAGLE-2's loop drafts with `depth` levels
-  and `top_k`, when the values are its scores, best first (memoised): level 1 is ranks
-  0 .. K-1; each further level, the K children of the K best nodes of the level above
-  (ties: the first)."""
+def drafted_values(accuracy: tuple, depth: int, top_k: int) -> tuple[tuple[float, int], ...]:
+  """(value, depth) of every node EAGLE-2's loop drafts with `depth` levels and `top_k`
+  (value: `node_value`), when the values are its scores, best first (memoised): level 1
+  is ranks 0 .. K-1; each further level, the K children of the K best nodes of the level
+  above (ties: the first)."""
   per_rank = rank_accuracy(accuracy)
   level = [(rank,) for rank in range(top_k)]
   drafted = list(level)
@@ -178,11 +223,17 @@ def drafted_values(accuracy: tuple, depth: int, top_k: int) -> tuple[float, ...]
     front = sorted(level, key=lambda node: -node_value(node, per_rank))[:top_k]
     level = [node + (rank,) for node in front for rank in range(top_k)]
     drafted += level
-  return tuple(sorted((node_value(node, per_rank) for node in drafted), reverse=True))
+  return tuple(sorted(((node_value(node, per_rank), len(node)) for node in drafted),
+                      key=lambda pair: -pair[0]))
 
 
 def _hashable(accuracy) -> tuple[tuple[float, ...], ...]:
   return tuple(tuple(float(a) for a in row) for row in accuracy)
+
+
+def _largest_normal(count: int) -> float:
+  """The expected largest of `count` standard normal draws (Blom's approximation; 0 for 1)."""
+  return statistics.NormalDist().inv_cdf((count - 0.375) / (count + 0.25))
 
 
 def _max_nodes(branches: int) -> int:
