@@ -35,11 +35,22 @@ import mdjax  # noqa: E402
 REAL_MODEL_FIXTURES = {"smollm2", "gemma3_270m"}
 
 
+# The files that take longest (minutes each, `--durations` on 2 cores), longest first.
+# They start first, so that the two workers (`--dist loadfile`) end together rather than
+# one running the 8-device subprocess alone at the end.
+SLOW_FILES = ("test_bench_smoke.py", "test_cli_configs.py", "test_sharding.py",
+              "test_notebooks.py", "test_distributed.py", "test_gguf.py", "test_speculative.py",
+              "test_distributed_train.py")
+
+
 def pytest_collection_modifyitems(items):
-  """A test that uses a real model's fixture is marked `real_models`."""
+  """A test that uses a real model's fixture is marked `real_models`; the slow files
+  run first (`SLOW_FILES`), the rest in their usual order."""
   for item in items:
     if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
       item.add_marker(pytest.mark.real_models)
+  rank = {name: i for i, name in enumerate(SLOW_FILES)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))
 
 
 MAPS = pathlib.Path("/proc/self/maps")

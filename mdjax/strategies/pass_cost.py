@@ -185,7 +185,7 @@ def _measure(model: ModelFn, params, batch: int) -> tuple[float, ...]:
   Interleaved, a spell of load on the machine slows every width alike, not one."""
   runs, repeats = [], []
   bar = tqdm(total=len(WIDTHS) * (1 + ROUNDS), desc=f"mdjax: measuring t(n) at batch {batch}",
-             unit="pass", delay=1.0, disable=not distributed.is_main_process(), file=sys.stderr)
+             unit="timing", delay=1.0, disable=not distributed.is_main_process(), file=sys.stderr)
   for width in WIDTHS:
     run = jax.jit(functools.partial(_passes, model=model, batch=batch, width=width,
                                     prefix=_prefix(model)))
