@@ -317,11 +317,13 @@ def cells_of(results: dict, groups: int, new_tokens: int) -> dict:
           for name, result in results.items()}
 
 
-def auto_choice(model: mdjax.Model, line: HeadLine, rows: list[list[int]]) -> dict:
-  """What `tree_budget="auto"` chose for `line` at the batch of `rows`, as `out.stats`
-  says it (the tree, its expected tokens per pass and speedup, the t(n) used)."""
-  out = mdjax.generate(model, rows, strategy=line.strategy, max_new_tokens=1, eos_token_id=[],
-                       heads=line.heads)
+def auto_choice(model: mdjax.Model, line: HeadLine, rows: list[list[int]],
+                new_tokens: int) -> dict:
+  """What `tree_budget="auto"` chose for `line` at the batch of `rows` and `new_tokens`
+  per row (the timed runs' request: the choice counts the tokens a row generates), as
+  `out.stats` says it (the tree, its expected tokens per pass and speedup, the t(n) used)."""
+  out = mdjax.generate(model, rows, strategy=line.strategy, max_new_tokens=new_tokens,
+                       eos_token_id=[], heads=line.heads)
   return {k: v for k, v in out.stats.items() if k.startswith(CHOICE_PREFIXES)}
 
 
@@ -366,11 +368,12 @@ def bench_batch(model: mdjax.Model, lines: list[HeadLine], prompts: list[Prompt]
   overall = cells_of({name: merged(p) for name, p in collected.items()}, groups,
                      settings.new_tokens)
   first_rows = next(iter(parts.values()))[0]
+  choices = {line.name: auto_choice(model, line, first_rows, settings.new_tokens)
+             for line in lines}
   cell = dict(overall=overall,
               sweep={line.name: {f"{line.name}@{t.label}": t.budget for t in line.trees}
                      for line in lines},
-              auto={line.name: auto_verdict(overall, line, auto_choice(model, line, first_rows))
-                    for line in lines})
+              auto={line.name: auto_verdict(overall, line, choices[line.name]) for line in lines})
   return cell if batch > 1 else dict(kinds=kinds, **cell)
 
 

@@ -97,6 +97,16 @@ def test_a_batch_waits_for_its_slowest_row():
   assert dynamic.plain
 
 
+def test_a_tree_must_promise_five_percent_more_than_plain_decoding():
+  """A one-node tree right with p .5 (E = 1.5) over t(2) = 1.44: 1.5 / 1.44 = 1.042x,
+  within what the model misses of a step: plain decoding. At t(2) = 1.4, 1.071x: the tree."""
+  assert tree_choice.MIN_GAIN == 1.05
+  for t2, plain in ((1.44, True), (1.4, False)):
+    cost = PassCost(seconds=(1.0, t2, 1.6, 2.0, 3.0, 4.0, 5.0), batch=1, source="pinned")
+    choice = tree_choice.static_tree(((0.5,),), cost, lambda depth: 0.0)
+    assert choice.plain == plain and choice.speedup == pytest.approx(1.0 if plain else 1.5 / t2)
+
+
 def test_a_width_costs_at_most_a_wider_one():
   """A pass of n tokens can run padded as a wider one: t is the suffix minimum of the
   measured times (here 2 tokens cheaper than 1, and 8 cheaper than 4), then linear."""
