@@ -58,9 +58,9 @@ import numpy as np
 
 import mdjax
 from experiments.cli import one_line_errors
-from experiments.benchlib import (RATE_STATS, SUMMED_STATS, machine_info, machine_line,
-                                  memory_bandwidth, plt, run_mdjax, save_figure, summarize, timed,
-                                  write_results)
+from experiments.benchlib import (RATE_STATS, SUMMED_STATS, choice_stats, divergence_gaps,
+                                  machine_info, machine_line, memory_bandwidth, plt, run_mdjax,
+                                  save_figure, summarize, timed, write_results)
 from mdjax import chat
 from mdjax.errors import MdjaxError, check_count
 from mdjax.heads import HeadsConfig, init_heads
@@ -95,7 +95,6 @@ _QUICK = flags.DEFINE_bool("quick", False,
 
 LOOKUP = dict(prompt_lookup_num_tokens=4, max_ngram_size=3)
 BASELINES = ("greedy", "prompt_lookup")
-CHOICE_PREFIXES = ("tree_", "expected_", "pass_cost_")  # what `out.stats` says of auto's choice
 MIXED = "mixed"  # the one slice of a batch > 1: its groups mix the kinds
 TOLERANCE = 0.95  # issue 40's goal: auto within 5% of the best fixed tree and of greedy
 QUICK_PROMPT_LEN = 24
@@ -324,7 +323,7 @@ def auto_choice(model: mdjax.Model, line: HeadLine, rows: list[list[int]],
   `out.stats` says it (the tree, its expected tokens per pass and speedup, the t(n) used)."""
   out = mdjax.generate(model, rows, strategy=line.strategy, max_new_tokens=new_tokens,
                        eos_token_id=[], heads=line.heads)
-  return {k: v for k, v in out.stats.items() if k.startswith(CHOICE_PREFIXES)}
+  return choice_stats(out.stats)
 
 
 def auto_verdict(overall: dict, line: HeadLine, choice: dict) -> dict:
@@ -375,22 +374,6 @@ def bench_batch(model: mdjax.Model, lines: list[HeadLine], prompts: list[Prompt]
                      for line in lines},
               auto={line.name: auto_verdict(overall, line, choices[line.name]) for line in lines})
   return cell if batch > 1 else dict(kinds=kinds, **cell)
-
-
-def divergence_gaps(model: mdjax.Model, rows: list[list[int]], greedy: list[list[int]],
-                    ours: list[list[int]]) -> list[float]:
-  """For each row whose tokens leave greedy's: the gap between the top two of greedy's
-  logits where they part (mdjax's forward of the prompt and greedy's tokens so far). A
-  gap within the dtype's rounding is a near-tie, where two batch shapes may round
-  their sums apart and pick different tokens; a large gap is a bug."""
-  gaps = []
-  for prompt, reference, tokens in zip(rows, greedy, ours):
-    parted = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), None)
-    if parted is not None:
-      logits = mdjax.forward_logits(model, list(prompt) + list(reference[:parted]))[-1]  # [V]
-      top2 = np.sort(logits)[-2:]
-      gaps.append(float(top2[1] - top2[0]))
-  return gaps
 
 
 def mismatches(batches: dict) -> list[str]:

@@ -115,6 +115,28 @@ def agreement(ours: list[list[int]], theirs: np.ndarray) -> dict:
               identical_prefix=min(prefix))
 
 
+def choice_stats(stats: dict) -> dict:
+  """What `out.stats` says of `tree_budget="auto"`'s choice: the tree, its expected
+  tokens per pass and speedup, and the t(n) it used."""
+  return {k: v for k, v in stats.items() if k.startswith(("tree_", "expected_", "pass_cost_"))}
+
+
+def divergence_gaps(model: mdjax.Model, rows: list[list[int]], greedy: list[list[int]],
+                    ours: list[list[int]]) -> list[float]:
+  """For each row whose tokens leave greedy's: the gap between the top two of greedy's
+  logits where they part (mdjax's forward of the prompt and greedy's tokens so far). A
+  gap within the dtype's rounding is a near-tie, where two batch shapes may round
+  their sums apart and pick different tokens; a large gap is a bug."""
+  gaps = []
+  for prompt, reference, tokens in zip(rows, greedy, ours):
+    parted = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), None)
+    if parted is not None:
+      logits = mdjax.forward_logits(model, list(prompt) + list(reference[:parted]))[-1]  # [V]
+      top2 = np.sort(logits)[-2:]
+      gaps.append(float(top2[1] - top2[0]))
+  return gaps
+
+
 def median_after_first_token(whole: list[float], first: list[float]) -> float:
   """The median over repetitions of a generation's seconds after its first token: each
   whole run minus the run cut at one token from the same repetition (paired, so a slow

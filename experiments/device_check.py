@@ -22,6 +22,14 @@ run stopped by a time limit keeps what it measured):
    `multi_question` vs sequential greedy (one question at a time) vs batching (the
    context duplicated per question); and prompt lookup vs greedy on a copy-heavy prompt
    (a random chunk repeated): tokens per pass and whether the tokens equal greedy's.
+6. `heads`: the head strategies on this device (`medusa`, `eagle` with EAGLE and EAGLE-3
+   heads), at each batch of `--head_batches`: the tree `tree_budget="auto"` picks (the
+   t(n) it measured here, `mdjax.strategies.pass_cost`) and the fixed trees of
+   `--head_trees`, each timed against greedy, with whether its tokens equal greedy's
+   (and greedy's top-2 gap where a row parts). The heads are random, shaped like the
+   shipped SmolLM2 heads of their family (heads, layers, draft vocabulary) and carrying
+   their held-out acceptance profile, so `auto` sizes trees as it would for those heads;
+   their drafts are rarely accepted, so the speeds measure a step's cost, not a speedup.
 
 The model: a random llama of `--preset` (`bench_device.PRESETS`; "1b" on GPU/TPU, "tiny"
 on CPU) in `--dtype` (bfloat16 on GPU/TPU), its context stretched to the longest of
@@ -40,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import json
 import os
 import pathlib
 import re
@@ -52,22 +61,24 @@ from xml.etree import ElementTree
 
 from absl import app, flags
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import mdjax
 from experiments import bench_device  # also defines the flags shared with it
-from experiments.benchlib import (machine_info, plt, run_mdjax, save_figure, summarize, timed,
-                                  write_json)
+from experiments.benchlib import (choice_stats, divergence_gaps, machine_info, plt, run_mdjax,
+                                  save_figure, summarize, timed, write_json)
 from experiments.cli import one_line_errors
 from mdjax import sharding
 from mdjax.cache import KVCache
+from mdjax.heads import HeadsConfig, get_family, init_heads, store
 from mdjax.models.attention import ATTENTION_BLOCK, ATTENTIONS
 from mdjax.models.layer_loop import LAYER_LOOPS, default_layer_loop
 from mdjax.step import decode_step
 from mdjax.topology import Topology
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-SECTIONS = ("tests", "roofline", "pass_cost", "variants", "branches")
+SECTIONS = ("tests", "roofline", "pass_cost", "variants", "branches", "heads")
 FIRST_ID = bench_device.FIRST_PROMPT_ID
 COPY_REPEATS = 4  # the copy-heavy prompt: one random chunk this many times
 
@@ -88,6 +99,12 @@ _CONTEXTS = flags.DEFINE_list("contexts", ["1024", "8192"], "Prompt lengths of t
                               "layer-loop and attention variants.")
 _CONTEXT_LEN = flags.DEFINE_integer("context_len", 1024, "Shared context of the branches.")
 _QUESTION_LEN = flags.DEFINE_integer("question_len", 16, "Tokens per question.")
+_HEAD_BATCHES = flags.DEFINE_list("head_batches", ["1", "8"], "Batch sizes of the heads section.")
+_HEAD_TREES = flags.DEFINE_list("head_trees", ["2x2x4", "6x8x64"], "Fixed trees of the "
+                                "heads section beside auto, DEPTHxTOP_KxBUDGET (Medusa: the "
+                                "budget alone).")
+_HEAD_NEW_TOKENS = flags.DEFINE_integer("head_new_tokens", 16, "Tokens per row in the heads "
+                                        "section.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -114,12 +131,15 @@ class Settings:
   questions: int  # branches
   question_len: int
   context_len: int
+  head_batches: tuple[int, ...]  # heads
+  head_trees: tuple[tuple[int, int, int], ...]  # (depth, top_k, budget)
+  head_new_tokens: int
 
 
 QUICK = dict(preset="tiny", tests_k="float32_greedy", test_workers=0, batches=(1, 4),
              prompt_len=16, new_tokens=8, repeats=1, bandwidth_mib=64, pass_ns=(1, 2, 4, 8),
              pass_prefix=32, pass_repeats=3, contexts=(64,), questions=2, question_len=4,
-             context_len=64)
+             context_len=64, head_batches=(1, 2), head_trees=((2, 2, 4),), head_new_tokens=8)
 
 
 def device_kind() -> str:
@@ -318,6 +338,103 @@ def run_branches(settings: Settings, placed) -> dict:
               branches=branches, prompt_lookup=cell)
 
 
+# --- 6. head strategies: auto's tree and exactness ---------------------------------------
+
+SHIPPED_HEADS = {"medusa": "smollm2-135m-instruct-medusa", "eagle": "smollm2-135m-instruct-eagle",
+                 "eagle3": "smollm2-135m-instruct-eagle3"}  # family -> the shipped heads it mimics
+DECODED_BY = {"medusa": "medusa", "eagle": "eagle", "eagle3": "eagle"}
+
+
+def parse_tree(text: str) -> tuple[int, int, int]:
+  """(depth, top_k, budget) from "DEPTHxTOP_KxBUDGET"."""
+  parts = text.split("x")
+  if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    raise app.UsageError(f"a head tree is DEPTHxTOP_KxBUDGET of positive integers (e.g. 4x4x16), "
+                         f"got {text!r}")
+  depth, top_k, budget = map(int, parts)
+  return depth, top_k, budget
+
+
+def random_heads(model: mdjax.Model, family: str, settings: Settings) -> mdjax.Heads:
+  """Random heads of `family` for `model`, shaped like the shipped SmolLM2 heads of that
+  family (their heads, layers and draft vocabulary size, at most half the vocabulary:
+  random ids) with their held-out acceptance profile (read from their config alone: the
+  weights need not travel); Medusa's residual blocks random
+  (`init_heads` leaves them zero, which would draft the target's own last token)."""
+  shipped = HeadsConfig.from_json(json.loads(
+      (store.ASSETS_DIR / SHIPPED_HEADS[family] / store.CONFIG_FILE).read_text()))
+  c = model.config
+  kind = get_family(family)
+  draft = min(shipped.draft_vocab_size, c.vocab_size // 2)
+  config = HeadsConfig(family=family, base_model=model.name, base_family=c.family,
+                       hidden_size=c.hidden_size, vocab_size=c.vocab_size,
+                       num_heads=shipped.num_heads, num_layers=shipped.num_layers,
+                       top_accuracy=shipped.top_accuracy, draft_vocab_size=draft,
+                       target_layers=kind.layers_for(c))
+  rng = np.random.default_rng(settings.seed)
+  ids = (np.sort(rng.choice(c.vocab_size, draft, replace=False)) if draft
+         else np.arange(c.vocab_size)).astype(np.int32)
+  params = kind.restrict(init_heads(config, c, settings.seed, settings.dtype).params, ids,
+                         model.params)
+  if draft:
+    params = {**params, "draft_ids": jnp.asarray(ids)}
+  if "blocks" in params and family == "medusa":
+    w = params["blocks"]["w"]  # [K, layers, D, D]
+    noise = rng.normal(0, 0.3 / np.sqrt(w.shape[-1]), w.shape)
+    params = {**params, "blocks": {**params["blocks"], "w": jnp.asarray(noise, w.dtype)}}
+  return mdjax.Heads(config=config, params=params)
+
+
+def head_trees(family: str, settings: Settings) -> dict[str, dict]:
+  """Label -> options of auto and each fixed tree (Medusa's: the budget alone)."""
+  trees = {"auto": {}}
+  for depth, top_k, budget in settings.head_trees:
+    if family == "medusa":
+      trees[str(budget)] = dict(tree_budget=budget)
+    else:
+      trees[f"{depth}x{top_k}x{budget}"] = dict(tree_budget=budget, tree_depth=depth,
+                                                tree_top_k=top_k)
+  return trees
+
+
+def run_heads(settings: Settings, placed) -> dict:
+  """Per batch and family: auto's choice (as `out.stats` says it) and every tree beside
+  greedy: speed, passes, tokens equal to greedy's (greedy's top-2 gaps where rows part)."""
+  model = placed(default_layer_loop())
+  n, vocab = settings.head_new_tokens, model.config.vocab_size
+  heads = {family: random_heads(model, family, settings) for family in SHIPPED_HEADS}
+  rng = np.random.default_rng(settings.seed)
+  out = {}
+  for batch in settings.head_batches:
+    rows = random_ids(rng, vocab, 1, batch, settings.prompt_len)  # [1, B, L]
+    contenders = {"greedy": functools.partial(run_mdjax, model, rows, n, "greedy")}
+    for family, h in heads.items():
+      for label, options in head_trees(family, settings).items():
+        contenders[f"{family}@{label}"] = functools.partial(
+            run_mdjax, model, rows, n, DECODED_BY[family], heads=h, **options)
+    results = timed(contenders, settings.repeats, f"heads batch {batch}")
+    greedy = results.pop("greedy")
+    cells = {}
+    for name, result in results.items():
+      cell = summarize(result, greedy, n, 1)
+      cell["tokens_per_pass"] = n / (result["stats"]["target_passes"] + 1)
+      if cell["tokens"]["matching_tokens"] < cell["tokens"]["total_tokens"]:
+        cell["divergence_gaps"] = divergence_gaps(model, rows[0].tolist(), greedy["sequences"],
+                                                  result["sequences"])
+      if name.endswith("@auto"):
+        family = name.split("@")[0]
+        cell["choice"] = choice_stats(mdjax.generate(
+            model, rows[0], strategy=DECODED_BY[family], max_new_tokens=n, eos_token_id=[],
+            heads=heads[family]).stats)
+      cells[name] = cell
+    out[str(batch)] = dict(greedy_ms_per_token=greedy["seconds"] / n * 1e3, contenders=cells)
+  return dict(new_tokens=n, prompt_len=settings.prompt_len,
+              heads={family: dict(mimics=SHIPPED_HEADS[family], num_heads=h.config.num_heads,
+                                  draft_vocab_size=h.config.draft_vocab_size,
+                                  target_layers=list(h.config.target_layers))
+                     for family, h in heads.items()}, batches=out)
+
+
 # --- running, writing, drawing -----------------------------------------------------------
 
 def run_section(name: str, settings: Settings, placed, out_dir: pathlib.Path) -> dict:
@@ -336,7 +453,7 @@ def run_section(name: str, settings: Settings, placed, out_dir: pathlib.Path) ->
 
 
 SECTION_RUNS = dict(roofline=run_roofline, pass_cost=run_pass_cost, variants=run_variants,
-                    branches=run_branches)
+                    branches=run_branches, heads=run_heads)
 
 
 def panel_error(ax, section: dict | None, title: str) -> bool:
@@ -405,14 +522,37 @@ def plot_branches(ax, section) -> None:
                "copy-heavy prompt", fontsize=9)
 
 
+def plot_heads(ax, section) -> None:
+  """Each head contender's speed over greedy's per batch; auto's bars hatched."""
+  if panel_error(ax, section, "head strategies (random heads)"):
+    return
+  batches = list(section["batches"])
+  names = list(section["batches"][batches[0]]["contenders"])
+  width = 0.8 / len(batches)
+  for i, batch in enumerate(batches):
+    cells = section["batches"][batch]["contenders"]
+    bars = ax.bar(np.arange(len(names)) + i * width,
+                  [cells[n]["speedup_vs_greedy"] for n in names], width, label=f"batch {batch}")
+    for bar, name in zip(bars, names):
+      bar.set_hatch("//" if name.endswith("@auto") else "")
+  ax.axhline(1, color="gray", lw=0.8)
+  ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names, rotation=45, ha="right",
+                fontsize=7)
+  ax.set_ylabel("speed vs greedy (random heads: ~no acceptance)")
+  ax.set_title("head strategies: auto (hatched) and fixed trees")
+  ax.legend(fontsize=8)
+
+
 def plot(results: dict, path: pathlib.Path) -> None:
-  fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+  fig, axes = plt.subplots(3, 2, figsize=(13, 13))
   sections = results["sections"]
   for ax, (name, draw) in zip(axes.flat, (("roofline", plot_roofline),
                                           ("pass_cost", plot_pass_cost),
                                           ("variants", plot_variants),
-                                          ("branches", plot_branches))):
+                                          ("branches", plot_branches),
+                                          ("heads", plot_heads))):
     draw(ax, sections.get(name))
+  axes.flat[-1].axis("off")
   tests = sections.get("tests")
   tested = ("tests not run" if tests is None else tests.get("error") or
             f"accelerator tests: {tests['passed']} passed, {tests['failures']} failed, "
@@ -476,7 +616,9 @@ def settings_from_flags() -> Settings:
       pass_ns=tuple(int(n) for n in _PASS_NS.value), pass_prefix=_PASS_PREFIX.value,
       pass_repeats=_PASS_REPEATS.value, contexts=tuple(int(c) for c in _CONTEXTS.value),
       questions=FLAGS.questions, question_len=_QUESTION_LEN.value,
-      context_len=_CONTEXT_LEN.value)
+      context_len=_CONTEXT_LEN.value, head_batches=tuple(int(b) for b in _HEAD_BATCHES.value),
+      head_trees=tuple(parse_tree(text) for text in _HEAD_TREES.value),
+      head_new_tokens=_HEAD_NEW_TOKENS.value)
   settings = dataclasses.replace(settings, **QUICK) if FLAGS.quick else settings
   if settings.new_tokens < 2:
     raise app.UsageError("--new_tokens must be >= 2 (decode time is measured against 1)")

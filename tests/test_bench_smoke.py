@@ -202,7 +202,7 @@ def test_divergence_gaps_read_greedys_top2_where_rows_part():
   (mdjax's forward of the prompt and greedy's tokens so far); rows that never part
   give none."""
   import mdjax
-  from experiments.bench_heads import divergence_gaps
+  from experiments.benchlib import divergence_gaps
   model = mdjax.load("random-llama-tiny")
   prompt = [5, 6, 7]
   (greedy,) = mdjax.generate(model, [prompt], max_new_tokens=4, eos_token_id=[]).sequences

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-SECTIONS = ["tests", "roofline", "pass_cost", "variants", "branches"]  # in the order they run
+SECTIONS = ["tests", "roofline", "pass_cost", "variants", "branches", "heads"]  # in the order they run
 
 
 def test_device_check_quick(tmp_path):
@@ -38,3 +38,13 @@ def test_device_check_quick(tmp_path):
   assert all(c["same_tokens_as_sequential"] for c in branches["branches"].values())
   tokens = branches["prompt_lookup"]["tokens"]
   assert tokens["matching_tokens"] == tokens["total_tokens"] > 0
+  heads = sections["heads"]
+  assert list(heads["batches"]) == ["1", "2"]
+  for cell in heads["batches"].values():
+    contenders = cell["contenders"]
+    assert set(contenders) == {f"{family}@{tree}" for family in ("medusa", "eagle", "eagle3")
+                               for tree in ("auto", "2x2x4" if family != "medusa" else "4")}
+    for name, contender in contenders.items():
+      tokens = contender["tokens"]
+      assert tokens["matching_tokens"] == tokens["total_tokens"] > 0, name  # float32 on CPU
+      assert ("choice" in contender) == name.endswith("@auto"), name
