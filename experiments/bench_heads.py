@@ -366,6 +366,9 @@ def bench_batch(model: mdjax.Model, lines: list[HeadLine], prompts: list[Prompt]
   groups = sum(len(g) for g in parts.values())
   overall = cells_of({name: merged(p) for name, p in collected.items()}, groups,
                      settings.new_tokens)
+  for name, c in overall.items():
+    if not c["identical_to_greedy"]:
+      c["divergence_gaps"] = [g for k in kinds.values() for g in k[name].get("divergence_gaps", [])]
   first_rows = next(iter(parts.values()))[0]
   choices = {line.name: auto_choice(model, line, first_rows, settings.new_tokens)
              for line in lines}

@@ -7,8 +7,10 @@ sizes its tree by it::
     2-core CPU, float32    1  1.57 1.45 1.61 2.13 3.53 5.89    SmolLM2-135M, batch 1:
                                                                trees must stay small
     2-core CPU, bfloat16   1  0.91 1.02 1.10 1.50 1.80 3.11    (`numerics.linear`)
-    a GPU                  1   ~1   ~1   ~1   ~1   ~1   ~1.2   flat: wide trees are
-                                                               nearly free
+    H200, bfloat16         1  1.39 1.40 1.40 1.44 1.49 1.57    a random 1B llama, batch 1
+                                                               (docs/device): past the
+                                                               first extra token, wide
+                                                               trees are nearly free
 
 Between the measured widths t is linear in n; past 64 it goes on along the last
 segment. A pass of n tokens can always run as a wider one with padding, so each width

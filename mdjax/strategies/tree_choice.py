@@ -201,8 +201,9 @@ def dynamic_tree(accuracy, cost: PassCost, draft_s: Callable[[int, int], float],
 def plain_decoding(strategy: Sampled, params, prompt: Prompt, capacity: int,
                    choice: Choice) -> OnTarget:
   """`strategy`'s target decoding one token per pass with its sampling options, for
-  `choice` (no tree; its stats in `request_stats`)."""
-  plain = OnTarget(model=strategy.model,
+  `choice` (no tree; its stats in `request_stats`). The target hands out no hidden
+  states (`ModelFn.hidden_layers`): nothing drafts from them."""
+  plain = OnTarget(model=dataclasses.replace(strategy.model, hidden_layers=()),
                    **{name: getattr(strategy, name) for name in SAMPLING_OPTIONS})
   return dataclasses.replace(plain.for_request(params["target"], prompt, capacity),
                              request_stats=choice.stats(strategy.sampling.greedy))
