@@ -10,6 +10,7 @@ import pytest
 
 import mdjax
 from mdjax.heads import init_heads
+from mdjax.heads.eagle3 import default_target_layers
 from mdjax.heads.tree import rank_accuracy
 from mdjax.strategies import tree_choice
 from mdjax.strategies.base import ModelFn
@@ -164,6 +165,21 @@ def test_where_no_tree_pays_plain_greedy_runs(tiny, greedy, requests, strategy, 
   assert "accepted" not in stats  # nothing was drafted
   assert stats["pass_cost_s"] == [float(n) for n in WIDTHS]
   assert stats["pass_cost_source"] == "pinned" and stats["pass_cost_batch"] == 2
+
+
+def test_plain_decoding_asks_the_target_for_no_hidden_states(tiny, greedy, monkeypatch):
+  """EAGLE-3 reads three layers' states; plain decoding drafts nothing, so its passes
+  return the final-norm state alone (the passes traced are recorded)."""
+  heads = init_heads(heads_config(tiny, "eagle3", own_unembedding=True,
+                                  target_layers=default_target_layers(tiny.config.num_layers)),
+                     tiny.config, seed=1)
+  traced, call = [], ModelFn.__call__
+  monkeypatch.setattr(ModelFn, "__call__",
+                      lambda self, *a, **k: traced.append(self.hidden_layers) or call(self, *a, **k))
+  mdjax.clear_compiled()  # traced anew, not served from an earlier test's program
+  stats = auto_stats(tiny, greedy, monkeypatch, STEEP, "eagle", heads=heads)
+  assert stats["tree_choice"] == "greedy"
+  assert traced and set(traced) == {()}
 
 
 def test_medusa_falls_back_to_multi_question_in_branches(tiny, requests, monkeypatch):
