@@ -2,6 +2,8 @@
 tree shape; sampled output follows the target's sampling law (chi-square); the
 multi-candidate acceptance rule on hand-computed trees."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 
 import mdjax
 from mdjax.models.model import Model
-from mdjax.sampling import tree_accept
+from mdjax.sampling import greedy_tree_accept, tree_accept, typical_accept
 from mdjax.strategies.base import ModelFn
 from mdjax.strategies.speculative_tree import SpeculativeTree
 from mdjax.strategies.trees import Tree
@@ -173,6 +175,40 @@ def test_acceptance_rule_rows_are_independent():
   path, token = _tree_accept(keys, jnp.asarray([TOKENS] * 2), jnp.asarray([PARENT] * 2),
                              jnp.asarray(p), 2)
   assert np.asarray(path).tolist() == [[0, 4], [-1, -1]] and np.asarray(token).tolist() == [3, 3]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_tree_rule_is_the_exact_and_typical_rules_on_one_hot_targets(seed):
+  """`greedy_tree_accept` (greedy verification, no draw) gives what `tree_accept` and
+  `typical_accept` give on a one-hot p at the target's choice: random trees of 12 nodes
+  over 16 tokens (distinct among siblings, as a drafter's top-k), 3 levels, 64 rows."""
+  rng = np.random.default_rng(seed)
+  rows, nodes, vocab, depth = 64, 12, 16, 3
+  parent = np.full((rows, nodes), -1)
+  level = np.ones((rows, nodes), int)
+  tokens = np.zeros((rows, nodes), int)
+  for r in range(rows):
+    for n in range(nodes):  # parents before children, at most `depth` levels
+      parent[r, n] = rng.choice([m for m in range(n) if level[r, m] < depth] + [-1])
+      level[r, n] = 1 if parent[r, n] < 0 else level[r, parent[r, n]] + 1
+      siblings = {tokens[r, m] for m in range(n) if parent[r, m] == parent[r, n]}
+      tokens[r, n] = rng.choice([t for t in range(vocab) if t not in siblings])
+  # the target's choice after the root and each node: mostly one of its children's tokens
+  choice = rng.integers(0, vocab, (rows, nodes + 1))
+  for r in range(rows):
+    for n in range(-1, nodes):
+      children = tokens[r][parent[r] == n]
+      if len(children) and rng.random() < 0.7:
+        choice[r, n + 1] = rng.choice(children)
+  one_hot = jnp.asarray(np.eye(vocab, dtype=np.float32)[choice])  # [rows, nodes + 1, vocab]
+  args = jnp.asarray(tokens, jnp.int32), jnp.asarray(parent, jnp.int32)
+  path, token = greedy_tree_accept(*args, jnp.asarray(choice, jnp.int32), depth)
+  keys = jax.random.split(jax.random.key(seed), rows)
+  for rule in (tree_accept, functools.partial(typical_accept, epsilon=0.3, delta=0.09)):
+    expected_path, expected_token = rule(keys, *args, one_hot, depth)
+    np.testing.assert_array_equal(path, expected_path)
+    np.testing.assert_array_equal(token, expected_token)
+  assert (np.asarray(path)[:, 1] >= 0).any()  # some rows accepted two levels
 
 
 def test_acceptance_rule_emits_the_target_law():

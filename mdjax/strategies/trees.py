@@ -41,7 +41,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
-from mdjax.sampling import SamplingParams, tree_accept
+from mdjax.sampling import SamplingParams, greedy_tree_accept, tree_accept
 from mdjax.strategies import drafting, metadata
 from mdjax.strategies.base import ModelFn
 from mdjax.strategies.drafting import DraftState, State
@@ -104,9 +104,10 @@ def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, ke
            sampling: SamplingParams, accept=tree_accept,
            branch_segment: Int[Array, "R"] | None = None) -> Verified:
   """One target pass over every row's last emitted token and its `tree` (at most
-  `depth` levels deep), accepted with the target's distributions (one-hot at its
-  argmax when greedy) by `accept` (`tree_accept`'s signature; by default the exact
-  rule), the rejected nodes dropped from the cache.
+  `depth` levels deep), accepted with the target's distributions by `accept`
+  (`tree_accept`'s signature; by default the exact rule), or when greedy by
+  `greedy_tree_accept` (what either rule gives on a one-hot p, with no draw over the
+  vocabulary), the rejected nodes dropped from the cache.
 
   Rows are output rows. With branches, `branch_segment` [R] is the segment each
   decodes in (-1: none) and R = B x N: row b * N + j is branch j of cache row b,
@@ -133,12 +134,12 @@ def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, ke
       per_row(jnp.where(state.buffer.done[:, None], -1, fed)), topology)  # [B, N (1 + M), V]
   logits = logits.reshape(rows, budget + 1, -1)  # [R, 1 + M, V]
   hidden = hidden.reshape(rows, budget + 1, -1)
-  if sampling.greedy:
-    p = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+  if sampling.greedy:  # `accept`'s result on a one-hot p, with no draw over the vocabulary
+    path, next_token = greedy_tree_accept(tree.tokens, tree.parent,
+                                          jnp.argmax(logits, axis=-1), depth)  # [R, D], [R]
   else:
-    p = drafting.probs(logits, sampling)
-  path, next_token = accept(drafting.fold_in(keys, drafting.ACCEPT_KEY), tree.tokens,
-                            tree.parent, p, depth)  # [R, D], [R]
+    path, next_token = accept(drafting.fold_in(keys, drafting.ACCEPT_KEY), tree.tokens,
+                              tree.parent, drafting.probs(logits, sampling), depth)
   accepted = (path >= 0).sum(axis=1, dtype=jnp.int32)  # [R]
   path_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)  # [R, D]
   emitted = jnp.where(jnp.arange(depth + 1)[None, :] < accepted[:, None],
