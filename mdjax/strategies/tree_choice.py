@@ -44,8 +44,11 @@ and z_B the expected largest of B standard normals. Plain decoding pays none of 
 
 The highest rate wins (ties: the smaller tree); plain decoding wins when no tree
 promises `MIN_GAIN` (5%) more than it: the model counts the target's pass and the
-drafting, not all a step costs beyond them (at batch 8 on a 2-core CPU a one-node
-Medusa step cost 1.41x a greedy step where t(2) and the head made 1.14x).
+drafting, not all a step costs beyond them (the verify's argmax over every node, the
+commit; on an H200 the chosen trees' steps cost 5-17% more than counted). At batch 8
+on a 2-core CPU a one-node Medusa step once cost 1.41x a greedy step where t(2) and
+the head made 1.14x; most of that was a Gumbel draw over the vocabulary that greedy
+verification no longer makes (`mdjax.sampling.greedy_tree_accept`).
 
 The profiles: Medusa heads carry `top_accuracy[k][j]` (head k's held-out top-(j+1)
 accuracy) and EAGLE heads the same per unrolled step; heads without one use
