@@ -46,9 +46,9 @@ The highest rate wins (ties: the smaller tree); plain decoding wins when no tree
 promises `MIN_GAIN` (5%) more than it: the model counts the target's pass and the
 drafting, not all a step costs beyond them (the verify's argmax over every node, the
 commit; on an H200 the chosen trees' steps cost 5-17% more than counted). At batch 8
-on a 2-core CPU a one-node Medusa step once cost 1.41x a greedy step where t(2) and
-the head made 1.14x; most of that was a Gumbel draw over the vocabulary that greedy
-verification no longer makes (`mdjax.sampling.greedy_tree_accept`).
+on a 2-core CPU a one-node Medusa step costs 1.35x a greedy step where t(2) and the
+head make ~1.14x (1.41x before greedy verification stopped drawing a token over the
+vocabulary, `mdjax.sampling.greedy_tree_accept`; the rest is not yet found).
 
 The profiles: Medusa heads carry `top_accuracy[k][j]` (head k's held-out top-(j+1)
 accuracy) and EAGLE heads the same per unrolled step; heads without one use
