@@ -21,7 +21,7 @@ import transformers
 from jax.sharding import NamedSharding
 
 import mdjax
-from mdjax import sharding
+from mdjax import files, sharding
 from mdjax.errors import require
 from mdjax.models import hf
 
@@ -173,9 +173,7 @@ def save_figure(fig, path: pathlib.Path, title: str) -> None:
 def write_json(path: pathlib.Path, results: dict) -> None:
   """`results` as JSON at `path`, written beside it and renamed into place, so a reader
   (or a run stopped mid-write) never sees half a file."""
-  partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-  partial.write_text(json.dumps(results, indent=2) + "\n")
-  os.replace(partial, path)
+  files.write_text(path, json.dumps(results, indent=2) + "\n")
 
 
 def write_results(results: dict, out_dir: str, stem: str, plot, table) -> None:
@@ -184,9 +182,8 @@ def write_results(results: dict, out_dir: str, stem: str, plot, table) -> None:
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   write_json(out_dir / f"{stem}.json", results)
-  partial = out_dir / f".{stem}.{os.getpid()}.partial.png"  # matplotlib picks PNG by the suffix
-  plot(results, partial)
-  os.replace(partial, out_dir / f"{stem}.png")
+  with files.atomic_file(out_dir / f"{stem}.png") as partial:
+    plot(results, partial)
   print(table(results))
   print(f"wrote {out_dir / (stem + '.json')} and {out_dir / (stem + '.png')}")
 

@@ -69,7 +69,7 @@ from experiments import bench_device  # also defines the flags shared with it
 from experiments.benchlib import (choice_stats, divergence_gaps, machine_info, plt, run_mdjax,
                                   save_figure, summarize, timed, write_json)
 from experiments.cli import one_line_errors
-from mdjax import sharding
+from mdjax import files, sharding
 from mdjax.cache import KVCache
 from mdjax.heads import HeadsConfig, get_family, init_heads, store
 from mdjax.models.attention import ATTENTION_BLOCK, ATTENTIONS
@@ -566,11 +566,10 @@ def write_outputs(results: dict, out_dir: pathlib.Path, stem: str) -> None:
   """The JSON, then the plot (each atomically); a plot that fails is recorded in the
   JSON rather than ending the run."""
   write_json(out_dir / f"{stem}.json", results)
-  partial = out_dir / f".{stem}.{os.getpid()}.partial.png"
   results.pop("plot_error", None)
   try:
-    plot(results, partial)
-    os.replace(partial, out_dir / f"{stem}.png")
+    with files.atomic_file(out_dir / f"{stem}.png") as partial:
+      plot(results, partial)
   except Exception:  # recorded; the numbers are in the JSON
     results["plot_error"] = traceback.format_exc()
     write_json(out_dir / f"{stem}.json", results)

@@ -46,6 +46,28 @@ def atomic_directory(path: str | os.PathLike):
 
 
 @contextlib.contextmanager
+def atomic_file(path: str | os.PathLike):
+  """Yields a partial path beside `path` (same suffix, so writers that pick a format by
+  it, like matplotlib, still do); when the block ends without an error, the partial
+  file replaces `path` in one rename, so a reader (or a run stopped mid-write) never
+  sees half a file. On an error, `path` is untouched and the partial file removed."""
+  target = pathlib.Path(path)
+  target.parent.mkdir(parents=True, exist_ok=True)
+  partial = target.with_name(f".{target.stem}.{os.getpid()}.partial{target.suffix}")
+  try:
+    yield partial
+    os.replace(partial, target)
+  finally:
+    partial.unlink(missing_ok=True)
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+  """`text` at `path`, written atomically (`atomic_file`)."""
+  with atomic_file(path) as partial:
+    partial.write_text(text)
+
+
+@contextlib.contextmanager
 def exclusive_lock(path: str | os.PathLike):
   """Holds an exclusive `flock` on the file `path` (created if missing) for the block:
   one process at a time on this host, and across hosts on a filesystem that supports

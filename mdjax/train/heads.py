@@ -99,7 +99,7 @@ from jaxtyping import Array, Float, Int
 from tqdm import tqdm
 
 import mdjax
-from mdjax import distributed, programs, sharding
+from mdjax import distributed, files, programs, sharding
 from mdjax.chat import chat_ids
 from mdjax.errors import MdjaxError, check_count, check_real
 from mdjax.files import atomic_directory
@@ -330,14 +330,9 @@ def _load_or_generate(config: HeadsTrainConfig, model: Model, source: dict, rows
   if distributed.is_main_process():
     cache_dir.mkdir(parents=True, exist_ok=True)
     (cache_dir / "key.json").write_text(json.dumps({"key": key, "data": source}, indent=1) + "\n")
-    _write_atomically(path, json.dumps({**sequences, "heldout_prompts": heldout_prompts}))
+    files.write_text(path, json.dumps({**sequences, "heldout_prompts": heldout_prompts}))
   return {**sequences, "heldout_prompts": heldout_prompts}
 
-
-def _write_atomically(path: pathlib.Path, text: str) -> None:
-  partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-  partial.write_text(text)
-  os.replace(partial, path)
 
 
 def uses_chat_template(model: Model, chat: bool) -> bool:

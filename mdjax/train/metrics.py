@@ -14,7 +14,7 @@ import json
 import os
 import pathlib
 
-from mdjax import distributed
+from mdjax import distributed, files
 from mdjax.errors import require
 
 
@@ -33,9 +33,7 @@ class MetricsLog:
     """Keeps only the records of steps `<= step` (the restored checkpoint's)."""
     self._records = [r for r in self._records if r["step"] <= step]
     if distributed.is_main_process():
-      partial = self.path.with_name(f".{self.path.name}.partial")
-      partial.write_text("".join(json.dumps(r) + "\n" for r in self._records))
-      os.replace(partial, self.path)
+      files.write_text(self.path, "".join(json.dumps(r) + "\n" for r in self._records))
 
   def write(self, record: dict) -> None:
     self._records.append(record)
@@ -86,8 +84,6 @@ def plot_losses(records: list[dict], path: str | os.PathLike, title: str, *,
     if axis.has_data():
       axis.legend(fontsize=8)
   fig.tight_layout()
-  path = pathlib.Path(path)
-  partial = path.with_name(f".{path.name}.partial.png")
-  fig.savefig(partial, dpi=110)
+  with files.atomic_file(path) as partial:
+    fig.savefig(partial, dpi=110)
   plt.close(fig)
-  os.replace(partial, path)
