@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Int
 
+from mdjax import losses
 from mdjax.heads import family, vocab
 from mdjax.models.config import ModelConfig
 from mdjax.models.transformer import Params, lm_head
-from mdjax.train import distill
 
 LOSSES = ("ce", "kl", "greedy")
 
@@ -59,7 +59,7 @@ class Objective:
     teacher = lm_head(base, teacher_hidden, config=self.model_config)
     if "draft_ids" in base:  # the model's law over the draft vocabulary, renormalised
       teacher = jnp.take(teacher, base["draft_ids"], axis=-1)
-    return distill.kl_to_teacher(logits, jax.lax.stop_gradient(teacher), 1.0)
+    return losses.kl_to_teacher(logits, jax.lax.stop_gradient(teacher), 1.0)
 
 
 def ahead(x: jax.Array, depth: int) -> jax.Array:

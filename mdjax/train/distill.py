@@ -65,16 +65,6 @@ def teacher_logits(teacher: Teacher, teacher_params: Params, inputs: jax.Array) 
   return jax.lax.stop_gradient(causal_logits(teacher_params, inputs, config=teacher.config))
 
 
-def kl_to_teacher(student: jax.Array, teacher: jax.Array, temperature: float) -> jax.Array:
-  """`tau^2 * KL(softmax(teacher / tau) || softmax(student / tau))` per token: `[B, T]`.
-
-  The tau^2 keeps the gradient's scale independent of tau (Hinton et al. 2015).
-  """
-  log_p = jax.nn.log_softmax(teacher / temperature, axis=-1)  # [B, T, V]
-  log_q = jax.nn.log_softmax(student / temperature, axis=-1)
-  return temperature ** 2 * jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
-
-
 def agreement(params: Params, config: ModelConfig, teacher: Teacher, sequences: np.ndarray,
               batch_size: int) -> float:
   """Share of the positions of `sequences` `[N, T + 1]` where the student's argmax is the

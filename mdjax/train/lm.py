@@ -58,7 +58,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
-from mdjax import distributed, programs, sharding
+from mdjax import distributed, losses, programs, sharding
 from mdjax.errors import MdjaxError
 from mdjax.models import hf
 from mdjax.models.config import ModelConfig
@@ -116,7 +116,7 @@ def make_train_step(config: ModelConfig, optimizer: optax.GradientTransformation
     if teacher is None:
       return loss, {}
     guide = distill.teacher_logits(teacher, teacher_params, inputs)
-    kl = distill.kl_to_teacher(logits, guide, teacher.temperature).mean()
+    kl = losses.kl_to_teacher(logits, guide, teacher.temperature).mean()
     return (1 - teacher.weight) * loss + teacher.weight * kl, {}
 
   return loop.make_train_step(loss_fn, optimizer, shardings)
