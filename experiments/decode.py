@@ -10,9 +10,11 @@ CPU devices on one machine, `JAX_NUM_CPU_DEVICES=4 ... --config.distributed=loca
 for I = 0 and 1. Only process 0 prints and writes `--output_json`.
 
 Output (stdout): the model's description line (it says RANDOM WEIGHTS for a random
-model), the generated text (the ids when the model has no tokenizer), then one JSON
-line: model, strategy, prompt_tokens (the prompt's ids), sequences, texts, stats.
-`--output_json` writes the same JSON to a file. Config fields: configs/common.py.
+model), the generated text (the ids when the model has no tokenizer; a text without the
+EOS that ended it), then the JSON summary: model, strategy, prompt_tokens (the prompt's
+ids), sequences (EOS included), texts, stats. With `--output_json=PATH` the summary goes
+to that file (written atomically) instead, and the terminal shows only where it went.
+Config fields: configs/common.py.
 
 Bad input: one `error: ...` line on stderr, no traceback, exit code 1; a bad flag,
 config file or config override exits with 2.
@@ -26,13 +28,14 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import mdjax
-from mdjax import chat, distributed, pipelines, strategies
+from mdjax import chat, distributed, files, pipelines, strategies
 from mdjax.prompts import encode_continuation
 from mdjax.strategies import skeleton
 from experiments.cli import fail, one_line_errors, start_processes
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Decode config, e.g. configs/greedy.py.")
-_OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Also write the JSON summary here.")
+_OUTPUT_JSON = flags.DEFINE_string("output_json", None,
+                                   "Write the JSON summary to this file instead of stdout.")
 flags.mark_flag_as_required("config")
 
 USAGE_ERROR = 2
@@ -166,10 +169,11 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # not JAX's INFO lines: stderr is for errors
   start_processes(_CONFIG.value)
   text = json.dumps(decode(_CONFIG.value))
-  if _OUTPUT_JSON.value and distributed.is_main_process():
-    with open(_OUTPUT_JSON.value, "w") as f:
-      f.write(text + "\n")
-  print(text)
+  if not _OUTPUT_JSON.value:
+    print(text)
+  elif distributed.is_main_process():
+    files.write_text(_OUTPUT_JSON.value, text + "\n")
+    print(f"--- summary (JSON): {_OUTPUT_JSON.value}")
 
 
 if __name__ == "__main__":

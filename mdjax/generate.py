@@ -32,7 +32,8 @@ from mdjax.strategies.base import Limits, Prompt
 class GenerationOutput:
   sequences: list[list[int]]  # generated ids per output row, ending at EOS or the budget
   stats: dict[str, Any]
-  texts: list[str] | None = None  # decoded sequences when the model has a tokenizer
+  texts: list[str] | None = None  # decoded sequences, without the EOS that ended each (the
+  #                                  chat's end token), when the model has a tokenizer
   beams: list | None = None  # beam: per prompt, its hypotheses {"tokens", "score"}, best first
   # return_metadata=True (speculative family): per output row, per token target_prob,
   # drafted, rejected, and accepted_per_step (see `mdjax.strategies.metadata`)
@@ -102,6 +103,7 @@ class _Plan:
   static: dict
   prompt_tokens: int
   output_rows: list[int]  # buffer rows that are real branches, prompt-major
+  eos: tuple[int, ...]  # the ids that end a row
 
 
 def _plain(option) -> bool:
@@ -140,7 +142,7 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_toke
   output_rows = [i * num_branches + j for i, n in enumerate(laid.branch_counts) for j in range(n)]
   return _Plan(decoder=decoder, params=params, layout=model.layout, prompt=laid.prompt,
                limits=limits, static=static,
-               prompt_tokens=laid.prompt_tokens, output_rows=output_rows)
+               prompt_tokens=laid.prompt_tokens, output_rows=output_rows, eos=tuple(eos or ()))
 
 
 def cache_size(decoder, prompt_width: int, capacity: int, branches: int) -> int:
@@ -194,7 +196,7 @@ def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: in
   stats["tokens_per_pass"] = stats["generated_tokens"] / max(1, stats["target_passes"] + 1)
   texts = None
   if model.tokenizer is not None:
-    texts = [model.tokenizer.decode(s) for s in sequences]
+    texts = [model.tokenizer.decode(s[:-1] if s and s[-1] in plan.eos else s) for s in sequences]
   beams = None if scores is None else _ranked_hypotheses(tokens, counts, scores,
                                                           len(plan.output_rows))
   if token_metadata is not None:

@@ -114,8 +114,8 @@ def test_the_decode_cli_on_two_processes_prints_and_writes_on_process_0_only(tmp
       for i in range(2)]
   (out0, err0), (out1, err1) = (run.communicate(timeout=300) for run in runs)
   assert [run.returncode for run in runs] == [0, 0], err0[-3000:] + err1[-3000:]
-  summary = json.loads(out0.strip().splitlines()[-1])
+  assert out0.strip().splitlines()[-1] == f"--- summary (JSON): {tmp_path / '0.json'}"
+  summary = json.loads((tmp_path / "0.json").read_text())
   one_process = mdjax.generate(mdjax.load("random-llama-tiny"), [[3, 4, 5]], max_new_tokens=6)
   assert summary["sequences"] == one_process.sequences
   assert out1 == "" and not (tmp_path / "1.json").exists()
-  assert json.loads((tmp_path / "0.json").read_text()) == summary
