@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from mdjax import programs
+from mdjax import platform, programs
 from mdjax.models.config import ModelConfig
 from mdjax.sharding import constrain_cache
 
@@ -62,7 +62,7 @@ class KVCache:
     which holds the same values (attention reads K/V in float32 anyway): XLA:CPU writes
     into a bfloat16 array by converting all of it to float32 and back, the whole cache
     of every layer at each layer's write, ~70% of a bfloat16 SmolLM2 pass."""
-    if jnp.dtype(dtype) == jnp.bfloat16 and jax.default_backend() == "cpu":
+    if jnp.dtype(dtype) == jnp.bfloat16 and platform.is_cpu():
       dtype = jnp.float32
     shape = (config.num_layers, batch, slots, config.num_kv_heads, config.head_dim)
     return constrain_cache(cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from mdjax import platform
 from mdjax.cache import CacheRegions, KVCache
 from mdjax.errors import MdjaxError
 from mdjax.topology import visible
@@ -313,7 +314,7 @@ def default_attention() -> str:
   what pays (`experiments/bench_branches.py`). A TPU is not measured; it gets the GPU's
   choice, since XLA:TPU also prefers few large products.
   """
-  return "block_sparse" if jax.default_backend() == "cpu" else "fused"
+  return "block_sparse" if platform.is_cpu() else "fused"
 
 
 def check_attention(impl: str) -> str:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mdjax import platform
 from mdjax.errors import MdjaxError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
@@ -19,7 +19,7 @@ WEIGHT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 def default_weight_dtype() -> str:
   """"bfloat16" on accelerators (GPU, TPU), "float32" on CPU."""
-  return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+  return "float32" if platform.is_cpu() else "bfloat16"
 
 
 def weight_dtype(dtype) -> np.dtype:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mdjax import platform
 from mdjax.errors import MdjaxError
 
 LAYER_LOOPS = ("scan", "unrolled")
@@ -85,16 +86,21 @@ def take_layers(params: dict, n: int) -> dict:
 
 
 def default_layer_loop() -> str:
-  """ "unrolled" on the cpu backend, "scan" on gpu and tpu.
+  """ "scan" on tpu, "unrolled" on cpu and gpu (the platform built for: `mdjax.platform`).
 
-  On XLA:CPU a scanned layer reads its weights through a dynamic slice, which the CPU
-  backend copies out before the matmuls; decoding is memory-bound, so the copies cost
-  time. Measured with `experiments/bench_compile.py` on 2 shared CPU cores (8 layers,
-  hidden 256, batch 1): greedy 1.0 ms per token unrolled vs 1.7-2.6 ms scanned (a
-  bare `decode_step`: 1.3 vs 2.3 ms). Unrolled compile time grows with depth instead
-  (greedy: 4.7 s at 8 layers, 17 s at 80; scanned 1.9 s and 2.0 s), which the small
-  models a CPU runs can afford. GPU and TPU backends read a dynamic slice of the
-  weights in place (fused into the matmul), so there the scan should cost little per
-  token (not measured here: no accelerator) while keeping compile time flat in depth.
+  A scanned layer reads its weights through a dynamic slice of the `[L, ...]` stack.
+  XLA:CPU copies that slice out before the matmuls; decoding is memory-bound, so the
+  copies cost time. Measured with `experiments/bench_compile.py` on 2 shared CPU cores
+  (8 layers, hidden 256, batch 1): greedy 1.0 ms per token unrolled vs 1.7-2.6 ms
+  scanned (a bare `decode_step`: 1.3 vs 2.3 ms).
+
+  XLA:GPU reads the slice in place only in a one-row product: compiled for an H200
+  (`experiments/program_report.py`, random-llama-1b in bfloat16), a scanned
+  `decode_step` of 2 tokens, or of 1 token at batch 8, copies every layer's weights out
+  of the stack first (1.8 GB per pass, ~0.38 ms at the H200's 4.8 TB/s), where the
+  unrolled one copies nothing and launches fewer kernels (341 against 410 at 1 token,
+  batch 1). Unrolled costs compile time instead: 13 s against 3 s on the H200 for 16
+  layers (`docs/device/`), where one-token greedy decoding ran at the same speed either
+  way. TPUs keep the scan (not measured here).
   """
-  return "unrolled" if jax.default_backend() == "cpu" else "scan"
+  return "scan" if platform.current() == "tpu" else "unrolled"

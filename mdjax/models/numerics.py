@@ -23,6 +23,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from mdjax import platform
+
 MATMUL_PRECISION = "float32"  # `jax.default_matmul_precision`: no TF32, no bfloat16 passes
 
 
@@ -57,7 +59,7 @@ def linear(x: jax.Array, weight: jax.Array, out_dtype=None, *,
   out_dtype = x.dtype if out_dtype is None else out_dtype
   rows = x.reshape(-1, x.shape[-1])  # [M, D]
   single = (weight.dtype == jnp.bfloat16 and rows.shape[0] == 1
-            and jax.default_backend() == "cpu")
+            and platform.is_cpu())
   if single:
     rows = jnp.concatenate([rows, rows])  # [2, D]
   contract = (((1,), (1 if transposed else 0,)), ((), ()))

@@ -24,6 +24,12 @@ RANDOM_MODELS = {
                                 intermediate_size=1536, num_layers=8, num_heads=8,
                                 num_kv_heads=8, head_dim=64, max_position_embeddings=4096,
                                 bos_token_id=1, eos_token_id=(2,)),
+    # 1.1B parameters, Llama-3.2-1B's shape (untied, a 32k vocabulary): the GPU benchmarks'
+    # and the GPU program report's model (`experiments.program_report`).
+    "random-llama-1b": ModelConfig(family="llama", vocab_size=32000, hidden_size=2048,
+                                   intermediate_size=8192, num_layers=16, num_heads=32,
+                                   num_kv_heads=8, head_dim=64, max_position_embeddings=4096,
+                                   bos_token_id=1, eos_token_id=(2,)),
     "random-llama-tiny": ModelConfig(family="llama", vocab_size=256, hidden_size=64,
                                      intermediate_size=128, num_layers=2, num_heads=4,
                                      num_kv_heads=2, head_dim=16, max_position_embeddings=512,

@@ -1,0 +1,94 @@
+"""mdjax.hlo_report reads what a compiled program launches: checked on programs this CPU
+compiles (loops of known and unknown trip count, copies inside a loop) and on a hand-made
+HLO text with GPU-shaped instructions; mdjax.platform makes mdjax's choices follow the
+platform a program is built for."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from mdjax import hlo_report, platform
+from mdjax.errors import MdjaxError
+from mdjax.models.attention import default_attention
+from mdjax.models.config import default_weight_dtype
+from mdjax.models.layer_loop import default_layer_loop
+
+
+def _counts(fn, *args):
+  return hlo_report.read(jax.jit(fn).lower(*args).compile().as_text())
+
+
+def test_a_loop_of_known_trip_count_multiplies_its_body_and_asks_the_host_nothing():
+  x = jnp.ones((4, 8))
+
+  def loop(x, n):
+    return jax.lax.fori_loop(0, n, lambda i, x: jnp.tanh(x * 2.0 + i), x)
+
+  known, unknown = _counts(lambda x: loop(x, 7), x), _counts(loop, x, 7)
+  assert known.host_syncs == 0 and [trip for trip, _ in known.loops] == [7]
+  assert unknown.host_syncs == 1 and [trip for trip, _ in unknown.loops] == [None]
+  per_trip = known.loops[0][1]
+  assert per_trip >= 1 and known.kernels >= 7 * per_trip
+
+
+def test_a_dynamic_slice_materialised_inside_a_loop_counts_as_copied_bytes():
+  text = """HloModule m
+
+%slice_computation (p0: f32[16,64,64], p1: s32[]) -> f32[1,64,64] {
+  %p0 = f32[16,64,64]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  ROOT %ds = f32[1,64,64]{2,1,0} dynamic-slice(%p0, %p1, %c, %c), dynamic_slice_sizes={1,64,64}
+}
+
+%compare_computation (p0: s32[], p1: s32[]) -> pred[] {
+  %p0 = s32[] parameter(0)
+  %p1 = s32[] parameter(1)
+  ROOT %lt = pred[] compare(%p0, %p1), direction=LT
+}
+
+%body (t: (s32[], f32[16,64,64], f32[2,64])) -> (s32[], f32[16,64,64], f32[2,64]) {
+  %t = (s32[], f32[16,64,64]{2,1,0}, f32[2,64]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %w = f32[16,64,64]{2,1,0} get-tuple-element(%t), index=1
+  %h = f32[2,64]{1,0} get-tuple-element(%t), index=2
+  %slice = f32[1,64,64]{2,1,0} fusion(%w, %i), kind=kLoop, calls=%slice_computation
+  %gemm = (f32[2,64]{1,0}, s8[0]{0}) custom-call(%h, %slice), custom_call_target="__cublas$gemm"
+  %out = f32[2,64]{1,0} get-tuple-element(%gemm), index=0
+  ROOT %next = (s32[], f32[16,64,64]{2,1,0}, f32[2,64]{1,0}) tuple(%i, %w, %out)
+}
+
+%cond (t: (s32[], f32[16,64,64], f32[2,64])) -> pred[] {
+  %t = (s32[], f32[16,64,64]{2,1,0}, f32[2,64]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(16)
+  ROOT %lt = pred[] fusion(%i, %n), kind=kLoop, calls=%compare_computation
+}
+
+ENTRY %main (w: f32[16,64,64], h: f32[2,64]) -> f32[2,64] {
+  %w = f32[16,64,64]{2,1,0} parameter(0)
+  %h = f32[2,64]{1,0} parameter(1)
+  %z = s32[] constant(0)
+  %t = (s32[], f32[16,64,64]{2,1,0}, f32[2,64]{1,0}) tuple(%z, %w, %h)
+  %loop = (s32[], f32[16,64,64]{2,1,0}, f32[2,64]{1,0}) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"16"}}
+  ROOT %r = f32[2,64]{1,0} get-tuple-element(%loop), index=2
+}
+"""
+  counts = hlo_report.read(text)
+  assert counts.loops == [(16, 2)]  # the slice and the product, 16 times
+  assert counts.kernels == 16 * 2 + 17 * 1  # and the condition, 17 times
+  assert counts.loop_copies == 16 * 64 * 64 * 4  # one layer's weights per trip
+  assert counts.f32_products == {"default": 1}  # the one gemm, by its precision
+
+
+def test_mdjax_choices_follow_the_platform_a_program_is_built_for():
+  host = (default_attention(), default_layer_loop(), default_weight_dtype())
+  with platform.building_for("gpu"):
+    assert (default_attention(), default_layer_loop(), default_weight_dtype()) == (
+        "fused", "unrolled", "bfloat16")
+  with platform.building_for("tpu"):
+    assert default_layer_loop() == "scan"
+  assert (default_attention(), default_layer_loop(), default_weight_dtype()) == host
+  with pytest.raises(MdjaxError, match="'cuda'"):
+    with platform.building_for("cuda"):
+      pass
