@@ -88,7 +88,7 @@ _SEQUENTIAL_QUESTIONS = flags.DEFINE_integer(
 _WARMUP_BELOW_S = flags.DEFINE_float(
     "warmup_below_s", 30, "Warm up (one untimed call) only contenders estimated faster than this.")
 _TORCH_THREADS = flags.DEFINE_integer("torch_threads", 0, "torch intra-op threads (0: default).")
-_OUT_DIR = flags.DEFINE_string("out_dir", results_dir("multidecode"), "Where JSON and PNG go.")
+_OUT_DIR = flags.DEFINE_string("out_dir", results_dir("reproduce_multidecode"), "Where JSON and PNG go.")
 _QUICK = flags.DEFINE_bool("quick", False, "Smoke test: random tiny model, N 1 and 3, few tokens.")
 
 BASELINES = ("sequential", "batching", "hf")

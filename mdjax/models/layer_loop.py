@@ -89,7 +89,7 @@ def default_layer_loop() -> str:
 
   On XLA:CPU a scanned layer reads its weights through a dynamic slice, which the CPU
   backend copies out before the matmuls; decoding is memory-bound, so the copies cost
-  time. Measured with `experiments/bench_compile.py` on 2 shared CPU cores (8 layers,
+  time. Measured with `experiments/bench/compile.py` on 2 shared CPU cores (8 layers,
   hidden 256, batch 1): greedy 1.0 ms per token unrolled vs 1.7-2.6 ms scanned (a
   bare `decode_step`: 1.3 vs 2.3 ms). Unrolled compile time grows with depth instead
   (greedy: 4.7 s at 8 layers, 17 s at 80; scanned 1.9 s and 2.0 s), which the small
