@@ -10,7 +10,7 @@ run stopped by a time limit keeps what it measured):
    this device: float32 logits and greedy vs transformers, every lossless strategy ==
    greedy and multi_question == sequential in float32 and bfloat16. Counts, and each
    failing test with its message, from pytest's junit XML.
-2. `roofline`: `experiments.bench_device`'s greedy cells on one device: per-token time
+2. `roofline`: `experiments.bench.device`'s greedy cells on one device: per-token time
    and the HBM roofline fraction at each batch of `--batches`.
 3. `pass_cost`: the target's pass cost t(n), one jitted `decode_step` feeding n tokens
    over a cached prefix of `--pass_prefix` tokens (the median of `--pass_repeats`), and
@@ -31,10 +31,10 @@ run stopped by a time limit keeps what it measured):
    their held-out acceptance profile, so `auto` sizes trees as it would for those heads;
    their drafts are rarely accepted, so the speeds measure a step's cost, not a speedup.
 
-The model: a random llama of `--preset` (`bench_device.PRESETS`; "1b" on GPU/TPU, "tiny"
+The model: a random llama of `--preset` (`experiments.bench.device.PRESETS`; "1b" on GPU/TPU, "tiny"
 on CPU) in `--dtype` (bfloat16 on GPU/TPU), its context stretched to the longest of
 `--contexts`. Random weights: the acceptance of prompt lookup measures the machinery, not
-a real model's speedup. Flags shared with `bench_device` (`--preset`, `--dtype`,
+a real model's speedup. Flags shared with `experiments.bench.device` (`--preset`, `--dtype`,
 `--batches`, `--prompt_len`, `--new_tokens`, `--repeats`, `--questions`, `--seed`,
 `--bandwidth_gbps`, `--bandwidth_mib`, `--out_dir`, `--quick`) mean the same here; its
 other flags are not used.
@@ -48,7 +48,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-import json
 import os
 import pathlib
 import re
@@ -61,17 +60,17 @@ from xml.etree import ElementTree
 
 from absl import app, flags
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import mdjax
-from experiments import bench_device  # also defines the flags shared with it
-from experiments.benchlib import (choice_stats, divergence_gaps, machine_info, plt, run_mdjax,
-                                  save_figure, summarize, timed, write_json)
+from experiments.bench import device as bench_device  # also defines the flags shared with it
+from experiments.bench.common import (LOOKUP, Tree, auto_choice, divergence_gaps, head_strategy,
+                                      machine_info, plt, random_heads, random_ids, random_llama,
+                                      run_mdjax, save_figure, shipped_configs, summarize, timed,
+                                      tokens_per_pass, write_json)
 from experiments.cli import one_line_errors
 from mdjax import files, sharding
 from mdjax.cache import KVCache
-from mdjax.heads import HeadsConfig, get_family, init_heads, store
 from mdjax.models.attention import ATTENTION_BLOCK, ATTENTIONS
 from mdjax.models.layer_loop import LAYER_LOOPS, default_layer_loop
 from mdjax.step import decode_step
@@ -79,7 +78,6 @@ from mdjax.topology import Topology
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SECTIONS = ("tests", "roofline", "pass_cost", "variants", "branches", "heads")
-FIRST_ID = bench_device.FIRST_PROMPT_ID
 COPY_REPEATS = 4  # the copy-heavy prompt: one random chunk this many times
 
 FLAGS = flags.FLAGS
@@ -132,14 +130,14 @@ class Settings:
   question_len: int
   context_len: int
   head_batches: tuple[int, ...]  # heads
-  head_trees: tuple[tuple[int, int, int], ...]  # (depth, top_k, budget)
+  head_trees: tuple[Tree, ...]  # each cut to what its strategy takes
   head_new_tokens: int
 
 
 QUICK = dict(preset="tiny", tests_k="float32_greedy", test_workers=0, batches=(1, 4),
              prompt_len=16, new_tokens=8, repeats=1, bandwidth_mib=64, pass_ns=(1, 2, 4, 8),
              pass_prefix=32, pass_repeats=3, contexts=(64,), questions=2, question_len=4,
-             context_len=64, head_batches=(1, 2), head_trees=((2, 2, 4),), head_new_tokens=8)
+             context_len=64, head_batches=(1, 2), head_trees=(Tree(4, 2, 2),), head_new_tokens=8)
 
 
 def device_kind() -> str:
@@ -154,12 +152,7 @@ def make_model(settings: Settings) -> mdjax.Model:
   longest = max(settings.contexts + (settings.pass_prefix, settings.context_len))
   config = dataclasses.replace(config, max_position_embeddings=max(
       config.max_position_embeddings, 2 * longest))
-  return bench_device.random_llama(config, settings.seed, settings.dtype,
-                                   f"random-llama-{settings.preset}")
-
-
-def random_ids(rng, vocab: int, *shape) -> np.ndarray:
-  return rng.integers(FIRST_ID, vocab, shape).astype(np.int32)
+  return random_llama(config, settings.seed, settings.dtype, f"random-llama-{settings.preset}")
 
 
 # --- 1. the GPU test subset -------------------------------------------------------------
@@ -330,106 +323,52 @@ def run_branches(settings: Settings, placed) -> dict:
   copy = np.tile(chunk, COPY_REPEATS)[None, None]  # [1, 1, prompt_len]
   lookup = timed({
       "greedy": lambda: run_mdjax(model, copy, n, "greedy"),
-      "prompt_lookup": lambda: run_mdjax(model, copy, n, "prompt_lookup", **bench_device.LOOKUP),
+      "prompt_lookup": lambda: run_mdjax(model, copy, n, "prompt_lookup", **LOOKUP),
   }, settings.repeats, "prompt lookup")
   cell = summarize(lookup["prompt_lookup"], lookup["greedy"], n, 1)
-  cell["tokens_per_pass"] = n / (lookup["prompt_lookup"]["stats"]["target_passes"] + 1)
+  cell["tokens_per_pass"] = tokens_per_pass(lookup["prompt_lookup"], n, 1)
   return dict(questions=settings.questions, context_len=settings.context_len,
               branches=branches, prompt_lookup=cell)
 
 
 # --- 6. head strategies: auto's tree and exactness ---------------------------------------
 
-SHIPPED_HEADS = {"medusa": "smollm2-135m-instruct-medusa", "eagle": "smollm2-135m-instruct-eagle",
-                 "eagle3": "smollm2-135m-instruct-eagle3"}  # family -> the shipped heads it mimics
-DECODED_BY = {"medusa": "medusa", "eagle": "eagle", "eagle3": "eagle"}
-
-
-def parse_tree(text: str) -> tuple[int, int, int]:
-  """(depth, top_k, budget) from "DEPTHxTOP_KxBUDGET"."""
-  parts = text.split("x")
-  if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-    raise app.UsageError(f"a head tree is DEPTHxTOP_KxBUDGET of positive integers (e.g. 4x4x16), "
-                         f"got {text!r}")
-  depth, top_k, budget = map(int, parts)
-  return depth, top_k, budget
-
-
-def random_heads(model: mdjax.Model, family: str, settings: Settings) -> mdjax.Heads:
-  """Random heads of `family` for `model`, shaped like the shipped SmolLM2 heads of that
-  family (their heads, layers and draft vocabulary size, at most half the vocabulary:
-  random ids) with their held-out acceptance profile (read from their config alone: the
-  weights need not travel); Medusa's residual blocks random
-  (`init_heads` leaves them zero, which would draft the target's own last token)."""
-  shipped = HeadsConfig.from_json(json.loads(
-      (store.ASSETS_DIR / SHIPPED_HEADS[family] / store.CONFIG_FILE).read_text()))
-  c = model.config
-  kind = get_family(family)
-  draft = min(shipped.draft_vocab_size, c.vocab_size // 2)
-  config = HeadsConfig(family=family, base_model=model.name, base_family=c.family,
-                       hidden_size=c.hidden_size, vocab_size=c.vocab_size,
-                       num_heads=shipped.num_heads, num_layers=shipped.num_layers,
-                       top_accuracy=shipped.top_accuracy, draft_vocab_size=draft,
-                       target_layers=kind.layers_for(c))
-  rng = np.random.default_rng(settings.seed)
-  ids = (np.sort(rng.choice(c.vocab_size, draft, replace=False)) if draft
-         else np.arange(c.vocab_size)).astype(np.int32)
-  params = kind.restrict(init_heads(config, c, settings.seed, settings.dtype).params, ids,
-                         model.params)
-  if draft:
-    params = {**params, "draft_ids": jnp.asarray(ids)}
-  if "blocks" in params and family == "medusa":
-    w = params["blocks"]["w"]  # [K, layers, D, D]
-    noise = rng.normal(0, 0.3 / np.sqrt(w.shape[-1]), w.shape)
-    params = {**params, "blocks": {**params["blocks"], "w": jnp.asarray(noise, w.dtype)}}
-  return mdjax.Heads(config=config, params=params)
-
-
-def head_trees(family: str, settings: Settings) -> dict[str, dict]:
-  """Label -> options of auto and each fixed tree (Medusa's: the budget alone)."""
-  trees = {"auto": {}}
-  for depth, top_k, budget in settings.head_trees:
-    if family == "medusa":
-      trees[str(budget)] = dict(tree_budget=budget)
-    else:
-      trees[f"{depth}x{top_k}x{budget}"] = dict(tree_budget=budget, tree_depth=depth,
-                                                tree_top_k=top_k)
-  return trees
-
-
 def run_heads(settings: Settings, placed) -> dict:
   """Per batch and family: auto's choice (as `out.stats` says it) and every tree beside
   greedy: speed, passes, tokens equal to greedy's (greedy's top-2 gaps where rows part)."""
   model = placed(default_layer_loop())
   n, vocab = settings.head_new_tokens, model.config.vocab_size
-  heads = {family: random_heads(model, family, settings) for family in SHIPPED_HEADS}
+  shipped = shipped_configs()
+  heads = {family: random_heads(model, family, settings.seed) for family in shipped}
   rng = np.random.default_rng(settings.seed)
   out = {}
   for batch in settings.head_batches:
     rows = random_ids(rng, vocab, 1, batch, settings.prompt_len)  # [1, B, L]
     contenders = {"greedy": functools.partial(run_mdjax, model, rows, n, "greedy")}
     for family, h in heads.items():
-      for label, options in head_trees(family, settings).items():
+      strategy = head_strategy(family)
+      trees = {"auto": {}} | {tree.label: tree.options() for tree in
+                              (t.for_strategy(strategy) for t in settings.head_trees)}
+      for label, options in trees.items():
         contenders[f"{family}@{label}"] = functools.partial(
-            run_mdjax, model, rows, n, DECODED_BY[family], heads=h, **options)
+            run_mdjax, model, rows, n, strategy, heads=h, **options)
     results = timed(contenders, settings.repeats, f"heads batch {batch}")
     greedy = results.pop("greedy")
     cells = {}
     for name, result in results.items():
       cell = summarize(result, greedy, n, 1)
-      cell["tokens_per_pass"] = n / (result["stats"]["target_passes"] + 1)
+      cell["tokens_per_pass"] = tokens_per_pass(result, n, 1)
       if cell["tokens"]["matching_tokens"] < cell["tokens"]["total_tokens"]:
         cell["divergence_gaps"] = divergence_gaps(model, rows[0].tolist(), greedy["sequences"],
                                                   result["sequences"])
-      if name.endswith("@auto"):
-        family = name.split("@")[0]
-        cell["choice"] = choice_stats(mdjax.generate(
-            model, rows[0], strategy=DECODED_BY[family], max_new_tokens=n, eos_token_id=[],
-            heads=heads[family]).stats)
+      family, label = name.split("@")
+      if label == "auto":
+        cell["choice"] = auto_choice(model, rows[0], head_strategy(family), n,
+                                     heads=heads[family])
       cells[name] = cell
     out[str(batch)] = dict(greedy_ms_per_token=greedy["seconds"] / n * 1e3, contenders=cells)
   return dict(new_tokens=n, prompt_len=settings.prompt_len,
-              heads={family: dict(mimics=SHIPPED_HEADS[family], num_heads=h.config.num_heads,
+              heads={family: dict(mimics=shipped[family][0], num_heads=h.config.num_heads,
                                   draft_vocab_size=h.config.draft_vocab_size,
                                   target_layers=list(h.config.target_layers))
                      for family, h in heads.items()}, batches=out)
@@ -616,7 +555,7 @@ def settings_from_flags() -> Settings:
       pass_repeats=_PASS_REPEATS.value, contexts=tuple(int(c) for c in _CONTEXTS.value),
       questions=FLAGS.questions, question_len=_QUESTION_LEN.value,
       context_len=_CONTEXT_LEN.value, head_batches=tuple(int(b) for b in _HEAD_BATCHES.value),
-      head_trees=tuple(parse_tree(text) for text in _HEAD_TREES.value),
+      head_trees=tuple(Tree.parse(text) for text in _HEAD_TREES.value),
       head_new_tokens=_HEAD_NEW_TOKENS.value)
   settings = dataclasses.replace(settings, **QUICK) if FLAGS.quick else settings
   if settings.new_tokens < 2:

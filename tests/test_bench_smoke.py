@@ -1,4 +1,4 @@
-"""experiments.bench_decode --quick (and the other benchmarks') runs end to end and writes
+"""experiments.bench.decode --quick (and the other benchmarks') runs end to end and writes
 its JSON and plot.
 
 No timing is asserted: benchmarks measure, tests check that they can.
@@ -20,18 +20,18 @@ TIMING_KEYS = {"ms_per_token", "prefill_ms", "decode_ms_per_token", "tokens_per_
                "roofline_fraction"}
 
 
-def run_quick(bench: str, out_dir: pathlib.Path, env: dict | None = None) -> dict:
-  """Runs `experiments.<bench> --quick` (with `env` added to the environment); checks
-  the PNG it drew; returns its JSON."""
-  subprocess.run([sys.executable, "-m", f"experiments.{bench}", "--quick", f"--out_dir={out_dir}"],
-                 cwd=REPO, check=True, timeout=600, capture_output=True,
+def run_quick(bench: str, stem: str, out_dir: pathlib.Path, env: dict | None = None) -> dict:
+  """Runs `experiments.bench.<bench> --quick` (with `env` added to the environment);
+  checks the PNG it drew, `<stem>.png`; returns its JSON, `<stem>.json`."""
+  subprocess.run([sys.executable, "-m", f"experiments.bench.{bench}", "--quick",
+                  f"--out_dir={out_dir}"], cwd=REPO, check=True, timeout=600, capture_output=True,
                  env=None if env is None else dict(os.environ, **env))
-  assert (out_dir / f"{bench}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  return json.loads((out_dir / f"{bench}.json").read_text())
+  assert (out_dir / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  return json.loads((out_dir / f"{stem}.json").read_text())
 
 
 def test_bench_decode_quick(tmp_path):
-  results = run_quick("bench_decode", tmp_path)
+  results = run_quick("decode", "bench_decode", tmp_path)
 
   assert {"cpu_count", "jax", "torch", "transformers", "torch_threads"} <= set(results["machine"])
   assert results["machine"]["bandwidth"]["read_gbps"] > 0
@@ -49,7 +49,7 @@ def test_bench_decode_quick(tmp_path):
 
 def test_bench_speculative_quick(tmp_path):
   """Every lossless contender reproduces greedy's tokens; the theory columns exist."""
-  results = run_quick("bench_speculative", tmp_path)
+  results = run_quick("speculative", "bench_speculative", tmp_path)
   cells = results["batches"]["1"]
   for name, cell in cells.items():
     if not name.startswith("hf_"):
@@ -73,7 +73,7 @@ def test_bench_speculative_quick(tmp_path):
 
 def test_bench_branches_quick(tmp_path):
   """The shared cache, sequential and duplicated-batch runs produce the same answers."""
-  results = run_quick("bench_branches", tmp_path)
+  results = run_quick("branches", "bench_branches", tmp_path)
   assert [p["n"] for p in results["points"]] == list(results["settings"]["ns"])
   for point in results["points"]:
     assert point["same_tokens"]["batched"] and point["same_tokens"]["sequential"]
@@ -84,7 +84,7 @@ def test_bench_branches_quick(tmp_path):
 def test_reproduce_multidecode_quick(tmp_path):
   """Every point of the grid is there; the mdjax modes give the same answers; the
   sequential baseline timed on fewer questions than N is marked as estimated."""
-  results = run_quick("reproduce_multidecode", tmp_path)
+  results = run_quick("reproduce_multidecode", "reproduce_multidecode", tmp_path)
   settings = results["settings"]
   assert ([(p["new_tokens"], p["n"]) for p in results["points"]]
           == [(t, n) for t in settings["new_tokens"] for n in sorted(settings["ns"])])
@@ -102,7 +102,7 @@ def test_reproduce_multidecode_quick(tmp_path):
 def test_bench_compile_quick(tmp_path):
   """A compile time per strategy, layer loop and depth, their deep/shallow ratios, and
   greedy's ms per token in both loops."""
-  results = run_quick("bench_compile", tmp_path)
+  results = run_quick("compile", "bench_compile", tmp_path)
   settings = results["settings"]
   depths = [str(d) for d in settings["depths"]]
   assert set(results["compile_s"]) == set(settings["strategies"]) == {"greedy", "speculative"}
@@ -126,7 +126,7 @@ def test_bench_heads_quick(tmp_path):
   """Every contender reproduces greedy's tokens; tokens per pass and speedup are reported
   per task kind at batch 1 and overall at every batch; every head strategy's auto choice
   is marked beside its fixed trees, with issue 40's goal checked."""
-  results = run_quick("bench_heads", tmp_path)
+  results = run_quick("heads", "bench_heads", tmp_path)
   settings = results["settings"]
   assert list(results["batches"]) == [str(b) for b in settings["batches"]]
   assert set(results["heads"]) == set(HEAD_LINES) and results["mismatches"] == []
@@ -161,7 +161,7 @@ def test_bench_heads_bad_question_line(tmp_path):
   """A question file's bad line is one error line naming it."""
   questions = tmp_path / "questions.jsonl"
   questions.write_text('{"category": "qa", "prompt": "Why?"}\n{"prompt": "no category"}\n')
-  done = subprocess.run([sys.executable, "-m", "experiments.bench_heads", "--quick",
+  done = subprocess.run([sys.executable, "-m", "experiments.bench.heads", "--quick",
                          f"--questions={questions}", f"--out_dir={tmp_path}"],
                         cwd=REPO, timeout=600, capture_output=True, text=True)
   assert done.returncode == 1
@@ -172,7 +172,7 @@ def test_bench_device_quick(tmp_path):
   """On 2 simulated CPU devices (JAX reads JAX_NUM_CPU_DEVICES when it starts): the
   baseline and both 2-device mesh shapes, every batch size, the roofline's bytes per
   device, and every lossless strategy's tokens equal to greedy's on every mesh."""
-  results = run_quick("bench_device", tmp_path, env={"JAX_NUM_CPU_DEVICES": "2"})
+  results = run_quick("device", "bench_device", tmp_path, env={"JAX_NUM_CPU_DEVICES": "2"})
   settings, device = results["settings"], results["device"]
   assert device["platform"] == "cpu" and device["device_count"] == 2
   assert device["bandwidth_scope"] == "shared" and device["bandwidth_gbps"] > 0
@@ -202,7 +202,7 @@ def test_divergence_gaps_read_greedys_top2_where_rows_part():
   (mdjax's forward of the prompt and greedy's tokens so far); rows that never part
   give none."""
   import mdjax
-  from experiments.benchlib import divergence_gaps
+  from experiments.bench.common import divergence_gaps
   model = mdjax.load("random-llama-tiny")
   prompt = [5, 6, 7]
   (greedy,) = mdjax.generate(model, [prompt], max_new_tokens=4, eos_token_id=[]).sequences
@@ -210,3 +210,30 @@ def test_divergence_gaps_read_greedys_top2_where_rows_part():
   gaps = divergence_gaps(model, [prompt, prompt], [greedy, greedy], [greedy, parted])
   top2 = sorted(mdjax.forward_logits(model, prompt + greedy[:2])[-1])[-2:]
   assert gaps == [pytest.approx(top2[1] - top2[0])]
+
+
+def test_common_trees_heads_and_their_strategies():
+  """The benches' shared helpers: a tree as each strategy takes it, the strategy the
+  registry names for each family, and random heads shaped like the shipped ones."""
+  import mdjax
+  from experiments.bench import common
+  from mdjax.heads import get_family
+  tree = common.Tree.parse("2x3x8")
+  assert (tree.label, tree.options()) == ("2x3x8", dict(tree_budget=8, tree_depth=2, tree_top_k=3))
+  assert common.Tree.parse("2x3x8").for_strategy("medusa") == common.Tree(8)
+  assert common.Tree(8).options() == dict(tree_budget=8) and common.Tree(8).label == "8"
+  for bad in ("2x3", "2x0x8", "axbxc"):
+    with pytest.raises(mdjax.MdjaxError, match="DEPTHxTOP_KxBUDGET"):
+      common.Tree.parse(bad)
+  model = mdjax.load("random-llama-tiny")
+  shipped = common.shipped_configs()
+  assert list(shipped) == ["medusa", "eagle", "eagle3"]
+  for family, (name, config) in shipped.items():
+    assert common.head_strategy(family) in get_family(family).strategies
+    heads = common.random_heads(model, family)
+    assert heads.config.family == config.family == family and name.endswith(family)
+    assert (heads.config.num_heads, heads.config.num_layers) == (config.num_heads,
+                                                                 config.num_layers)
+    assert heads.config.top_accuracy == config.top_accuracy
+    assert heads.config.draft_vocab_size == min(config.draft_vocab_size,
+                                                model.config.vocab_size // 2)

@@ -37,7 +37,7 @@ def test_require_names_the_package_and_the_pip_command(monkeypatch):
 
 def test_benchlib_runs_without_torch(monkeypatch):
   """The oracle's torch is imported on use; machine_info then leaves its fields out."""
-  from experiments import benchlib
+  from experiments.bench import common as benchlib
 
   monkeypatch.setitem(sys.modules, "torch", None)
   with pytest.raises(MissingPackageError, match="torch==2.13.0"):
@@ -71,7 +71,7 @@ def test_cli_without_torch_prints_one_line():
   """bench_decode fails at the oracle before any work: one line, exit 1, no traceback."""
   hide_torch = ("import runpy, sys; sys.modules['torch'] = None; "
                 "sys.argv = ['bench_decode', '--quick', '--out_dir=unused']; "
-                "runpy.run_module('experiments.bench_decode', run_name='__main__')")
+                "runpy.run_module('experiments.bench.decode', run_name='__main__')")
   run = subprocess.run([sys.executable, "-c", hide_torch], cwd=REPO, capture_output=True,
                        text=True, timeout=300)
   assert run.returncode == 1, run.stderr

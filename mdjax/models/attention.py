@@ -311,7 +311,7 @@ def default_attention() -> str:
   and 2.1, dense 2.0 and 2.2. The block-sparse walk is a loop over key blocks, each a
   dynamic slice and a few small kernels, which a GPU runs one after another; fused and
   dense are a few large products over every slot. On CPU skipping invisible blocks is
-  what pays (`experiments/bench_branches.py`). A TPU is not measured; it gets the GPU's
+  what pays (`experiments/bench/branches.py`). A TPU is not measured; it gets the GPU's
   choice, since XLA:TPU also prefers few large products.
   """
   return "block_sparse" if platform.is_cpu() else "fused"

@@ -90,7 +90,7 @@ def default_layer_loop() -> str:
 
   A scanned layer reads its weights through a dynamic slice of the `[L, ...]` stack.
   XLA:CPU copies that slice out before the matmuls; decoding is memory-bound, so the
-  copies cost time. Measured with `experiments/bench_compile.py` on 2 shared CPU cores
+  copies cost time. Measured with `experiments/bench/compile.py` on 2 shared CPU cores
   (8 layers, hidden 256, batch 1): greedy 1.0 ms per token unrolled vs 1.7-2.6 ms
   scanned (a bare `decode_step`: 1.3 vs 2.3 ms).
 

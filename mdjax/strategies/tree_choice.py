@@ -79,8 +79,9 @@ MAX_DEPTH, MAX_TOP_K = 8, 8  # the dynamic trees searched
 DRAFT_ACCURACY = (default_accuracy(1)[0],) * MAX_DEPTH
 AUTO = "auto"
 # The coefficient of variation, over prompts, of a row's accepted tokens per pass (its
-# mean E X - 1): measured over the 13 task kinds of experiments/data/head_questions.jsonl
-# at batch 1 (docs/bench_heads_r4.json): 0.24 for the shipped Medusa heads, 0.34 for the
+# mean E X - 1): measured over the 13 task kinds of
+# experiments/bench/data/head_questions.jsonl at batch 1
+# (docs/results/heads/bench_heads_r4.json): 0.24 for the shipped Medusa heads, 0.34 for the
 # shipped EAGLE-3 head (prompt lookup: 0.89).
 PROMPT_SPREAD = 0.3
 MIN_GAIN = 1.05  # the expected speedup a tree must promise over plain decoding

@@ -38,7 +38,7 @@ program on the same context, so their times differ only by question length and n
 A contender whose estimate exceeds `--warmup_below_s` is run once, not warmed up first:
 mdjax's own timing leaves its compile out either way.
 
-    python -m experiments.reproduce_multidecode [--model=smollm2-135m-instruct] \\
+    python -m experiments.bench.reproduce_multidecode [--model=smollm2-135m-instruct] \\
         [--ns=1,2,4,8,16,32,100] [--new_tokens=2,199] [--context_tokens=1000] [--repeats=3] \\
         [--baselines=sequential,batching,hf] [--skip_above_s=0] [--sequential_questions=0] \
         [--quick]
@@ -66,9 +66,9 @@ import transformers
 
 import mdjax
 from experiments.cli import one_line_errors
-from experiments.benchlib import (agreement, load_pair, machine_info, machine_line,
-                                  memory_bandwidth, plt, save_figure, torch_oracle, write_json,
-                                  write_results)
+from experiments.bench.common import (agreement, load_pair, machine_info, machine_line,
+                                      memory_bandwidth, plt, random_ids, results_dir, save_figure,
+                                      torch_oracle, write_json, write_results)
 from mdjax.chat import chat_questions
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Anything `mdjax.load` takes.")
@@ -88,7 +88,7 @@ _SEQUENTIAL_QUESTIONS = flags.DEFINE_integer(
 _WARMUP_BELOW_S = flags.DEFINE_float(
     "warmup_below_s", 30, "Warm up (one untimed call) only contenders estimated faster than this.")
 _TORCH_THREADS = flags.DEFINE_integer("torch_threads", 0, "torch intra-op threads (0: default).")
-_OUT_DIR = flags.DEFINE_string("out_dir", "results/reproduce_multidecode", "Where JSON and PNG go.")
+_OUT_DIR = flags.DEFINE_string("out_dir", results_dir("reproduce_multidecode"), "Where JSON and PNG go.")
 _QUICK = flags.DEFINE_bool("quick", False, "Smoke test: random tiny model, N 1 and 3, few tokens.")
 
 BASELINES = ("sequential", "batching", "hf")
@@ -98,7 +98,6 @@ REFERENCE = (dict(baseline="sequential", n=100, new_tokens=2, context=1000, spee
              dict(baseline="sequential", n=32, new_tokens=199, context=1000, speedup=7.3),
              dict(baseline="batching", n=15, new_tokens=199, context=500, speedup=0.52))
 RANDOM_QUESTION_TOKENS = 12  # question length without a tokenizer (random ids)
-FIRST_ID = 3  # random ids avoid the special ids of the random models
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -199,8 +198,8 @@ def workload(model: mdjax.Model, context_tokens: int, n: int) -> Workload:
   if model.tokenizer is None or not getattr(model.tokenizer, "chat_template", None):
     rng = np.random.default_rng(context_tokens)
     vocab = model.config.vocab_size
-    return Workload(context=rng.integers(FIRST_ID, vocab, context_tokens).tolist(),
-                    questions=[rng.integers(FIRST_ID, vocab, RANDOM_QUESTION_TOKENS).tolist()
+    return Workload(context=random_ids(rng, vocab, context_tokens).tolist(),
+                    questions=[random_ids(rng, vocab, RANDOM_QUESTION_TOKENS).tolist()
                                for _ in range(n)], question_texts=None, passage=None)
   for islands in range(1, len(ISLANDS) + 1):
     # Two questions suffice to find the shared context's length: the rest share it.

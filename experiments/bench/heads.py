@@ -1,20 +1,21 @@
 """Head strategies vs mdjax greedy and prompt lookup, per task kind, with `tree_budget="auto"`
 beside a sweep of fixed trees.
 
-    python3 -m experiments.bench_heads                 # smollm2-135m-instruct, its shipped heads
-    python3 -m experiments.bench_heads --questions=mine.jsonl --batches=1 --per_kind=1
-    python3 -m experiments.bench_heads --quick         # smoke test: a random model, untrained heads
+    python3 -m experiments.bench.heads                 # smollm2-135m-instruct, its shipped heads
+    python3 -m experiments.bench.heads --questions=mine.jsonl --batches=1 --per_kind=1
+    python3 -m experiments.bench.heads --quick         # smoke test: a random model, random heads
 
-The prompts are held out from every head's training: `experiments/data/head_questions.jsonl`
+The prompts are held out from every head's training: `experiments/bench/data/head_questions.jsonl`
 (two questions for each of 13 task kinds, written for this benchmark in plain language, not
 from `mdjax.train.head_prompts`' templates nor the self-instruct seeds), or a user's file of
 JSON lines `{"category": ..., "prompt": ...}` (`--questions`), each prompt one user turn of
 the model's chat template. At T = 0, each row generating `--new_tokens` tokens with no early
 stop, at every batch size of `--batches`:
 
-* the contenders: mdjax greedy (the baseline), `prompt_lookup`, and the head strategies, each
-  with the tree `auto` picks: `medusa` (Medusa heads), `eagle` (EAGLE-1 heads) and `eagle3`
-  (EAGLE-3 heads, decoded by the `eagle` strategy). A heads flag set to '' or naming heads
+* the contenders: mdjax greedy (the baseline), `prompt_lookup` (`common.LOOKUP`), and the
+  head strategies, each with the tree `auto` picks: `medusa` (Medusa heads), `eagle` (EAGLE-1
+  heads) and `eagle3` (EAGLE-3 heads, decoded by the strategy the registry names for them,
+  `eagle`). A heads flag set to '' or naming heads
   that do not load (or do not fit the model, or are of another family) leaves that strategy
   out, with a printed note;
 * the sweep: every head strategy again with each fixed tree, `medusa@M` for the budgets M
@@ -29,14 +30,14 @@ At batch 1 each prompt runs alone, so its numbers are per task kind (and overall
 at a larger batch the prompts run in groups of that many rows in file order, mixing kinds
 as a server's batch would, so only overall numbers exist there. Each contender is warmed
 up (compiled) once per slice of prompts, then timed `--repeats` times, interleaved, by
-median (`benchlib.timed`); speedups are greedy's seconds over the contender's in the same
+median (`common.timed`); speedups are greedy's seconds over the contender's in the same
 run. Tokens per target pass count the prefill as a pass (greedy's is 1). With every default
 the run takes hours on a 2-core CPU (twenty contenders, each compiled per prompt-length
 bucket and batch size): `--per_kind=1`, `--repeats=1` and shorter sweeps cut it down.
 
 Writes `bench_heads.json` and `bench_heads.png` into `--out_dir` and prints a table. The
 JSON holds, per batch (`batches["1"]`): `kinds` (batch 1 only: per task kind, per
-contender, a cell as `benchlib.summarize` plus `tokens_per_pass`, `acceptance_at` and
+contender, a cell as `common.summarize` plus `tokens_per_pass`, `acceptance_at` and
 `identical_to_greedy`), `overall` (the same, over every prompt), `sweep` (per head strategy,
 its fixed-tree contenders and their budgets) and `auto` (per head strategy: the tree it
 chose, from `out.stats`, its measured speedup and tokens per pass, the best fixed tree's,
@@ -58,13 +59,13 @@ import numpy as np
 
 import mdjax
 from experiments.cli import one_line_errors
-from experiments.benchlib import (RATE_STATS, SUMMED_STATS, choice_stats, divergence_gaps,
-                                  machine_info, machine_line, memory_bandwidth, plt, run_mdjax,
-                                  save_figure, summarize, timed, write_results)
+from experiments.bench.common import (LOOKUP, RATE_STATS, SUMMED_STATS, Tree, auto_choice,
+                                      divergence_gaps, head_strategy, machine_info, machine_line,
+                                      memory_bandwidth, plt, random_heads, random_ids, results_dir,
+                                      run_mdjax, save_figure, summarize, takes_tree_shape, timed,
+                                      tokens_per_pass, write_results)
 from mdjax import chat
 from mdjax.errors import MdjaxError, check_count
-from mdjax.heads import HeadsConfig, init_heads
-from mdjax.heads.eagle3 import default_target_layers
 
 QUESTIONS = pathlib.Path(__file__).parent / "data" / "head_questions.jsonl"
 
@@ -75,6 +76,7 @@ _EAGLE = flags.DEFINE_string("eagle", "smollm2-135m-instruct-eagle",
                              "EAGLE-1 heads ('' to leave eagle out).")
 _EAGLE3 = flags.DEFINE_string("eagle3", "smollm2-135m-instruct-eagle3",
                               "EAGLE-3 heads ('' to leave eagle3 out).")
+HEADS = {"medusa": _MEDUSA, "eagle": _EAGLE, "eagle3": _EAGLE3}  # family -> its heads flag
 _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
                            "Weights of the model and its heads (default: the platform's, "
                            "float32 on CPU).")
@@ -88,13 +90,11 @@ _EAGLE_TREES = flags.DEFINE_list("eagle_trees", ["2x2x2", "3x2x4", "3x3x8", "4x4
                                  "Fixed EAGLE trees DEPTHxTOP_KxBUDGET swept at every batch size.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "Generated tokens per row.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions of every contender (median).")
-_OUT_DIR = flags.DEFINE_string("out_dir", "results/bench_heads", "Where JSON and PNG go.")
+_OUT_DIR = flags.DEFINE_string("out_dir", results_dir("heads"), "Where JSON and PNG go.")
 _QUICK = flags.DEFINE_bool("quick", False,
-                           "Smoke test: random-llama-tiny, untrained heads of the three families, "
+                           "Smoke test: random-llama-tiny, random heads of the three families, "
                            "1 random prompt of each of 2 kinds, 8 tokens, 1 repeat.")
 
-LOOKUP = dict(prompt_lookup_num_tokens=4, max_ngram_size=3)
-BASELINES = ("greedy", "prompt_lookup")
 MIXED = "mixed"  # the one slice of a batch > 1: its groups mix the kinds
 TOLERANCE = 0.95  # issue 40's goal: auto within 5% of the best fixed tree and of greedy
 QUICK_PROMPT_LEN = 24
@@ -117,43 +117,15 @@ QUICK = dict(batches=(1, 2), budgets=(2, 4), eagle_trees=("2x2x2", "2x2x4"), per
 
 
 @dataclasses.dataclass(frozen=True)
-class FixedTree:
-  """A fixed tree of `budget` nodes; EAGLE's also fixes its `depth` and `top_k`."""
-
-  budget: int
-  depth: int | None = None
-  top_k: int | None = None
-
-  @classmethod
-  def parse(cls, text: str) -> "FixedTree":
-    """From "DEPTHxTOP_KxBUDGET" (EAGLE's trees, `--eagle_trees`)."""
-    parts = text.split("x")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-      raise MdjaxError(f"an EAGLE tree is DEPTHxTOP_KxBUDGET of positive integers (e.g. 4x4x16), "
-                       f"got {text!r}")
-    depth, top_k, budget = map(int, parts)
-    return cls(budget=budget, depth=depth, top_k=top_k)
-
-  @property
-  def label(self) -> str:
-    return str(self.budget) if self.depth is None else f"{self.depth}x{self.top_k}x{self.budget}"
-
-  def options(self) -> dict:
-    options = dict(tree_budget=self.budget)
-    if self.depth is not None:
-      options.update(tree_depth=self.depth, tree_top_k=self.top_k)
-    return options
-
-
-@dataclasses.dataclass(frozen=True)
 class HeadLine:
-  """A head strategy as the benchmark names it: `name` (its auto contender; its fixed
-  trees are `name@label`), the `strategy` that decodes its `heads` and its `trees`."""
+  """A head strategy as the benchmark names it: `name` (its heads' family; its auto
+  contender; its fixed trees are `name@label`), the `strategy` that decodes its `heads`
+  (`common.head_strategy`) and its `trees`."""
 
   name: str
   strategy: str
   heads: mdjax.Heads
-  trees: tuple[FixedTree, ...]
+  trees: tuple[Tree, ...]
 
   def contenders(self) -> dict[str, tuple[str, dict]]:
     """Contender name -> (strategy, options): auto first, then the fixed trees."""
@@ -206,45 +178,32 @@ def selected(questions: list[tuple[str, str]], kinds: int, per_kind: int) -> lis
   return kept
 
 
-def load_line(name: str, strategy: str, family: str, heads_name: str, model: mdjax.Model,
-              trees: tuple[FixedTree, ...]) -> HeadLine | None:
-  """The head strategy `name` on `heads_name`, or None (with a printed note) when the
-  flag is '' or the heads do not load, do not fit `model` or are not of `family`."""
+def load_line(family: str, heads_name: str, model: mdjax.Model,
+              settings: Settings) -> HeadLine | None:
+  """The head strategy of `family` on `heads_name`, or None (with a printed note) when
+  the flag is '' or the heads do not load, do not fit `model` or are not of `family`."""
   if not heads_name:
-    print(f"note: {name} left out (no heads given)")
+    print(f"note: {family} left out (no heads given)")
     return None
   try:
     heads = mdjax.load_heads(heads_name, dtype=model.params["embed"].dtype)
     heads.check_model(model.config)
   except MdjaxError as e:
-    print(f"note: {name} left out: {e}")
+    print(f"note: {family} left out: {e}")
     return None
   if heads.config.family != family:
-    print(f"note: {name} left out: {heads_name!r} are {heads.config.family} heads, not {family}")
+    print(f"note: {family} left out: {heads_name!r} are {heads.config.family} heads, not {family}")
     return None
-  return HeadLine(name, strategy, heads, trees)
+  return head_line(family, heads, settings)
 
 
-def untrained_lines(model: mdjax.Model, settings: Settings) -> list[HeadLine]:
-  """Random heads of the three families for `model` (the smoke test)."""
-  c = model.config
-
-  def heads(family: str, **fields) -> mdjax.Heads:
-    return init_heads(HeadsConfig(family=family, base_model=model.name, base_family=c.family,
-                                  hidden_size=c.hidden_size, vocab_size=c.vocab_size, **fields), c)
-
-  medusa, eagle = fixed_trees(settings)
-  return [HeadLine("medusa", "medusa", heads("medusa", num_heads=3), medusa),
-          HeadLine("eagle", "eagle", heads("eagle"), eagle),
-          HeadLine("eagle3", "eagle", heads("eagle3", own_unembedding=True,
-                                            target_layers=default_target_layers(c.num_layers)),
-                   eagle)]
-
-
-def fixed_trees(settings: Settings) -> tuple[tuple[FixedTree, ...], tuple[FixedTree, ...]]:
-  """The swept trees of Medusa and of EAGLE (both EAGLE families)."""
-  return (tuple(FixedTree(budget) for budget in settings.budgets),
-          tuple(FixedTree.parse(text) for text in settings.eagle_trees))
+def head_line(family: str, heads: mdjax.Heads, settings: Settings) -> HeadLine:
+  """`heads` of `family` on the strategy that decodes them, with the swept trees it
+  takes: EAGLE's shapes (`--eagle_trees`) where it takes a shape, else Medusa's budgets."""
+  strategy = head_strategy(family)
+  trees = (tuple(Tree.parse(text) for text in settings.eagle_trees)
+           if takes_tree_shape(strategy) else tuple(Tree(budget) for budget in settings.budgets))
+  return HeadLine(family, strategy, heads, trees)
 
 
 def setup(settings: Settings) -> tuple[mdjax.Model, list[HeadLine], list[Prompt], dict]:
@@ -253,14 +212,12 @@ def setup(settings: Settings) -> tuple[mdjax.Model, list[HeadLine], list[Prompt]
   if _QUICK.value:  # random-llama-tiny has no tokenizer: random prompts, labelled by kind
     model = mdjax.load("random-llama-tiny")
     rng = np.random.default_rng(0)
-    prompts = [Prompt(kind, rng.integers(3, model.config.vocab_size, QUICK_PROMPT_LEN).tolist())
+    prompts = [Prompt(kind, random_ids(rng, model.config.vocab_size, QUICK_PROMPT_LEN).tolist())
                for kind, _ in questions]
-    return model, untrained_lines(model, settings), prompts, dict(questions="random ids")
+    lines = [head_line(family, random_heads(model, family), settings) for family in HEADS]
+    return model, lines, prompts, dict(questions="random ids")
   model = mdjax.load(_MODEL.value, dtype=_DTYPE.value)
-  medusa, eagle = fixed_trees(settings)
-  lines = [load_line("medusa", "medusa", "medusa", _MEDUSA.value, model, medusa),
-           load_line("eagle", "eagle", "eagle", _EAGLE.value, model, eagle),
-           load_line("eagle3", "eagle", "eagle3", _EAGLE3.value, model, eagle)]
+  lines = [load_line(family, flag.value, model, settings) for family, flag in HEADS.items()]
   prompts = [Prompt(kind, chat.chat_ids(model, text)) for kind, text in questions]
   return model, [line for line in lines if line], prompts, dict(questions=_QUESTIONS.value)
 
@@ -288,7 +245,7 @@ def head_cell(result: dict, greedy: dict, steps: int, groups: int) -> dict:
   tokens are greedy's."""
   cell = summarize(result, greedy, steps, groups)
   stats = result["stats"]
-  cell["tokens_per_pass"] = steps / (stats["target_passes"] + groups)
+  cell["tokens_per_pass"] = tokens_per_pass(result, steps, groups)
   if "accepted_at" in stats:
     cell["acceptance_at"] = (np.asarray(stats["accepted_at"])
                              / np.maximum(stats["drafted_at"], 1)).tolist()
@@ -314,16 +271,6 @@ def cells_of(results: dict, groups: int, new_tokens: int) -> dict:
   """Every contender's cell beside greedy's."""
   return {name: head_cell(result, results["greedy"], new_tokens * groups, groups)
           for name, result in results.items()}
-
-
-def auto_choice(model: mdjax.Model, line: HeadLine, rows: list[list[int]],
-                new_tokens: int) -> dict:
-  """What `tree_budget="auto"` chose for `line` at the batch of `rows` and `new_tokens`
-  per row (the timed runs' request: the choice counts the tokens a row generates), as
-  `out.stats` says it (the tree, its expected tokens per pass and speedup, the t(n) used)."""
-  out = mdjax.generate(model, rows, strategy=line.strategy, max_new_tokens=new_tokens,
-                       eos_token_id=[], heads=line.heads)
-  return choice_stats(out.stats)
 
 
 def auto_verdict(overall: dict, line: HeadLine, choice: dict) -> dict:
@@ -370,7 +317,8 @@ def bench_batch(model: mdjax.Model, lines: list[HeadLine], prompts: list[Prompt]
     if not c["identical_to_greedy"]:
       c["divergence_gaps"] = [g for k in kinds.values() for g in k[name].get("divergence_gaps", [])]
   first_rows = next(iter(parts.values()))[0]
-  choices = {line.name: auto_choice(model, line, first_rows, settings.new_tokens)
+  choices = {line.name: auto_choice(model, first_rows, line.strategy, settings.new_tokens,
+                                     heads=line.heads)
              for line in lines}
   cell = dict(overall=overall,
               sweep={line.name: {f"{line.name}@{t.label}": t.budget for t in line.trees}
@@ -403,7 +351,7 @@ def run(settings: Settings) -> dict:
               model=model.description, **source,
               kinds={kind: sum(p.kind == kind for p in prompts)
                      for kind in dict.fromkeys(p.kind for p in prompts)},
-              heads={line.name: line.heads.name or "untrained" for line in lines},
+              heads={line.name: line.heads.name or "random" for line in lines},
               batches=batches, mismatches=mismatches(batches))
 
 

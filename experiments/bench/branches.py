@@ -17,7 +17,7 @@ N at a fixed number of generated tokens: (wall(new) - wall(1)) / (new - 1). Both
 with N (every pass feeds N tokens through the MLP); (a)'s must not grow faster than
 (c)'s, i.e. a branch's attention must not read the other branches' tokens.
 
-    python -m experiments.bench_branches [--ns=1,2,4,8,16,32] [--contexts=256,1024] \
+    python -m experiments.bench.branches [--ns=1,2,4,8,16,32] [--contexts=256,1024] \
         [--new_tokens=16,128] [--model=random-llama] [--quick]
 
 Writes `bench_branches.json` and `bench_branches.png` to `--out_dir`.
@@ -39,8 +39,9 @@ import transformers
 
 import mdjax
 from experiments.cli import one_line_errors
-from experiments.benchlib import (load_pair, machine_info, machine_line, memory_bandwidth, plt,
-                                  save_figure, torch_oracle, write_json, write_results)
+from experiments.bench.common import (load_pair, machine_info, machine_line, memory_bandwidth, plt,
+                                      random_ids, results_dir, save_figure, torch_oracle,
+                                      write_json, write_results)
 
 
 _MODEL = flags.DEFINE_string("model", "random-llama", "Anything `mdjax.load` takes: a random, "
@@ -52,10 +53,8 @@ _QUESTION_LEN = flags.DEFINE_integer("question_len", 16, "Tokens per question.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (median).")
 _SKIP_SLOW = flags.DEFINE_integer(
     "skip_sequential_above", 16, "Run (b) sequential only for N up to this (it is N calls).")
-_OUT_DIR = flags.DEFINE_string("out_dir", "results/bench_branches", "Where JSON and PNG go.")
+_OUT_DIR = flags.DEFINE_string("out_dir", results_dir("branches"), "Where JSON and PNG go.")
 _QUICK = flags.DEFINE_bool("quick", False, "Smoke test: tiny model, N 1-2, short runs.")
-
-FIRST_ID = 3  # random prompts avoid the special ids
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -107,8 +106,8 @@ def bench_point(model, reference, n: int, context_len: int, new_tokens: int,
                 settings: Settings) -> dict:
   rng = np.random.default_rng(n * 1000 + context_len)
   vocab = model.config.vocab_size
-  context = rng.integers(FIRST_ID, vocab, context_len).tolist()
-  questions = [rng.integers(FIRST_ID, vocab, settings.question_len).tolist() for _ in range(n)]
+  context = random_ids(rng, vocab, context_len).tolist()
+  questions = [random_ids(rng, vocab, settings.question_len).tolist() for _ in range(n)]
   rows = np.asarray([context + q for q in questions])
   contenders = {
       "shared": lambda: greedy(model, [context], new_tokens, "multi_question", questions=questions),

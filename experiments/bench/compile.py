@@ -1,7 +1,7 @@
 """Compile time vs depth, with the layers scanned (`lax.scan`) or unrolled.
 
-    nice python3 -m experiments.bench_compile            # 8, 32 and 80 layers (minutes)
-    python3 -m experiments.bench_compile --quick         # smoke test: 1 and 2 tiny layers
+    nice python3 -m experiments.bench.compile            # 8, 32 and 80 layers (minutes)
+    python3 -m experiments.bench.compile --quick         # smoke test: 1 and 2 tiny layers
 
 Random llamas of each depth at one small width (hidden 256, 4 heads, vocab 1024:
 `random-llama` narrowed with `dataclasses.replace`) in both layer layouts
@@ -25,10 +25,10 @@ import tqdm
 
 import mdjax
 from experiments.cli import one_line_errors
-from experiments.benchlib import (machine_info, machine_line, median_after_first_token, plt,
-                                  save_figure, write_results)
+from experiments.bench.common import (DRAFT_TOKENS, machine_info, machine_line,
+                                      median_after_first_token, plt, random_llama, results_dir,
+                                      save_figure, write_results)
 from mdjax.models.layer_loop import LAYER_LOOPS, with_layer_loop
-from mdjax.models.random_init import init_params
 from mdjax.models.registry import RANDOM_MODELS
 
 _DEPTHS = flags.DEFINE_list("depths", ["8", "32", "80"], "Layer counts (the first is also "
@@ -43,7 +43,7 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repetitions of the decode (
 _COMPILE_REPEATS = flags.DEFINE_integer(
     "compile_repeats", 3, "Compiles of each strategy and model; the fastest is reported (a "
     "loaded machine only ever slows a compile down).")
-_OUT_DIR = flags.DEFINE_string("out_dir", "docs", "Where JSON and PNG go.")
+_OUT_DIR = flags.DEFINE_string("out_dir", results_dir("compile"), "Where JSON and PNG go.")
 _QUICK = flags.DEFINE_bool("quick", False, "Smoke test: 1 and 2 tiny layers, greedy and "
                            "speculative, 8 tokens, one repeat.")
 
@@ -52,7 +52,7 @@ QUESTIONS = [[40, 41, 42], [43, 44], [45, 46, 47, 48]]
 DRAFT_LAYERS = 2
 COMPILE_NEW_TOKENS = 8  # the compiled program does not depend on it beyond its bucket
 OPTIONS = {"greedy": {}, "multi_question": dict(questions=QUESTIONS),
-           "speculative": dict(num_draft_tokens=4), "beam": dict(num_beams=4)}
+           "speculative": dict(num_draft_tokens=DRAFT_TOKENS), "beam": dict(num_beams=4)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +77,8 @@ def llama(settings: Settings, layers: int, loop: str, seed: int = 0) -> mdjax.Mo
       RANDOM_MODELS["random-llama"], vocab_size=settings.vocab, hidden_size=settings.hidden,
       intermediate_size=3 * settings.hidden, num_layers=layers, num_heads=settings.heads,
       num_kv_heads=settings.heads, head_dim=settings.hidden // settings.heads)
-  params = with_layer_loop(init_params(config, seed), loop)
-  return mdjax.Model(config=config, params=params, name=f"random-llama-{layers}L-{loop}",
-                     random_weights=True)
+  model = random_llama(config, seed, "float32", f"random-llama-{layers}L-{loop}")
+  return dataclasses.replace(model, params=with_layer_loop(model.params, loop))
 
 
 def compile_seconds(model: mdjax.Model, draft: mdjax.Model, strategy: str,

@@ -28,7 +28,7 @@ Contenders are interleaved over `--repeats` repetitions and timed by median, so
 ratios within one run are meaningful on a noisy machine. Writes
 `bench_speculative.json` and `bench_speculative.png` to `--out_dir`:
 
-    python -m experiments.bench_speculative [--batches=1,8] [--gammas=1,2,3,4,5,6,7,8] [--quick]
+    python -m experiments.bench.speculative [--batches=1,8] [--gammas=1,2,3,4,5,6,7,8] [--quick]
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ import transformers
 
 import mdjax
 from experiments.cli import one_line_errors
-from experiments.benchlib import (agreement, load_pair, machine_info, machine_line,
-                                  memory_bandwidth, plt, run_mdjax, save_figure, summarize, timed,
-                                  torch_oracle, write_results)
+from experiments.bench.common import (DRAFT_TOKENS, LOOKUP, agreement, load_pair, machine_info,
+                                      machine_line, memory_bandwidth, plt, results_dir, run_mdjax,
+                                      save_figure, summarize, timed, torch_oracle, write_results)
 from mdjax.train import data
 
 
@@ -60,11 +60,10 @@ _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 256, "Prompt tokens per row.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "Generated tokens per row.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions of every contender (median).")
 _TORCH_THREADS = flags.DEFINE_integer("torch_threads", 0, "torch intra-op threads (0: default).")
-_OUT_DIR = flags.DEFINE_string("out_dir", "results/bench_speculative", "Where JSON and PNG go.")
+_OUT_DIR = flags.DEFINE_string("out_dir", results_dir("speculative"), "Where JSON and PNG go.")
 _QUICK = flags.DEFINE_bool("quick", False, "Smoke test: 1 row, gammas 1-2, 8 tokens, 1 repeat.")
 
 COPY_INSTRUCTION = "\n# The code above, repeated exactly:\n"
-LOOKUP = dict(prompt_lookup_num_tokens=10, max_ngram_size=2)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -139,8 +138,8 @@ def bench_batch(target, draft, reference, batch: int, settings: Settings) -> dic
   contenders = {"greedy": lambda: run_mdjax(target, prompts, n, "greedy"),
                 "prompt_lookup": lambda: run_mdjax(target, prompts, n, "prompt_lookup", **LOOKUP),
                 "heuristic": lambda: run_mdjax(target, prompts, n, "speculative", draft=draft,
-                                               draft_schedule="heuristic", num_draft_tokens=4,
-                                               max_draft_tokens=8),
+                                               draft_schedule="heuristic",
+                                               num_draft_tokens=DRAFT_TOKENS, max_draft_tokens=8),
                 "tree": lambda: run_mdjax(target, prompts, n, "speculative_tree", draft=draft,
                                           tree_depth=4, tree_top_k=4, tree_budget=16),
                 "self_speculative": lambda: run_mdjax(target, prompts, n, "self_speculative",
@@ -159,7 +158,8 @@ def bench_batch(target, draft, reference, batch: int, settings: Settings) -> dic
     contenders["hf_greedy"] = lambda: run_transformers(reference, prompts, n)
     contenders["hf_copy_greedy"] = lambda: run_transformers(reference, copies, n)
     contenders["hf_copy_prompt_lookup"] = lambda: run_transformers(
-        reference, copies, n, prompt_lookup_num_tokens=10, max_matching_ngram_size=2)
+        reference, copies, n, prompt_lookup_num_tokens=LOOKUP["prompt_lookup_num_tokens"],
+        max_matching_ngram_size=LOOKUP["max_ngram_size"])
   results = timed(contenders, settings.repeats, f"batch {batch}")
   if batch == 1:  # assisted generation at mdjax's best gamma, timed in a second round
     best = max(settings.gammas, key=lambda g: -results[f"gamma_{g}"]["seconds"])

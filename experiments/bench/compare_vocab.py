@@ -1,6 +1,6 @@
 """Choose the BPE vocabulary size from measured loss per byte.
 
-    python -m experiments.compare_vocab --out_dir=/tmp/vocab --steps=300
+    python -m experiments.bench.compare_vocab --out_dir=/tmp/vocab --steps=300
 
 For each vocabulary size: trains a byte-level BPE on the train split (kept in
 `out_dir/tokenizer-<V>`, ready for `--config.tokenizer`), measures bytes per token on

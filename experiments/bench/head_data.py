@@ -2,7 +2,7 @@
 a teacher-forced pass over the same text, in one run (the machine is shared: the
 float32 matmul rate measured beside each number says how busy it was).
 
-    python -m experiments.bench_head_data --batches=64,128,256 --seconds=90
+    python -m experiments.bench.head_data --batches=64,128,256 --seconds=90
 
 Each batch size answers the built-in prompts (chat template, temperature 0.7, top-k
 64, EAGLE-3's aux layers) for `--seconds` after its programs are compiled, and
@@ -25,6 +25,7 @@ import numpy as np
 from absl import app, flags
 
 import mdjax
+from experiments.bench.common import results_dir, write_json
 from experiments.cli import one_line_errors
 from mdjax.chat import chat_ids
 from mdjax.heads.eagle3 import default_target_layers
@@ -37,7 +38,7 @@ _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Anything `mdjax.
 _BATCHES = flags.DEFINE_list("batches", ["64", "128", "256"], "Batch sizes.")
 _SECONDS = flags.DEFINE_float("seconds", 90, "Timed seconds per batch size (after compiling).")
 _TF_BATCH = flags.DEFINE_integer("teacher_forced_batch", 16, "Rows per teacher-forced pass.")
-_OUT_DIR = flags.DEFINE_string("out_dir", "results/bench_head_data", "Where the JSON goes.")
+_OUT_DIR = flags.DEFINE_string("out_dir", results_dir("head_data"), "Where the JSON goes.")
 
 
 def matmul_gflops() -> float:
@@ -123,7 +124,7 @@ def main(argv):
   results["teacher_forced"] = teacher_forced(model, rows, _TF_BATCH.value)
   out = pathlib.Path(_OUT_DIR.value)
   out.mkdir(parents=True, exist_ok=True)
-  (out / "bench_head_data.json").write_text(json.dumps(results, indent=1) + "\n")
+  write_json(out / "bench_head_data.json", results)
   print(json.dumps(results))
 
 

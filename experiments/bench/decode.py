@@ -26,8 +26,8 @@ directory, a shipped name, a GGUF model such as `smollm2-135m-instruct`, read th
 its float32 Hugging Face copy) is loaded by both from the same directory. Writes
 `bench_decode.json` and `bench_decode.png` to `--out_dir`:
 
-    python -m experiments.bench_decode [--models=random-llama,DIR] [--batches=1,8] [--quick]
-    python -m experiments.bench_decode --model=smollm2-135m-instruct  # --model: one name
+    python -m experiments.bench.decode [--models=random-llama,DIR] [--batches=1,8] [--quick]
+    python -m experiments.bench.decode --model=smollm2-135m-instruct  # --model: one name
 
 On a shared machine, torch's default of one intra-op thread per core stalls at
 every op's barrier whenever another process holds a core (10-50x slower decoding);
@@ -55,9 +55,10 @@ import mdjax
 from experiments.cli import one_line_errors
 from mdjax import strategies
 from mdjax.cache import KVCache
-from experiments.benchlib import (agreement, load_pair, machine_info, machine_line,
-                                  median_after_first_token, memory_bandwidth, plt, save_figure,
-                                  step_bytes, torch_oracle, write_results)
+from experiments.bench.common import (FIRST_PROMPT_ID, agreement, load_pair, machine_info,
+                                      machine_line, median_after_first_token, memory_bandwidth, plt,
+                                      random_ids, results_dir, save_figure, step_bytes,
+                                      torch_oracle, write_results)
 from mdjax.generate import cache_size
 from mdjax.prompts import bucket
 from mdjax.strategies.base import ModelFn
@@ -76,10 +77,8 @@ _TORCH_THREADS = flags.DEFINE_integer(
     "torch_threads", 0, "torch intra-op threads (0: torch's default, one per core, which "
     "stalls at every op's barrier when another process holds a core; 1 avoids that).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the random weights and prompts.")
-_OUT_DIR = flags.DEFINE_string("out_dir", "results/bench_decode", "Where the JSON and PNG go.")
+_OUT_DIR = flags.DEFINE_string("out_dir", results_dir("decode"), "Where the JSON and PNG go.")
 _QUICK = flags.DEFINE_bool("quick", False, "Smoke test: tiny model, short runs, few repeats.")
-
-FIRST_PROMPT_ID = 3  # prompts avoid the low special ids (pad, bos, eos of the random models)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -164,8 +163,7 @@ def bench_batch(model: mdjax.Model, reference, batch: int, settings: Settings,
                 bandwidth_gbps: float) -> dict:
   """Every number of one (model, batch) cell."""
   rng = np.random.default_rng(settings.seed)
-  prompts = rng.integers(FIRST_PROMPT_ID, model.config.vocab_size,
-                         (batch, settings.prompt_len)).astype(np.int32)
+  prompts = random_ids(rng, model.config.vocab_size, batch, settings.prompt_len)
   torch_prompts = torch_oracle().from_numpy(prompts.astype(np.int64))
   n = settings.new_tokens
 

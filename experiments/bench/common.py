@@ -1,8 +1,15 @@
-"""What the benchmark scripts share: the bandwidth probe, the bytes a decode step reads,
-the model in both libraries, token agreement and the machine description."""
+"""What the benchmarks (and `experiments.device_check`) share, so that each sets a
+contender up the same way: where results go, random prompts and models, the options
+every bench gives prompt lookup and speculative decoding, draft trees parsed from
+"DEPTHxTOP_KxBUDGET", random heads shaped like the shipped ones and the strategy that
+decodes them (by the head-family registry), `tree_budget="auto"`'s choice; then the
+timing (interleaved repeats, the part after the first token), the bandwidth probe, the
+bytes a decode step reads, the model in both libraries, token agreement, the machine
+description and the writing of results."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -14,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
+import jax.numpy as jnp
 import matplotlib
 import numpy as np
 import tqdm
@@ -21,12 +29,133 @@ import transformers
 from jax.sharding import NamedSharding
 
 import mdjax
-from mdjax import files, sharding
-from mdjax.errors import require
+from mdjax import files, sharding, strategies
+from mdjax.errors import MdjaxError, require
+from mdjax.heads import FAMILIES, HeadsConfig, get_family, init_heads, shipped_heads, store
 from mdjax.models import hf
 
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # noqa: E402 -- after choosing the headless backend
+
+
+RESULTS = pathlib.Path("docs") / "results"  # relative to the repository root, where benches run
+FIRST_PROMPT_ID = 3  # random prompts avoid the low special ids (pad, bos, eos of random models)
+# The options of the strategies every bench runs with the same settings (Hugging Face's
+# defaults for prompt lookup; a chain of 4 drafted tokens).
+LOOKUP = dict(prompt_lookup_num_tokens=10, max_ngram_size=2)
+DRAFT_TOKENS = 4
+
+
+def results_dir(topic: str) -> str:
+  """A bench's default `--out_dir`: `docs/results/<topic>`, where the results the docs
+  cite lie."""
+  return str(RESULTS / topic)
+
+
+def random_ids(rng: np.random.Generator, vocab: int, *shape: int) -> np.ndarray:
+  """int32 ids of `shape`, uniform over the vocabulary above the special ids."""
+  return rng.integers(FIRST_PROMPT_ID, vocab, shape).astype(np.int32)
+
+
+def random_llama(config: mdjax.ModelConfig, seed: int, dtype, name: str) -> mdjax.Model:
+  """A model of `config` with random weights (layers as a list: lay them out with
+  `mdjax.models.layer_loop.with_layer_loop` or `mdjax.shard`)."""
+  params = mdjax.init_params(config, seed, mdjax.weight_dtype(dtype))
+  return mdjax.Model(config=config, params=params, name=name, random_weights=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tree:
+  """A fixed draft tree of `budget` nodes; a tree strategy that takes a shape (EAGLE's)
+  also fixes its `depth` and `top_k`."""
+
+  budget: int
+  depth: int | None = None
+  top_k: int | None = None
+
+  @classmethod
+  def parse(cls, text: str) -> "Tree":
+    """From "DEPTHxTOP_KxBUDGET" (e.g. "4x4x16")."""
+    parts = text.split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+      raise MdjaxError(f"a draft tree is DEPTHxTOP_KxBUDGET of positive integers (e.g. 4x4x16), "
+                       f"got {text!r}")
+    depth, top_k, budget = map(int, parts)
+    return cls(budget=budget, depth=depth, top_k=top_k)
+
+  def for_strategy(self, strategy: str) -> "Tree":
+    """The tree as `strategy` takes it: the budget alone where it takes no shape."""
+    return self if takes_tree_shape(strategy) else Tree(self.budget)
+
+  @property
+  def label(self) -> str:
+    return str(self.budget) if self.depth is None else f"{self.depth}x{self.top_k}x{self.budget}"
+
+  def options(self) -> dict:
+    options = dict(tree_budget=self.budget)
+    if self.depth is not None:
+      options.update(tree_depth=self.depth, tree_top_k=self.top_k)
+    return options
+
+
+def takes_tree_shape(strategy: str) -> bool:
+  """Whether `strategy`'s trees have a depth and top-k besides their budget."""
+  return {"tree_depth", "tree_top_k"} <= set(strategies.option_names(strategy))
+
+
+def head_strategy(family: str) -> str:
+  """The strategy that decodes heads of `family` (the registry's first)."""
+  return get_family(family).strategy
+
+
+def shipped_configs() -> dict[str, tuple[str, HeadsConfig]]:
+  """Family -> (name, config) of the shipped heads of that family (the first by name),
+  in the registry's order; the configs alone are read, not the weights."""
+  found = {}
+  for name in shipped_heads():
+    config = HeadsConfig.from_json(json.loads(
+        (store.ASSETS_DIR / name / store.CONFIG_FILE).read_text()))
+    found.setdefault(config.family, (name, config))
+  return {family: found[family] for family in FAMILIES if family in found}
+
+
+def random_heads(model: mdjax.Model, family: str, seed: int = 0) -> mdjax.Heads:
+  """Random heads of `family` for `model` in its dtype, shaped like the shipped heads of
+  that family (their heads, layers and draft vocabulary size, at most half the
+  vocabulary: random ids) with their held-out acceptance profile, so that `auto` sizes
+  trees as it would for them; the residual blocks of heads that have them random
+  (`init_heads` leaves them zero, which would draft the target's own last token). Their
+  drafts are rarely accepted: timed, they measure a step's cost, not a speedup."""
+  _, shipped = shipped_configs()[family]
+  c = model.config
+  kind = get_family(family)
+  draft = min(shipped.draft_vocab_size, c.vocab_size // 2)
+  config = HeadsConfig(family=family, base_model=model.name, base_family=c.family,
+                       hidden_size=c.hidden_size, vocab_size=c.vocab_size,
+                       num_heads=shipped.num_heads, num_layers=shipped.num_layers,
+                       top_accuracy=shipped.top_accuracy, draft_vocab_size=draft,
+                       target_layers=kind.layers_for(c))
+  rng = np.random.default_rng(seed)
+  ids = (np.sort(rng.choice(c.vocab_size, draft, replace=False)) if draft
+         else np.arange(c.vocab_size)).astype(np.int32)
+  dtype = model.params["embed"].dtype
+  params = kind.restrict(init_heads(config, c, seed, dtype).params, ids, model.params)
+  if draft:
+    params = {**params, "draft_ids": jnp.asarray(ids)}
+  if "blocks" in params:
+    w = params["blocks"]["w"]  # [K, layers, D, D]
+    noise = rng.normal(0, 0.3 / np.sqrt(w.shape[-1]), w.shape)
+    params = {**params, "blocks": {**params["blocks"], "w": jnp.asarray(noise, w.dtype)}}
+  return mdjax.Heads(config=config, params=params)
+
+
+def auto_choice(model: mdjax.Model, rows, strategy: str, new_tokens: int, **options) -> dict:
+  """What `tree_budget="auto"` chose for `strategy` at the batch of `rows` and
+  `new_tokens` per row (the choice counts the tokens a row generates), as `out.stats`
+  says it: the tree, its expected tokens per pass and speedup, and the t(n) it used."""
+  out = mdjax.generate(model, rows, strategy=strategy, max_new_tokens=new_tokens,
+                       eos_token_id=[], **options)
+  return {k: v for k, v in out.stats.items() if k.startswith(("tree_", "expected_", "pass_cost_"))}
 
 
 def memory_bandwidth(mib: int, trials: int = 5) -> dict:
@@ -113,12 +242,6 @@ def agreement(ours: list[list[int]], theirs: np.ndarray) -> dict:
   prefix = [int(row.argmin()) if not row.all() else len(row) for row in same]
   return dict(matching_tokens=int(same.sum()), total_tokens=int(same.size),
               identical_prefix=min(prefix))
-
-
-def choice_stats(stats: dict) -> dict:
-  """What `out.stats` says of `tree_budget="auto"`'s choice: the tree, its expected
-  tokens per pass and speedup, and the t(n) it used."""
-  return {k: v for k, v in stats.items() if k.startswith(("tree_", "expected_", "pass_cost_"))}
 
 
 def divergence_gaps(model: mdjax.Model, rows: list[list[int]], greedy: list[list[int]],
@@ -228,6 +351,12 @@ def timed(contenders: dict, repeats: int, label: str) -> dict:
                      decode_seconds=median_after_first_token(seconds(name, "seconds"),
                                                              seconds(name, "first_token_seconds")))
           for name in names}
+
+
+def tokens_per_pass(result: dict, steps: int, groups: int) -> float:
+  """Tokens a row generated per target pass of a run of `groups` generations of `steps`
+  tokens in all, each one's prefill counted as a pass (greedy's: 1)."""
+  return steps / (result["stats"]["target_passes"] + groups)
 
 
 def summarize(result: dict, greedy: dict, steps: int, groups: int) -> dict:

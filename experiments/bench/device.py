@@ -12,7 +12,7 @@ early stop:
   (the same generation cut at one token, paired within a repetition), tokens/s
   (whole and decode), and the roofline: the bytes one decode step must read (the
   weights, the embedding rows it gathers, the K/V of the tokens it attends to;
-  `benchlib.step_bytes`) over the memory bandwidth, and `roofline_fraction` = roofline
+  `common.step_bytes`) over the memory bandwidth, and `roofline_fraction` = roofline
   time / measured decode time per step (1.0 = at the bandwidth bound);
 * at batch 1, prompt lookup and (with `--draft`) speculative decoding with a draft,
   and `multi_question` with `--questions` questions over one prompt, each beside
@@ -29,7 +29,7 @@ replicated weight (data axis) is read once per device.
 The bandwidth: `--bandwidth_gbps`, else the device kind's datasheet figure per JAX
 device (`BANDWIDTH_GBPS`: H100 SXM 3350 GB/s, H200 4800, TPU v5e 819, v4 1200, ...),
 else (an unknown accelerator) a read probe on the device; on CPU the higher of numpy's
-read and copy bandwidths (`benchlib.memory_bandwidth`: on a small or busy CPU the
+read and copy bandwidths (`common.memory_bandwidth`: on a small or busy CPU the
 summing read probe can be bound by its arithmetic, below what the memory delivers). On
 an accelerator the on-device probe is recorded beside the datasheet figure.
 
@@ -41,11 +41,11 @@ weights give noise, so speculative and prompt-lookup acceptance here measures th
 machinery, not a real model's speedup; pass a real model and draft for that.
 
 Contenders are interleaved over `--repeats` repetitions and timed by median
-(`benchlib.timed`). Writes `bench_device.json` and `bench_device.png` to `--out_dir`:
+(`common.timed`). Writes `bench_device.json` and `bench_device.png` to `--out_dir`:
 
-    python -m experiments.bench_device                      # GPU/TPU: the 1b preset
-    JAX_NUM_CPU_DEVICES=4 python -m experiments.bench_device --preset=small --batches=1,8
-    python -m experiments.bench_device --model=smollm2-135m-instruct --meshes=1x1,1x4
+    python -m experiments.bench.device                      # GPU/TPU: the 1b preset
+    JAX_NUM_CPU_DEVICES=4 python -m experiments.bench.device --preset=small --batches=1,8
+    python -m experiments.bench.device --model=smollm2-135m-instruct --meshes=1x1,1x4
 """
 
 from __future__ import annotations
@@ -63,17 +63,16 @@ import numpy as np
 
 import mdjax
 from experiments.cli import one_line_errors
-from experiments.benchlib import (machine_info, machine_line, memory_bandwidth, plt,
-                                  run_mdjax, save_figure, step_bytes, summarize, timed,
-                                  write_results)
+from experiments.bench.common import (DRAFT_TOKENS, LOOKUP, machine_info, machine_line,
+                                      memory_bandwidth, plt, random_ids, random_llama, results_dir,
+                                      run_mdjax, save_figure, step_bytes, summarize, timed,
+                                      write_results)
 from mdjax.models.layer_loop import default_layer_loop, with_layer_loop
+from mdjax.models.registry import RANDOM_MODELS
 
 PRESETS = {
     # A 1B-class llama (Llama-3.2-1B's shape, untied, a 32k vocabulary): 1.1B parameters.
-    "1b": mdjax.ModelConfig(family="llama", vocab_size=32000, hidden_size=2048,
-                            intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
-                            head_dim=64, max_position_embeddings=4096, bos_token_id=1,
-                            eos_token_id=(2,)),
+    "1b": RANDOM_MODELS["random-llama-1b"],
     # 17M parameters: minutes on a small CPU.
     "small": mdjax.ModelConfig(family="llama", vocab_size=4096, hidden_size=512,
                                intermediate_size=1536, num_layers=4, num_heads=8, num_kv_heads=4,
@@ -97,10 +96,7 @@ BANDWIDTH_GBPS = (
     (r"tpu v4 ?lite", 614), (r"tpu v4", 1200), (r"tpu v3", 450), (r"tpu v2", 300),
 )
 
-FIRST_PROMPT_ID = 3  # prompts avoid the low special ids (pad, bos, eos of the random models)
 QUESTION_LEN = 4
-LOOKUP = dict(prompt_lookup_num_tokens=10, max_ngram_size=2)
-DRAFT_TOKENS = 4
 
 _MODEL = flags.DEFINE_string("model", "", "Anything `mdjax.load` takes; empty: a random llama "
                              "of --preset.")
@@ -124,7 +120,8 @@ _BANDWIDTH = flags.DEFINE_float("bandwidth_gbps", 0.0, "Memory bandwidth per dev
                                 "the device kind's (BANDWIDTH_GBPS), else measured.")
 _BANDWIDTH_MIB = flags.DEFINE_integer("bandwidth_mib", 1024, "Array size of the bandwidth probes.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the random weights and prompts.")
-_OUT_DIR = flags.DEFINE_string("out_dir", "docs", "Where bench_device.json and .png go.")
+_OUT_DIR = flags.DEFINE_string("out_dir", results_dir("device"), "Where bench_device.json and .png "
+                               "go.")
 flags.DEFINE_alias("out", "out_dir")
 _QUICK = flags.DEFINE_bool("quick", False, "Smoke test: tiny model, short runs, one repeat.")
 
@@ -218,11 +215,6 @@ def device_info(settings: Settings) -> dict:
   return info
 
 
-def random_llama(config, seed: int, dtype: str, name: str) -> mdjax.Model:
-  params = mdjax.init_params(config, seed, mdjax.weight_dtype(dtype))
-  return mdjax.Model(config=config, params=params, name=name, random_weights=True)
-
-
 def load_models(settings: Settings) -> tuple[mdjax.Model, mdjax.Model | None]:
   """The target and the draft (or None), on the default device, layers as a list (the
   layout `mdjax.shard` places before the layer loop restacks them)."""
@@ -278,14 +270,11 @@ def bench_mesh(model: mdjax.Model, draft: mdjax.Model | None, shape: tuple[int, 
   """Every number of one mesh shape."""
   rng = np.random.default_rng(settings.seed)
   vocab, n = model.config.vocab_size, settings.new_tokens
-
-  def prompts(*shape_):
-    return rng.integers(FIRST_PROMPT_ID, vocab, shape_).astype(np.int32)
-
-  rows = {b: prompts(1, b, settings.prompt_len) for b in (1,) + settings.batches}  # [1, B, L]
+  rows = {b: random_ids(rng, vocab, 1, b, settings.prompt_len)
+          for b in (1,) + settings.batches}  # [1, B, L]
   single = rows[1]
   context = single[0, 0].tolist()
-  questions = prompts(settings.questions, QUESTION_LEN).tolist()
+  questions = random_ids(rng, vocab, settings.questions, QUESTION_LEN).tolist()
   duplicated = np.asarray([[context + q for q in questions]], np.int32)
   contenders = {f"greedy_{b}": (lambda r=r: run_mdjax(model, r, n, "greedy"))
                 for b, r in rows.items()}
