@@ -1,15 +1,15 @@
 r"""Parallel multi-token-prediction heads (Gloeckle et al. 2024): K small decoders side
-by side on the model's final-norm hidden states, sharing its unembedding.
+by side on the target's final-norm hidden states, sharing its unembedding.
 
 Head k (k = 1..K) is `num_layers` decoder layers of the model's own layer type
 (`decoder_config`: full attention, RoPE at the tokens' positions) over the sequence of
-hidden states h_0 .. h_t, then its final RMSNorm, then the model's `lm_head`; at t it
-guesses token t + 1 + k (the model's own head guesses t + 1)::
+hidden states h_0 .. h_t, then its final RMSNorm, then the target's `lm_head`; at t it
+guesses token t + 1 + k (the target's own head guesses t + 1)::
 
     h_0 .. h_t ─┬─ layer(s) of head 1 ─ final_norm[0] ─ lm_head ─> token t + 2
                 ├─ layer(s) of head 2 ─ final_norm[1] ─ lm_head ─> token t + 3
                 │  ...
-                └─ the model's lm_head (on h_t) ─────────────────> token t + 1
+                └─ the target's lm_head (on h_t) ────────────────> token t + 1
 
 Each head attends to the earlier positions, so the heads keep a KV cache of their own
 over the committed text, fed the target's hidden states (as inputs: no token

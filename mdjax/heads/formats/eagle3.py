@@ -181,8 +181,8 @@ def _read_speculators(directory: pathlib.Path, model_config: ModelConfig | None,
     raise CheckpointError(f"{directory / CONFIG_FILE}: target_hidden_size "
                           f"{cfg['target_hidden_size']!r} differs from the head's: unsupported")
   verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
-  base = {"base_model_name_or_path": verifier.get("name_or_path") or base_model_of(cfg)}
-  return _eagle3_read(directory, {**cfg, **base}, cfg["transformer_layer_config"],
+  named = {"base_model_name_or_path": verifier.get("name_or_path") or base_model_of(cfg)}
+  return _eagle3_read(directory, {**cfg, **named}, cfg["transformer_layer_config"],
                       SPECULATORS_PREFIX, model_config, dtype)
 
 
