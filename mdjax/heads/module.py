@@ -53,7 +53,3 @@ def _listed(tree):
     return [_listed(tree[i]) for i in range(len(tree))]
   return {name: _listed(value) for name, value in tree.items()}
 
-
-def value(variable):
-  """The array a variable holds; `None` for an absent optional entry."""
-  return None if variable is None else variable[...]
