@@ -167,9 +167,8 @@ def _simulated_acceptances(target: Model, heads: Heads, prompt, continuation, de
   sequence = prompt + continuation  # the target's greedy text, `depth` tokens past NEW
   hidden = forward_causal(target.params, jnp.asarray([sequence]), config=target.config)[0]
   shifted = np.asarray(jnp.pad(hidden[:-1], ((1, 0), (0, 0))))  # [T, H]
-  head = jax.jit(lambda tokens, features: eagle_causal(
-      heads.params, target.params, tokens[None], features[None], model_config=target.config,
-      num_layers=heads.config.num_layers)[0])  # [T, H] the feature predicted at every token
+  head = jax.jit(lambda tokens, features: eagle_causal(  # [T, H] the feature predicted at every token
+      heads.params, target.params, tokens[None], features[None], model_config=target.config)[0])
   accepted_at, emitted, c = np.zeros(depth, int), 1, len(prompt)
   while emitted < NEW:
     tokens, features = np.zeros(len(sequence), np.int32), np.zeros_like(shifted)
@@ -243,7 +242,7 @@ def test_eagle_sampling_follows_the_target_law(targets):
 
 
 @pytest.mark.parametrize("options,match", [
-    (dict(heads=None), r"strategy 'eagle' needs heads=<an mdjax.Heads of family 'eagle'> "
+    (dict(heads=None), r"strategy 'eagle' needs heads=<an mdjax.Heads of family 'eagle' or 'eagle3'> "
                        r"\(mdjax.load_heads\), got None"),
     (dict(heads="smollm2-135m-instruct-eagle"), r"needs heads=.*got a str"),
     (dict(tree_depth=0), r"tree_depth must be an integer >= 1, got 0"),

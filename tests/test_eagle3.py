@@ -29,7 +29,7 @@ T, STEPS = 9, 3
 def setup():
   model = random_model("llama", seed=3, layers=4)
   draft_ids = vocab.choose(np.arange(model.config.vocab_size)[::-1], 40)  # 40 of 64 ids
-  params = init_eagle3(model.config, draft_ids, seed=1, std=0.3, model_params=model.params)
+  params = init_eagle3(model.config, draft_ids, seed=1, std=0.3, target_params=model.params)
   params["fc_bias"] = 0.1 * jnp.ones(model.config.hidden_size)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, model.config.vocab_size, (2, T)), jnp.int32)
@@ -109,7 +109,7 @@ def test_gradients_reach_every_param(setup):
 
 def eagle3_heads(model, draft_size=40, seed=1):
   draft_ids = vocab.choose(np.arange(model.config.vocab_size)[::-1], draft_size)
-  params = init_eagle3(model.config, draft_ids, seed=seed, std=0.3, model_params=model.params)
+  params = init_eagle3(model.config, draft_ids, seed=seed, std=0.3, target_params=model.params)
   config = HeadsConfig(family="eagle3", base_model=model.name, base_family=model.config.family,
                        hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size,
                        own_unembedding=True, draft_vocab_size=draft_size, target_layers=(0, 2, 3))
@@ -192,7 +192,7 @@ def greedy(target):
 
 def draft_heads(model, draft_ids, seed=2):
   """Random EAGLE-3 heads over `draft_ids`, reading EAGLE-3's default layers."""
-  params = init_eagle3(model.config, draft_ids, seed=seed, std=0.3, model_params=model.params)
+  params = init_eagle3(model.config, draft_ids, seed=seed, std=0.3, target_params=model.params)
   config = HeadsConfig(family="eagle3", base_model=model.name, base_family=model.config.family,
                        hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size,
                        own_unembedding=True, draft_vocab_size=len(draft_ids),

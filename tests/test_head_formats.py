@@ -234,7 +234,7 @@ def eagle_numpy_reference(t, model, tokens, features):
 
 def mdjax_eagle(heads, model, tokens, features):
   return np.asarray(eagle_causal(heads.params, model.params, tokens[None], features[None],
-                                 model_config=model.config, num_layers=1))[0]
+                                 model_config=model.config))[0]
 
 
 def test_eagle_imports_in_eagle1_shape(model, tmp_path):

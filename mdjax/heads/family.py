@@ -1,48 +1,44 @@
 r"""Head families as plug-ins: what one kind of heads is, by the name in `HeadsConfig.family`.
 
 A family is one module that subclasses `HeadFamily` and decorates it with `@register`
-(plus its import in `mdjax.heads`); everything else asks the registry (`get`) and
-never compares a family's name::
+(plus its import in `mdjax.heads`); its params, their initialisation and their forward
+are a Flax NNX module of the same file (`mdjax.heads.module`). Everything else asks the
+registry (`get`) and never compares a family's name::
 
     who asks                      what the family answers
     init_heads                    init(config, model_config, seed, dtype) -> params
-    strategies (medusa, eagle)    strategies: which decode it; check(config, params, model);
-                                  cache_config(config, model): its own KV cache, if any
-    load_heads / export_heads     layouts: the public layouts (`mdjax.heads.formats`) it is
-                                  read from and written to
+    strategies (medusa, eagle)    strategies: which decode it; check(heads, model_config);
+                                  cache_config(config, model_config): its own KV cache, if any;
+                                  guesser(...): how parallel heads draft (`Guess`);
+                                  first_heads(params, n); draft_step(...): one pass of a
+                                  head that drafts one token at a time
+    load_heads / export_heads     the public layouts that hold it (`mdjax.heads.formats`,
+                                  each `CheckpointFormat` naming its family)
     HeadsConfig                   owns_unembedding: may it carry its own lm_head
     train.heads                   target_layers(config): the target's hidden states it reads;
-                                  window(config): tokens per training unit; sequential: one
-                                  unrolled head or K parallel ones; loss(objective, ...): its
-                                  training objective (`mdjax.heads.objective`); describe(config),
+                                  layers_for(model_config); window(num_heads): tokens per
+                                  training unit; sequential: one unrolled head or K parallel
+                                  ones; restrict(...); loss(objective, ...): its training
+                                  objective (`mdjax.heads.objective`); describe(config),
                                   step_label: the model card's words
 
-Where the next kinds of heads plug in (none of them changes this interface):
-
-- EAGLE-3 (`family="eagle3"`): its module registers `strategies=("eagle",)`, its
-  `target_layers(config)` (a low, a middle and a high layer, saved in the config) for the
-  trainer's feature cache and the strategy's verify pass, its `loss` (the training-time
-  test: the head unrolled on its own predictions, `sequential=True`), its own lm_head
-  (`owns_unembedding`) and `layouts=("eagle3", "speculators")`.
-- A draft vocabulary, for any family: `HeadsConfig.draft_vocab_size` and an int32 `d2t`
-  params leaf (saved with the heads by `save_heads` like any other leaf); a family whose
-  `init` and `loss` read the unembedding slice it to those ids.
-- More public layouts: one `formats.Layout` registered by name, and its name added to
-  the family's `layouts`.
+A new family costs one module (its NNX module, its `HeadFamily`, and its `Guess` or
+`draft_step`), its import in `mdjax.heads`, and, for files other projects publish, one
+`mdjax.heads.formats` module registering its `CheckpointFormat`s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+import jax
 import numpy as np
 
 from mdjax.errors import MdjaxError
 from mdjax.heads import vocab
 
 if TYPE_CHECKING:
-  import jax
   from jaxtyping import Array, Float, Int
 
   from mdjax.cache import KVCache
@@ -53,6 +49,42 @@ if TYPE_CHECKING:
   from mdjax.models.transformer import Params
 
 
+SHARED_LEAVES = ("draft_ids", "draft_unembedding")  # params of parallel heads not stacked per head
+
+
+@dataclasses.dataclass(frozen=True)
+class Feed:
+  """Where fed tokens sit: their positions and segments (-1: padding) and the rows'
+  topology, as `mdjax.decode_step` takes them."""
+
+  positions: Int[Array, "B T"]
+  segments: Int[Array, "B T"]
+  topology: Topology
+
+
+class Guess(Protocol):
+  """How parallel heads draft (`HeadFamily.guesser`), step after step: `read` is what
+  they guess the next tree from (an array or a pytree of the family's), R = B x N rows
+  (one per branch), K the heads used. `params`: `{"target": ..., "heads": ...}`."""
+
+  passes: ClassVar[int]  # head passes per step besides the target's
+
+  def start(self, params, hidden: Float[Array, "B P H"], last: Int[Array, "B N"], feed: Feed,
+            slots: int, cache_dtype) -> Any:
+    """What to read after the prefill: `hidden` the target's states at the prompt's
+    tokens (fed as `feed`), `last` each branch's last prompt token; a cache of the
+    heads' own gets `slots` slots of `cache_dtype`."""
+
+  def logits(self, params, read) -> Float[Array, "R K V"]:
+    """Each head's logits of the token it guesses (over the draft vocabulary, if any)."""
+
+  def advance(self, params, read, hidden: Float[Array, "R D+1 H"], accepted: Int[Array, "R"],
+              feed: Feed) -> Any:
+    """What to read after a verify that committed, per row, `c` and the first
+    `accepted` nodes of its path: `hidden` the target's states there (fed as `feed`,
+    `[R, 1 + D]`, segment -1 past the committed ones)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadFamily:
   """One kind of heads. A subclass declares the class variables and implements `init`,
@@ -60,7 +92,6 @@ class HeadFamily:
 
   name: ClassVar[str]  # HeadsConfig.family
   strategies: ClassVar[tuple[str, ...]]  # the strategies that decode these heads
-  layouts: ClassVar[tuple[str, ...]] = ()  # public layouts (`mdjax.heads.formats.LAYOUTS`)
   owns_unembedding: ClassVar[bool] = False  # may heads carry their own lm_head?
   sequential: ClassVar[bool] = False  # one head unrolled `unroll` steps (num_heads 1), or K
   #                                     parallel heads scored side by side
@@ -92,7 +123,7 @@ class HeadFamily:
     stores in `HeadsConfig.target_layers`); (): the final-norm state."""
     return ()
 
-  def restrict(self, params: Params, draft_ids: jax.Array, model_params: Params) -> Params:
+  def restrict(self, params: Params, draft_ids: jax.Array, target_params: Params) -> Params:
     """The trainer's initial params of heads that score only `draft_ids`
     (`mdjax.heads.vocab`; every id: the whole vocabulary): their own unembedding, if
     any, over those columns. Default: `params` as `init` made them."""
@@ -103,7 +134,19 @@ class HeadFamily:
     attend to the prefix)."""
     return None
 
-  def draft_step(self, config: HeadsConfig, heads_params: Params, model_params: Params,
+  def guesser(self, config: HeadsConfig, model_config: ModelConfig, attention: str,
+              num_heads: int) -> Guess:
+    """How the first `num_heads` parallel heads of `config` draft a tree's tokens (the
+    `medusa` strategy's guesses), on a target of `model_config`."""
+    raise MdjaxError(f"{self.name} heads do not guess tokens side by side")
+
+  def first_heads(self, params: Params, count: int) -> Params:
+    """The params of the first `count` of parallel heads: every leaf is stacked per
+    head but a draft vocabulary's (`SHARED_LEAVES`), which every head shares."""
+    return {name: value if name in SHARED_LEAVES else jax.tree.map(lambda a: a[:count], value)
+            for name, value in params.items()}
+
+  def draft_step(self, config: HeadsConfig, heads_params: Params, target_params: Params,
                  cache: KVCache, tokens: Int[Array, "B T"], features: Float[Array, "B T F"],
                  positions: Int[Array, "B T"], segments: Int[Array, "B T"], topology: Topology,
                  *, model_config: ModelConfig, attention: str,
@@ -118,10 +161,11 @@ class HeadFamily:
     """The model card's first words: "4 Medusa heads of 1 residual block(s)"."""
     raise NotImplementedError
 
-  def loss(self, objective: Objective, params: Params, batch: dict, base: Params,
+  def loss(self, objective: Objective, params: Params, batch: dict, target: Params,
            ks: tuple[int, ...]) -> tuple[jax.Array, dict]:
     """(loss, {"hits": [depth, len(ks)] top-k hits, "count": [depth] targets}) of one
-    batch (`mdjax.train.heads.Reader`); `base`: the model's embedding and lm_head."""
+    batch (`mdjax.train.heads.Reader`); `target`: the frozen target's embedding and
+    lm_head (and a draft vocabulary's `draft_ids`, `draft_unembedding`)."""
     raise NotImplementedError
 
   @property
@@ -154,11 +198,6 @@ def get(name: str) -> HeadFamily:
 def decoded_by(strategy: str) -> tuple[str, ...]:
   """The families strategy `strategy` decodes."""
   return tuple(name for name, family in FAMILIES.items() if strategy in family.strategies)
-
-
-def with_layout(layout: str) -> str:
-  """The family public layout `layout` holds."""
-  return next(name for name, family in FAMILIES.items() if layout in family.layouts)
 
 
 def owning_unembeddings() -> tuple[str, ...]:

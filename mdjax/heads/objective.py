@@ -44,21 +44,22 @@ class Objective:
   regression_weight: float = 1.0  # eagle's feature regression
   token_weight: float = 0.1  # eagle's token loss
 
-  def __call__(self, params: Params, batch: dict, base: Params, ks: tuple[int, ...]):
-    """(loss, {"hits": [depth, len(ks)] top-k hits, "count": [depth] targets})."""
-    return family.get(self.family).loss(self, params, batch, base, ks)
+  def __call__(self, params: Params, batch: dict, target: Params, ks: tuple[int, ...]):
+    """(loss, {"hits": [depth, len(ks)] top-k hits, "count": [depth] targets}); `target`:
+    the frozen target's params the heads read (`HeadFamily.loss`)."""
+    return family.get(self.family).loss(self, params, batch, target, ks)
 
   def token_losses(self, logits: Float[Array, "... V"], targets: Int[Array, "..."],
-                   teacher_hidden: Float[Array, "... D"], base: Params) -> Float[Array, "..."]:
+                   teacher_hidden: Float[Array, "... D"], target: Params) -> Float[Array, "..."]:
     """Cross-entropy to `targets` ("ce": the data's tokens; "greedy": the model's greedy
     guesses of them), or the KL from the model's law of them, softmax(lm_head(
-    teacher_hidden)) ("kl"); with a draft vocabulary (`base["draft_ids"]`) `targets`
+    teacher_hidden)) ("kl"); with a draft vocabulary (`target["draft_ids"]`) `targets`
     are draft columns and the law is the model's over those tokens."""
     if self.loss != "kl":
       return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    teacher = lm_head(base, teacher_hidden, config=self.model_config)
-    if "draft_ids" in base:  # the model's law over the draft vocabulary, renormalised
-      teacher = jnp.take(teacher, base["draft_ids"], axis=-1)
+    teacher = lm_head(target, teacher_hidden, config=self.model_config)
+    if "draft_ids" in target:  # the target's law over the draft vocabulary, renormalised
+      teacher = jnp.take(teacher, target["draft_ids"], axis=-1)
     return losses.kl_to_teacher(logits, jax.lax.stop_gradient(teacher), 1.0)
 
 
@@ -92,26 +93,26 @@ HeadLogits = Callable[[Params, Float[Array, "B T D"], Params], Float[Array, "B T
 
 
 def parallel_loss(head_logits: HeadLogits, objective: Objective, params: Params, batch: dict,
-                  base: Params, ks: tuple[int, ...]):
+                  target: Params, ks: tuple[int, ...]):
   """`sum_k decay^(k-1) * mean loss of head k` over n = W + K + 1 tokens: medusa's
   windows, mtp's whole rows (its heads read h[0..t], causally, so the last K hidden
-  states, which have no target, are left out). `head_logits(params, hidden, base)`:
+  states, which have no target, are left out). `head_logits(params, hidden, target)`:
   head k's logits of token t + 1 + k at every t."""
   k = objective.depth
   hidden = batch["hidden"].astype(jnp.float32)  # [B, W + K, D]
   width = hidden.shape[1] - k
-  logits = head_logits(params, hidden[:, :width], base)  # [B, W, K, V]
+  logits = head_logits(params, hidden[:, :width], target)  # [B, W, K, V]
   targets, mask = parallel_targets(batch["tokens"], batch["ok"], k)  # [B, W, K]
   greedy = ahead(batch["greedy"], k)  # [B, W, K]: the model's guesses of the same tokens
   trained, scored = mask, mask
-  if "draft_ids" in base:  # draft columns; a token outside is no target, and a miss
-    column = vocab.column_of(base["draft_ids"], objective.model_config.vocab_size)
+  if "draft_ids" in target:  # draft columns; a token outside is no target, and a miss
+    column = vocab.column_of(target["draft_ids"], objective.model_config.vocab_size)
     targets, greedy = column[targets], column[greedy]
     trained, scored = mask & (targets >= 0), mask & (greedy >= 0)
     targets, greedy = jnp.maximum(targets, 0), jnp.maximum(greedy, 0)
   if objective.loss == "greedy":  # what a greedy verifier accepts, at "ce"'s cost
     targets, trained = greedy, scored
-  losses = objective.token_losses(logits, targets, ahead(hidden, k), base)  # [B, W, K]
+  losses = objective.token_losses(logits, targets, ahead(hidden, k), target)  # [B, W, K]
   weights = objective.decay ** jnp.arange(k)  # [K]
   loss = jnp.sum(weights * masked_mean(losses, trained, axis=(0, 1)))
   hits = jnp.stack([top_k_hits(logits[:, :, i], greedy[:, :, i], scored[:, :, i], ks)

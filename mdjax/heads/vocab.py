@@ -88,9 +88,9 @@ def column_of(draft_ids: Int[Array, "Vd"], vocab_size: int) -> Int[Array, "V"]:
       jnp.arange(draft_ids.shape[0], dtype=jnp.int32))
 
 
-def unembedding_columns(model_params: Params, draft_ids: Int[Array, "Vd"]) -> Float[Array, "D Vd"]:
-  """The model's unembedding restricted to the draft vocabulary, `[D, V_d]`: gathered
+def unembedding_columns(target_params: Params, draft_ids: Int[Array, "Vd"]) -> Float[Array, "D Vd"]:
+  """The target's unembedding restricted to the draft vocabulary, `[D, V_d]`: gathered
   once per request, not per step (`lm_head`, or the tied embedding's rows)."""
-  if "lm_head" in model_params:
-    return jnp.take(model_params["lm_head"], draft_ids, axis=1)
-  return jnp.take(model_params["embed"], draft_ids, axis=0).T
+  if "lm_head" in target_params:
+    return jnp.take(target_params["lm_head"], draft_ids, axis=1)
+  return jnp.take(target_params["embed"], draft_ids, axis=0).T

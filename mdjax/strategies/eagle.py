@@ -1,7 +1,9 @@
-r"""`eagle`: an EAGLE head (`mdjax.heads.eagle`) drafts a token tree (EAGLE-2), the
-target verifies every node in one pass, the accepted path is compacted.
+r"""`eagle`: an EAGLE head (`mdjax.heads.eagle`, or EAGLE-3's, `mdjax.heads.eagle3`)
+drafts a token tree (EAGLE-2), the target verifies every node in one pass, the
+accepted path is compacted. The head is its family's (`HeadFamily.draft_step`, over
+the cache of its `cache_config`); this strategy names no family.
 
-Options: `heads` (an `mdjax.Heads` of family "eagle", required), `tree_depth` D,
+Options: `heads` (an `mdjax.Heads` of a family it decodes, required), `tree_depth` D,
 `tree_top_k` K, `tree_budget` M (default "auto": chosen with D and K by what a pass
 costs here and the heads' `top_accuracy` per step, `mdjax.strategies.tree_choice`),
 the sampling options and `return_metadata`: the trees of `speculative_tree` (its
@@ -118,7 +120,8 @@ class Eagle(TreeDrafter):
     heads = options.pop("heads", None)
     if not isinstance(heads, Heads):
       got = "None" if heads is None else f"a {type(heads).__name__}"
-      raise MdjaxError("strategy 'eagle' needs heads=<an mdjax.Heads of family 'eagle'> "
+      wanted = " or ".join(map(repr, decoded_by(cls.name)))
+      raise MdjaxError(f"strategy 'eagle' needs heads=<an mdjax.Heads of family {wanted}> "
                        f"(mdjax.load_heads), got {got}")
     reads = get_family(heads.config.family).target_layers(heads.config)  # (): the final norm
     return (cls(model=dataclasses.replace(target, hidden_layers=reads), heads=heads.config,

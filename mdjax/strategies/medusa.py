@@ -62,9 +62,11 @@ what the next tree is read from. Say `a b` are kept after `x`::
     heads' cache   ... x  a  b         fed     h_x  h_a  h_b   (one heads pass)
     next tree      lm_head(heads' outputs at b): head k's top-k guess the token k after y
 
-Verification is unchanged (greedy stays exactly greedy). What the heads read is a
-per-family `guess` (`MedusaGuess`: the target's hidden state, no cache; `MtpGuess`:
-the heads' cache and outputs), a static field of the strategy; the step is shared.
+Verification is unchanged (greedy stays exactly greedy). What the heads read is their
+family's `guess` (`HeadFamily.guesser`, an `mdjax.heads.family.Guess`: Medusa's reads the
+target's hidden state and keeps no cache, MTP's its own cache and outputs); this
+strategy hands it the prompt, then after each verify the committed tokens' hidden
+states, positions and segments, and the step is shared.
 
 Blockwise parallel decoding (Stern et al. 2018) is the special case of one chain,
 x then head 1's top-1, head 2's top-1, ...: `strategy="blockwise"` (`Blockwise`)
@@ -91,7 +93,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -102,10 +104,7 @@ from mdjax.errors import MdjaxError, check_count, check_real
 from mdjax.heads import tree as medusa_tree
 from mdjax.heads import vocab
 from mdjax.heads.base import Heads, HeadsConfig
-from mdjax.heads.family import decoded_by, get as get_family
-from mdjax.heads.medusa import medusa_logits
-from mdjax.heads.mtp import mtp_cache_config, mtp_features
-from mdjax.models.transformer import lm_head
+from mdjax.heads.family import Feed, Guess, HeadFamily, decoded_by, get as get_family
 from mdjax.sampling import tree_accept, typical_accept
 from mdjax.strategies import drafting, layouts, tree_choice, trees
 from mdjax.strategies.base import (Limits, ModelFn, Prompt, Sampled, internal,
@@ -115,25 +114,9 @@ from mdjax.strategies.pass_cost import pass_cost
 from mdjax.strategies.registry import register
 from mdjax.strategies.speculative_tree import SLOT_MULTIPLE
 from mdjax.strategies.trees import Tree, Verified
-from mdjax.topology import Topology
 
 ACCEPTANCES = ("exact", "typical")
-SHARED_LEAVES = ("draft_ids", "draft_unembedding")  # heads params not stacked per head
 DEFAULT_BUDGET = 16
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MtpRead:
-  """What MTP heads read a tree from (K = the heads used, H = the hidden size).
-
-    cache     KVCache [B]     the heads' own (`mtp_cache_config`): the target's hidden
-                              state at every committed token, at its position and segment
-    features  float[R, K, H]  each head's final-norm output at the token before `last`
-  """
-
-  cache: KVCache
-  features: Float[Array, "R K H"]
 
 
 @jax.tree_util.register_dataclass
@@ -142,87 +125,14 @@ class HeadsState(DraftState):
   """`DraftState` (R = B x N output rows, one per branch; D = the tree's depth; no
   draft model), and
 
-    read            what the heads guess the next tree from (their family's `guess`):
-                    float[R, H], the target's final-norm hidden state at the token
-                    before `last` (medusa), or an `MtpRead` (mtp)
+    read            what the heads guess the next tree from: whatever their family's
+                    `Guess` keeps (an array or a pytree, e.g. the target's hidden state
+                    at the token before `last`)
     branch_segment  int32[R]     the segment branch r decodes in (-1: no such branch)
   """
 
-  read: Float[Array, "R H"] | MtpRead
+  read: Any
   branch_segment: Int[Array, "R"]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MedusaGuess:
-  """Medusa heads read the target's hidden state at the last committed token: `start`
-  takes it from the prefill, `advance` from each verify (`hidden_at_last`); `logits`
-  runs the heads on it. `params`: `{"target", "heads"}` (the heads used)."""
-
-  model: ModelFn
-  passes: ClassVar[int] = 0  # head passes per step besides the target's
-
-  def start(self, params, prompt: Prompt, hidden: Float[Array, "B P H"],
-            cache: KVCache) -> Float[Array, "R H"]:
-    at_last = jnp.take_along_axis(hidden, prompt.branch_last[..., None], axis=1)  # [B, N, H]
-    return at_last.reshape(-1, hidden.shape[-1])
-
-  def logits(self, params, read: Float[Array, "R H"]) -> Float[Array, "R K V"]:
-    return medusa_logits(params["heads"], params["target"], read, model_config=self.model.config)
-
-  def advance(self, params, state: HeadsState, verified: Verified) -> Float[Array, "R H"]:
-    return verified.hidden_at_last()
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MtpGuess:
-  """MTP heads read their own outputs at the last committed token: `start` prefills
-  their cache with the prompt's hidden states, `advance` feeds them the committed
-  tokens' after each verify (see the module docstring); `logits` is the model's
-  unembedding of those outputs. `params`: `{"target", "heads"}` (the heads used)."""
-
-  model: ModelFn
-  num_heads: int  # K: the heads used
-  num_layers: int  # decoder layers per head
-  passes: ClassVar[int] = 1  # the heads' catch-up
-
-  def _heads(self, params, heads_cache: KVCache, hidden: Float[Array, "B T H"],
-             positions: Int[Array, "B T"], segments: Int[Array, "B T"], topology: Topology
-             ) -> tuple[Float[Array, "B T K H"], KVCache]:
-    return mtp_features(params["heads"], heads_cache, hidden, positions, segments, topology,
-                        model_config=self.model.config, attention=self.model.attention)
-
-  def start(self, params, prompt: Prompt, hidden: Float[Array, "B P H"],
-            cache: KVCache) -> MtpRead:
-    """The heads' prefill over the prompt (into a cache sized like the target's
-    `cache`), read at every branch's last prompt token."""
-    batch, width = hidden.shape[0], hidden.shape[-1]
-    heads_cache = KVCache.create(mtp_cache_config(self.model.config, self.num_heads,
-                                                  self.num_layers),
-                                 batch, cache.num_slots, cache.k.dtype)
-    features, heads_cache = self._heads(params, heads_cache, hidden, prompt.positions,
-                                        prompt.segments, prompt.topology())  # [B, P, K, H]
-    at_last = jnp.take_along_axis(features, prompt.branch_last[..., None, None], axis=1)
-    return MtpRead(cache=heads_cache, features=at_last.reshape(-1, self.num_heads, width))
-
-  def logits(self, params, read: MtpRead) -> Float[Array, "R K V"]:
-    return lm_head(params["target"], read.features, config=self.model.config)
-
-  def advance(self, params, state: HeadsState, verified: Verified) -> MtpRead:
-    """One heads pass over what the verify committed: `c` and the accepted path of
-    every row it fed (`state` is the one before the commit), at their positions, in
-    the branch's segment; read at the last of them."""
-    rows, fed = verified.path.shape[0], verified.path.shape[1] + 1
-    batch = state.cache.length.shape[0]
-    per_row = lambda x: x.reshape(batch, -1, *x.shape[2:])  # [R, 1 + D, ...] -> [B, N (1 + D), ...]
-    column = jnp.arange(fed)[None, :]
-    committed = (column <= verified.accepted[:, None]) & ~state.buffer.done[:, None]  # [R, 1 + D]
-    features, heads_cache = self._heads(
-        params, state.read.cache, per_row(verified.hidden_on_path()),
-        per_row(state.next_pos[:, None] + column),
-        per_row(jnp.where(committed, state.branch_segment[:, None], -1)), state.topology)
-    features = features.reshape(rows, fed, *features.shape[2:])  # [R, 1 + D, K, H]
-    last = jnp.take_along_axis(features, verified.accepted[:, None, None, None], axis=1)[:, 0]
-    return MtpRead(cache=heads_cache, features=last)
 
 
 @register
@@ -300,14 +210,15 @@ class Medusa(Sampled):
     reads heads 1 .. d only; the rest would cost time and draft nothing)."""
     return self.arrays.max_depth
 
+  @property
+  def family(self) -> HeadFamily:
+    return get_family(self.heads.family)
+
   @functools.cached_property
-  def guess(self) -> MedusaGuess | MtpGuess:
-    """What the heads of this family read, and how it follows the committed text:
-    heads with a cache of their own (mtp) follow it through that cache."""
-    if get_family(self.heads.family).cache_config(self.heads, self.model.config) is not None:
-      return MtpGuess(model=self.model, num_heads=self.drafting_heads,
-                      num_layers=self.heads.num_layers)
-    return MedusaGuess(model=self.model)
+  def guess(self) -> Guess:
+    """What the heads of this family read, and how it follows the committed text."""
+    return self.family.guesser(self.heads, self.model.config, self.model.attention,
+                               self.drafting_heads)
 
   @property
   def auto(self) -> bool:
@@ -324,7 +235,8 @@ class Medusa(Sampled):
     cost = pass_cost(self.model, params["target"], prompt.tokens.shape[0])
     # a tree of depth d runs the first d heads (a draft vocabulary's columns among them)
     reads_unembedding = not (self.heads.own_unembedding or "draft_unembedding" in params["heads"])
-    fraction = {depth: tree_choice.draft_fraction(self._heads(params, depth), params["target"],
+    fraction = {depth: tree_choice.draft_fraction(self.family.first_heads(params["heads"], depth),
+                                                  params["target"],
                                                   reads_unembedding=reads_unembedding)
                 for depth in range(1, self.used_heads + 1)}
     choice = tree_choice.static_tree(
@@ -371,14 +283,8 @@ class Medusa(Sampled):
 
   def _used(self, params) -> dict:
     """`{"target", "heads"}` with the heads cut to the `drafting_heads`."""
-    return {"target": params["target"], "heads": self._heads(params, self.drafting_heads)}
-
-  @staticmethod
-  def _heads(params, count: int) -> dict:
-    """The first `count` heads of `params["heads"]` (a draft vocabulary,
-    `SHARED_LEAVES`, is every head's)."""
-    return {name: value if name in SHARED_LEAVES else jax.tree.map(lambda a: a[:count], value)
-            for name, value in params["heads"].items()}
+    return {"target": params["target"],
+            "heads": self.family.first_heads(params["heads"], self.drafting_heads)}
 
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
            capacity: int) -> HeadsState:
@@ -388,7 +294,10 @@ class Medusa(Sampled):
                           self.sampling, positions=self.arrays.max_depth,
                           return_metadata=self.return_metadata,
                           prefilled=(logits, cache, topology),
-                          read=self.guess.start(self._used(params), prompt, hidden, cache),
+                          read=self.guess.start(self._used(params), hidden, prompt.branch_last,
+                                                Feed(prompt.positions, prompt.segments,
+                                                     prompt.topology()),
+                                                cache.num_slots, cache.k.dtype),
                           branch_segment=prompt.branch_segment.reshape(-1))
 
   def _tree(self, logits: Float[Array, "R K V"], draft_ids: Int[Array, "Vd"] | None) -> Tree:
@@ -409,9 +318,19 @@ class Medusa(Sampled):
     verified = trees.verify(self.model, params["target"], state, tree, self.arrays.max_depth,
                             drafting.step_keys(state), self.sampling, accept,
                             branch_segment=state.branch_segment)
-    read = self.guess.advance(used, state, verified)
+    read = self.guess.advance(used, state.read, verified.hidden_on_path(), verified.accepted,
+                              self._committed(state, verified))
     state = trees.commit(state, tree, verified, self.sampling, draft_passes=self.guess.passes)
     return dataclasses.replace(state, read=read)
+
+  @staticmethod
+  def _committed(state: HeadsState, verified: Verified) -> Feed:
+    """Where each row's fed `c` and path sit, `[R, 1 + D]`: after `next_pos`, in the
+    branch's segment up to the last accepted node (-1 past it, and in finished rows)."""
+    column = jnp.arange(verified.path.shape[1] + 1)[None, :]
+    committed = (column <= verified.accepted[:, None]) & ~state.buffer.done[:, None]
+    return Feed(state.next_pos[:, None] + column,
+                jnp.where(committed, state.branch_segment[:, None], -1), state.topology)
 
   def result(self, state: HeadsState):
     drafted, accepted = state.drafted_at, state.accepted_at
