@@ -316,8 +316,9 @@ class Run(loop.Run):
 
 
 def validate(config: ml_collections.ConfigDict | LMTrainConfig) -> LMTrainConfig:
-  """`config` typed (`mdjax.train.config.typed`), its values checked: rejects those the
-  loop cannot run with, naming them, before any data is read."""
+  """`config` typed (`mdjax.train.config.typed`), its values checked (`loop.validate`,
+  then the LM's own): rejects those the loop cannot run with, naming them, before any
+  data is read."""
   config = typed(LMTrainConfig, config)
   loop.validate(config, counts=("seq_len", "eval_sequences"))
   data.RowMix.from_config(config).check(config.seq_len + 1)
