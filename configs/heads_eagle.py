@@ -15,7 +15,7 @@ def get_config():
   config = heads_common.get_shipped_config("eagle")
   config.num_heads = 1
   config.num_layers = 1
-  config.unroll = 2
+  config.eagle.unroll = 2
   config.steps = 1000
   config.batch_size = 4
   return config

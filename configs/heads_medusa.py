@@ -4,11 +4,11 @@ the shipped `smollm2-135m-instruct-medusa`.
 
     python -m experiments.make_head_data --out_dir=runs/head_data
     python -m experiments.train_heads --config=configs/heads_medusa.py \
-        --config.run_dir=runs/medusa --config.data_dir=runs/head_data
+        --config.run_dir=runs/medusa --config.data.data_dir=runs/head_data
 
 Four heads of one residual block, each scoring the 8192 most frequent tokens of the
 training answers, trained by cross-entropy to the model's greedy guesses (what a greedy
-verifier accepts), 256 positions a step. Without `data_dir` the run generates its own
+verifier accepts), 256 positions a step. Without `data.data_dir` the run generates its own
 data from the built-in prompt set first (`configs/heads_common.py`).
 """
 

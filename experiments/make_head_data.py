@@ -33,7 +33,7 @@ from absl import app, flags
 import mdjax
 from experiments.cli import check_argv, fail, one_line_errors
 from mdjax.train import head_prompts
-from mdjax.train.distill_data import DataConfig, make
+from mdjax.train.head_data_maker import DataConfig, make
 
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "The data directory (created, or resumed).")
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Anything `mdjax.load` takes.")

@@ -123,8 +123,8 @@ def test_trained_medusa_heads_ship_their_draft_vocabulary(tmp_path, own):
   """On the synthetic base, 20 draft ids hold the 16-id cycle: the heads learn it, the
   export carries the ids and the card their held-out coverage."""
   config = heads_tiny_test.get_config()
-  config.update(run_dir=str(tmp_path / "run"), own_unembedding=own, draft_vocab_size=20,
-                prompts=str(write_cycle_prompts(tmp_path / "prompts.jsonl", 40)), loss="ce")
+  config.data.prompts = str(write_cycle_prompts(tmp_path / "prompts.jsonl", 40))
+  config.update(run_dir=str(tmp_path / "run"), own_unembedding=own, draft_vocab_size=20, loss="ce")
   run = heads_lib.train(config, model=cycle_model(), progress=False)
   assert min(run.heldout["heldout_top1"]) > 0.9
   heads = mdjax.load_heads(run.export_dir)

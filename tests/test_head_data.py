@@ -18,7 +18,7 @@ from mdjax.models.transformer import forward_causal, lm_head
 from mdjax.sampling import SamplingParams, process_logits, row_keys
 from mdjax.step import decode_step
 from mdjax.topology import Topology
-from mdjax.train import capture, distill_data, head_data, self_instruct
+from mdjax.train import capture, head_data_maker, head_data, self_instruct
 from tests.helpers import GEMMA3_MIXED, chi_square_p_value, random_model
 
 AUX = (0, 2, 3)
@@ -145,7 +145,7 @@ def data_config(out, **changes):
   settings = dict(grow_prompts=0, heldout_fraction=0.25, samples_per_prompt=2, max_new_tokens=6,
                   max_prompt_tokens=48, aux_layers=(1, 3), batch=4, refill_rows=2,
                   steps_per_call=2, chunk_tokens=60, max_tokens=10**6, progress=False)
-  return distill_data.DataConfig(out_dir=str(out), **{**settings, **changes})
+  return head_data_maker.DataConfig(out_dir=str(out), **{**settings, **changes})
 
 
 def by_item(directory) -> dict:
@@ -154,7 +154,7 @@ def by_item(directory) -> dict:
 
 
 def test_a_killed_run_resumes_to_the_same_data(chat_model, tmp_path, monkeypatch):
-  whole = distill_data.make(data_config(tmp_path / "whole"), chat_model, TEXTS)
+  whole = head_data_maker.make(data_config(tmp_path / "whole"), chat_model, TEXTS)
   assert whole["rows"] == 2 * len(TEXTS) and whole["chunks"] >= 3
   add, seen = head_data.ChunkWriter.add, []
 
@@ -166,11 +166,11 @@ def test_a_killed_run_resumes_to_the_same_data(chat_model, tmp_path, monkeypatch
 
   monkeypatch.setattr(head_data.ChunkWriter, "add", add_then_die)
   with pytest.raises(KeyboardInterrupt):
-    distill_data.make(data_config(tmp_path / "killed"), chat_model, TEXTS)
+    head_data_maker.make(data_config(tmp_path / "killed"), chat_model, TEXTS)
   monkeypatch.setattr(head_data.ChunkWriter, "add", add)
   partial = by_item(tmp_path / "killed")
   assert 0 < len(partial) <= 14 < 2 * len(TEXTS)
-  resumed = distill_data.make(data_config(tmp_path / "killed", batch=3, refill_rows=1),
+  resumed = head_data_maker.make(data_config(tmp_path / "killed", batch=3, refill_rows=1),
                               chat_model, TEXTS)  # a new batch size: the same data
   assert resumed["run_answer_tokens"] < whole["run_answer_tokens"]
   want, got = by_item(tmp_path / "whole"), by_item(tmp_path / "killed")
@@ -182,20 +182,20 @@ def test_a_killed_run_resumes_to_the_same_data(chat_model, tmp_path, monkeypatch
     np.testing.assert_allclose(got[item].aux, row.aux, rtol=2e-3, atol=2e-3)
     np.testing.assert_array_equal(got[item].greedy, row.greedy)
   with pytest.raises(mdjax.MdjaxError, match="was made with temperature=0.7, not 0.5"):
-    distill_data.make(data_config(tmp_path / "whole", temperature=0.5), chat_model, TEXTS)
+    head_data_maker.make(data_config(tmp_path / "whole", temperature=0.5), chat_model, TEXTS)
 
 
 def test_the_split_is_by_prompt_and_seeded(chat_model, tmp_path):
-  distill_data.make(data_config(tmp_path / "a", max_tokens=1), chat_model, TEXTS)
+  head_data_maker.make(data_config(tmp_path / "a", max_tokens=1), chat_model, TEXTS)
   data = head_data.HeadData(tmp_path / "a")
   heldout = {p["id"] for p in data.prompts if p["split"] == "heldout"}
   assert len(heldout) == 3 and [p["text"] for p in data.prompts] == TEXTS
   assert {r.prompt for r in data.rows("heldout")} <= heldout
   assert not {r.prompt for r in data.rows("train")} & heldout
-  distill_data.make(data_config(tmp_path / "b", max_tokens=1), chat_model, TEXTS)
+  head_data_maker.make(data_config(tmp_path / "b", max_tokens=1), chat_model, TEXTS)
   assert head_data.HeadData(tmp_path / "b").prompts == data.prompts
-  np.testing.assert_array_equal(distill_data.work_order(5, 2, 0)[:5],
-                                distill_data.work_order(5, 2, 0)[5:])  # each prompt, then again
+  np.testing.assert_array_equal(head_data_maker.work_order(5, 2, 0)[:5],
+                                head_data_maker.work_order(5, 2, 0)[5:])  # each prompt, then again
 
 
 def test_filter_and_dedup():

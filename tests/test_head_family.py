@@ -85,7 +85,8 @@ def test_toy_heads_init_save_and_load(toy, base, tmp_path):
 def test_toy_heads_train_and_export(toy, base, tmp_path):
   prompts = write_cycle_prompts(tmp_path / "prompts.jsonl", 12)
   config = heads_tiny_test.get_config()
-  config.update(run_dir=str(tmp_path / "run"), prompts=str(prompts), family="toy", num_heads=2,
+  config.data.prompts = str(prompts)
+  config.update(run_dir=str(tmp_path / "run"), family="toy", num_heads=2,
                 steps=4, batch_size=8, log_every=1, eval_every=4, checkpoint_every=4)
   run = heads_lib.train(config, model=base, progress=False)
   records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()

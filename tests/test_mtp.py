@@ -219,7 +219,8 @@ def test_training_lowers_the_loss_and_the_export_calibrates_a_tree(tmp_path):
   prompts.write_text("".join(json.dumps(np.roll(CYCLE, -rng.integers(16))[:rng.integers(2, 6)]
                                         .tolist()) + "\n" for _ in range(12)))
   config = heads_tiny_test.get_config()
-  config.update(run_dir=str(tmp_path / "run"), prompts=str(prompts), family="mtp", num_heads=2,
+  config.data.prompts = str(prompts)
+  config.update(run_dir=str(tmp_path / "run"), family="mtp", num_heads=2,
                 steps=12, batch_size=4, log_every=1, eval_every=12, checkpoint_every=12)
   run = heads_lib.train(config, model=base, progress=False)
   losses = [r["loss"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text()

@@ -22,12 +22,15 @@ import pytest
 
 import mdjax
 from configs import heads_tiny_test
-from mdjax.train import data, head_prompts
+from mdjax.train import data, head_features, head_prompts, heads_data
 from mdjax.heads import get_family, load_heads, save_heads
 from mdjax.heads.eagle import eagle_targets
 from mdjax.heads.objective import Objective, ahead, parallel_loss, parallel_targets
 from mdjax.models.config import ModelConfig
 from mdjax.train import heads as heads_lib
+from mdjax.train.heads_batches import Reader
+from mdjax.train.heads_card import HELDOUT_FILE
+from mdjax.train.heads_objective import evaluate, objective_of, unembedding
 from tests.helpers import cycle_model, write_cycle_prompts
 
 REPO = data.pathlib.Path(__file__).resolve().parent.parent
@@ -45,8 +48,11 @@ def prompts_file(tmp_path_factory):
 
 
 def tiny_config(run_dir, prompts_file, /, **overrides):
+  """The tiny config on `prompts_file`; `overrides` as `ConfigDict.update` takes them (a
+  section's fields as a dict: `eagle={"unroll": 2}`)."""
   config = heads_tiny_test.get_config()
-  config.update({"run_dir": str(run_dir), "prompts": str(prompts_file), **overrides})
+  config.data.prompts = str(prompts_file)
+  config.update({"run_dir": str(run_dir), **overrides})
   return config
 
 
@@ -114,8 +120,7 @@ def test_eagle_reads_token_p_plus_1_and_feature_p_and_predicts_feature_and_token
 def test_reader_windows_and_masks_follow_the_rows(trained):
   run, config = trained
   features = run.data.train
-  reader = heads_lib.Reader(features, get_family("medusa").window(config.num_heads),
-                            mask_prompt=True)
+  reader = Reader(features, get_family("medusa").window(config.num_heads), mask_prompt=True)
   batch = reader.batch(config.seed, 0, 64)
   again = reader.batch(config.seed, 0, 64)
   assert all(np.array_equal(batch[key], again[key]) for key in batch)  # a function of the step
@@ -156,11 +161,11 @@ def test_prompt_files_read_lines_or_json_values(tmp_path):
 
 def test_trained_medusa_heads_guess_the_cycle_and_export_with_their_card(trained, base, tmp_path):
   run, config = trained
-  objective = heads_lib.objective_of(heads_lib.validate(config), base.config)
-  reader = heads_lib.Reader(run.data.heldout, get_family("medusa").window(config.num_heads),
-                            mask_prompt=True)
+  objective = objective_of(heads_lib.validate(config), get_family("medusa"), base.config)
+  reader = Reader(run.data.heldout, get_family("medusa").window(config.num_heads),
+                  mask_prompt=True)
   untrained = mdjax.heads.init_heads(run.heads.config, base.config, seed=0).params
-  before = heads_lib.evaluate(untrained, reader, objective, heads_lib.unembedding(base), 32)
+  before = evaluate(untrained, reader, objective, unembedding(base), 32)
   assert max(before["heldout_top1"]) < 0.1  # each head repeats the model's next-token guess
   assert min(run.heldout["heldout_top1"]) > 0.9
   assert run.heldout["heldout_accepted_length"] > 3.5
@@ -175,7 +180,7 @@ def test_trained_medusa_heads_guess_the_cycle_and_export_with_their_card(trained
   assert f"{run.heldout['heldout_accepted_length']:.3f}" in loaded.card
   assert all(f"{a:.3f}" in loaded.card for a in run.heldout["heldout_top1"])
   assert "mdjax.load_heads" in loaded.card and "cycle-llama-tiny" in loaded.card
-  heldout = json.loads((run.export_dir / heads_lib.HELDOUT_FILE).read_text())
+  heldout = json.loads((run.export_dir / HELDOUT_FILE).read_text())
   assert len(heldout) == run.data.heldout.rows == 4
   run_dir = data.pathlib.Path(config.run_dir)
   assert (run_dir / "losses.png").stat().st_size > 0
@@ -187,17 +192,17 @@ def test_killed_run_resumes_bitwise_without_running_the_model_again(trained, bas
                                                                     tmp_path, monkeypatch):
   run, _ = trained
   config = tiny_config(tmp_path, prompts_file)
-  read = heads_lib.Reader.batch
+  read = Reader.batch
 
   def killed_at_step_25(self, seed, step, size, rows=slice(None)):
     if step == 24:
       raise KeyboardInterrupt("killed")
     return read(self, seed, step, size, rows)
 
-  monkeypatch.setattr(heads_lib.Reader, "batch", killed_at_step_25)
+  monkeypatch.setattr(Reader, "batch", killed_at_step_25)
   with pytest.raises(KeyboardInterrupt):
     heads_lib.train(config, model=base, progress=False)
-  monkeypatch.setattr(heads_lib.Reader, "batch", read)
+  monkeypatch.setattr(Reader, "batch", read)
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["10", "20"]
 
   budget = heads_lib.train(tiny_config(tmp_path, prompts_file, max_minutes=1e-9), model=base,
@@ -208,8 +213,8 @@ def test_killed_run_resumes_bitwise_without_running_the_model_again(trained, bas
   cache = budget.data.cache_dir
   stamps = {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()}
   calls = []
-  monkeypatch.setattr(heads_lib, "generate", lambda *a, **k: calls.append("generate"))
-  monkeypatch.setattr(heads_lib, "base_features", lambda *a, **k: calls.append("forward"))
+  monkeypatch.setattr(heads_data, "generate", lambda *a, **k: calls.append("generate"))
+  monkeypatch.setattr(head_features, "target_features", lambda *a, **k: calls.append("forward"))
   resumed = heads_lib.train(config, model=base, progress=False)
   assert not calls and {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()} == stamps
   for got, want in zip(jax.tree.leaves(resumed.heads.params), jax.tree.leaves(run.heads.params)):
@@ -227,7 +232,7 @@ def test_a_relative_run_dir_checkpoints(base, prompts_file, tmp_path, monkeypatc
 
 
 def test_eagle_head_learns_the_cycle_with_an_unrolled_step(base, prompts_file, tmp_path):
-  config = tiny_config(tmp_path, prompts_file, family="eagle", num_heads=1, unroll=2,
+  config = tiny_config(tmp_path, prompts_file, family="eagle", num_heads=1, eagle={"unroll": 2},
                        batch_size=4, steps=30, eval_every=30)
   run = heads_lib.train(config, model=base, progress=False)
   losses = [r["loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text()
@@ -244,9 +249,9 @@ def test_eagle3_learns_the_cycle_over_a_draft_vocabulary_and_decodes_it(base, pr
   three layers and a draft vocabulary of the cycle's 16 ids plus 4; the exported heads
   then draft whole chains that the base accepts, its greedy output unchanged. The
   held-out data is scored over 4 steps (`eval_unroll`), one more than trained."""
-  config = tiny_config(tmp_path, prompts_file, family="eagle3", num_heads=1, unroll=3,
-                       eval_unroll=4, draft_vocab_size=20, loss="ce", batch_size=4, steps=40,
-                       eval_every=40)
+  config = tiny_config(tmp_path, prompts_file, family="eagle3", num_heads=1,
+                       eagle={"unroll": 3, "eval_unroll": 4}, draft_vocab_size=20, loss="ce",
+                       batch_size=4, steps=40, eval_every=40)
   run = heads_lib.train(config, model=base, progress=False)
   assert len(run.heldout["heldout_top1"]) == 4 and min(run.heldout["heldout_top1"][:3]) > 0.9
   heads = mdjax.load_heads(run.export_dir)
@@ -265,8 +270,8 @@ def test_a_text_file_is_the_data_as_it_is(tmp_path):
   model = mdjax.load("code-tiny")
   text_file = data.stdlib_dir() / "json" / "decoder.py"
   config = heads_tiny_test.get_config()
-  config.update(run_dir=str(tmp_path), model="code-tiny", text_file=str(text_file),
-                text_row_tokens=64, num_heads=2, steps=5, eval_every=5)
+  config.update(run_dir=str(tmp_path), model="code-tiny", num_heads=2, steps=5, eval_every=5,
+                data={"text_file": str(text_file), "text_row_tokens": 64})
   run = heads_lib.train(config, model=model, progress=False)
   tokens = model.tokenizer.encode(text_file.read_text())
   chunks = [tokens[i:i + 64] for i in range(0, len(tokens), 64)]
@@ -279,21 +284,24 @@ def test_a_text_file_is_the_data_as_it_is(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"family": "hydra"}, "unknown heads family 'hydra'"),
-    ({"family": "mtp", "unroll": 2}, "config.unroll is eagle and eagle3's; mtp needs 1, got 2"),
+    ({"family": "mtp", "eagle": {"unroll": 2}},
+     "config.eagle.unroll is eagle and eagle3's; mtp needs 1, got 2"),
     ({"loss": "mse"}, "config.loss must be one of ce, kl, greedy, got 'mse'"),
-    ({"unroll": 2}, "config.unroll is eagle and eagle3's"),
-    ({"eval_unroll": 2}, "config.eval_unroll is for heads that draft one token at a time; "
-                         "medusa needs 0, got 2"),
-    ({"family": "eagle3", "num_heads": 1, "eval_unroll": -1},
-     "config.eval_unroll must be an integer >= 0, got -1"),
+    ({"eagle": {"unroll": 2}}, "config.eagle.unroll is eagle and eagle3's"),
+    ({"eagle": {"eval_unroll": 2}}, "config.eagle.eval_unroll is for heads that draft one token "
+                                    "at a time; medusa needs 0, got 2"),
+    ({"family": "eagle3", "num_heads": 1, "eagle": {"eval_unroll": -1}},
+     "config.eagle.eval_unroll must be an integer >= 0, got -1"),
     ({"family": "eagle", "num_heads": 3}, "config.num_heads must be 1"),
-    ({"feature_dtype": "bfloat16"}, "config.feature_dtype must be one of"),
+    ({"data": {"feature_dtype": "bfloat16"}}, "config.data.feature_dtype must be one of"),
     ({"heldout_fraction": 1.0}, "config.heldout_fraction must be in (0, 1), got 1.0"),
     ({"steps": 0}, "config.steps must be an integer >= 1, got 0"),
-    ({"text_file": "notes.txt"}, "config.prompts and config.text_file are exclusive"),
+    ({"data": {"text_file": "notes.txt"}},
+     "config.data.prompts and config.data.text_file are exclusive"),
     ({"run_dir": ""}, "config.run_dir is required"),
-    ({"unrol": 2}, "unknown field config.unrol in a HeadsTrainConfig (did you mean "
-                   "config.unroll?)"),
+    ({"eagle": {"unrol": 2}}, "unknown field config.eagle.unrol in a EagleConfig (did you mean "
+                              "config.eagle.unroll?)"),
+    ({"unroll": 2}, "unknown field config.unroll in a HeadsTrainConfig"),
 ])
 def test_bad_config_values_are_named(overrides, message, base, prompts_file, tmp_path):
   with pytest.raises(mdjax.MdjaxError, match=re.escape(message)):

@@ -99,34 +99,51 @@ class LMTrainConfig(TrainConfig):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class HeadsTrainConfig(TrainConfig):
-  """`mdjax.train.heads`' config (`configs/heads_common.py`)."""
+class HeadsDataConfig:
+  """`config.data` of the heads trainer: what its data is made of (prompts the target
+  answers, a text, or a data set) and how its features are cached (`heads_data`)."""
 
-  model: str  # the frozen base: a name or path `mdjax.load` takes
-  model_dtype: str
-  family: str
-  num_heads: int
-  num_layers: int
-  own_unembedding: bool
   prompts: str
   text_file: str
+  data_dir: str
   chat: bool
   samples_per_prompt: int
   temperature: float
   max_new_tokens: int
   generation_batch: int
   text_row_tokens: int
-  data_dir: str
-  draft_vocab_size: int
   feature_dtype: str
   feature_batch: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EagleConfig:
+  """`config.eagle` of the heads trainer: what only sequential heads (eagle, eagle3: one
+  head unrolled on its own outputs) read; the other families keep the defaults."""
+
+  unroll: int
+  eval_unroll: int
+  regression_weight: float
+  token_weight: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HeadsTrainConfig(TrainConfig):
+  """`mdjax.train.heads`' config (`configs/heads_common.py`): the frozen target, the
+  heads trained (family and shape), the objective, and its sections."""
+
+  model: str  # the frozen target: a name or path `mdjax.load` takes
+  model_dtype: str
+  family: str
+  num_heads: int
+  num_layers: int
+  own_unembedding: bool
+  draft_vocab_size: int
   loss: str
   head_decay: float
   mask_prompt: bool
-  regression_weight: float
-  token_weight: float
-  unroll: int
-  eval_unroll: int
+  data: HeadsDataConfig
+  eagle: EagleConfig
   max_minutes: float
 
 

@@ -55,12 +55,15 @@ def map_param_trees(fn, state: dict, other=lambda x: x) -> dict:
                       is_leaf=like_params)
 
 
-def state_on_mesh(state: dict, layout: sharding.Layout | None) -> dict:
+def state_on_mesh(state: dict, layout: sharding.Layout | None, by_rules: bool = True) -> dict:
   """A state in the one-device layout, laid out on `layout`'s mesh: the params and
-  their moments by `Layout.place` (split, padded, sharded by the rules), the rest
-  replicated. Unchanged without a layout."""
+  their moments by `Layout.place` (split, padded, sharded by the rules; a model's own
+  weights) or, not `by_rules`, replicated like the rest (heads beside a frozen target).
+  Unchanged without a layout."""
   if layout is None:
     return state
+  if not by_rules:
+    return sharding.on_layout(state, layout)
   return map_param_trees(layout.place, state, lambda x: sharding.on_layout(x, layout))
 
 
@@ -96,18 +99,21 @@ def _one_device_state(state: dict, config: ModelConfig, layout: sharding.Layout)
   return map_param_trees(one_device, state)
 
 
-def restore_target(state: dict, layout: sharding.Layout) -> dict:
+def restore_target(state: dict, layout: sharding.Layout, by_rules: bool = True) -> dict:
   """Abstract arrays to restore a checkpoint of the one-device layout `state` straight
   onto `layout`'s mesh: each weight (and moment) sharded by the rules where its one-device
-  shape allows (a fused or unpadded one: replicated), the rest replicated; then
-  `state_on_mesh` lays it out."""
+  shape allows (a fused or unpadded one: replicated), or every one replicated when not
+  `by_rules`; the rest replicated. Then `state_on_mesh` lays it out."""
   def abstract(x, where):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)
+
+  replicated = NamedSharding(layout.mesh, PartitionSpec())
+  if not by_rules:
+    return jax.tree.map(lambda x: abstract(x, replicated), state)
 
   def weights(params):
     return jax.tree_util.tree_map_with_path(
         lambda path, x: abstract(x, layout.sharding(path[-1].key, x.shape)), params)
-  replicated = NamedSharding(layout.mesh, PartitionSpec())
   return map_param_trees(weights, state, lambda x: abstract(x, replicated))
 
 

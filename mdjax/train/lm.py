@@ -58,7 +58,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
-from mdjax import distributed, losses, programs, sharding
+from mdjax import distributed, files, losses, programs, sharding
 from mdjax.errors import MdjaxError
 from mdjax.models import hf
 from mdjax.models.config import ModelConfig
@@ -66,13 +66,9 @@ from mdjax.models.random_init import init_params
 from mdjax.models.transformer import Params, causal_logits
 from mdjax.train import data, devices, distill, loop
 from mdjax.train import tokenizer as tokenizer_lib
-from mdjax.train.config import LMTrainConfig, to_json, typed
+from mdjax.train.config import LMTrainConfig, typed
+from mdjax.train.loop import make_optimizer
 from mdjax.train.metrics import MetricsLog, plot_losses
-
-# matrices, not norms/biases; fused or split (`mdjax.sharding`), per layer or stacked
-DECAYED = ("embed", "wqkv", "wq", "wk", "wv", "wo", "w_gate_up", "w_gate", "w_up", "w_down",
-           "lm_head")
-
 
 def model_config(config: LMTrainConfig, vocab_size: int) -> ModelConfig:
   """The llama architecture of `config.model` over the tokenizer's vocabulary.
@@ -82,12 +78,6 @@ def model_config(config: LMTrainConfig, vocab_size: int) -> ModelConfig:
   return ModelConfig(family="llama", vocab_size=vocab_size, **dataclasses.asdict(config.model),
                      max_position_embeddings=config.seq_len, rms_norm_eps=1e-6,
                      bos_token_id=0, eos_token_id=(1,), pad_token_id=2)
-
-
-def make_optimizer(config: LMTrainConfig) -> optax.GradientTransformation:
-  """`loop.make_optimizer`: weight decay on the `DECAYED` matrices, not on norms."""
-  return loop.make_optimizer(config, lambda params: jax.tree_util.tree_map_with_path(
-      lambda path, _: path[-1].key in DECAYED, params))
 
 
 def token_losses(params: Params, sequences: jax.Array, config: ModelConfig):
@@ -304,44 +294,37 @@ def initial_params(config: LMTrainConfig, cfg: ModelConfig) -> Params:
 
 
 def _write_run_files(config: LMTrainConfig, corpus: data.Corpus, run_dir: pathlib.Path) -> None:
-  if not distributed.is_main_process():
-    return
-  (run_dir / "config.json").write_text(to_json(config))
-  (run_dir / "heldout_files.json").write_text(json.dumps(
-      {"root": str(corpus.root), "python": platform.python_version(),
-       "train_files": len(corpus.train), "heldout": list(corpus.heldout)}, indent=1) + "\n")
+  """`config.json` (`loop.write_config`) and `heldout_files.json` (process 0)."""
+  loop.write_config(config, run_dir)
+  if distributed.is_main_process():
+    files.write_text(run_dir / "heldout_files.json", json.dumps(
+        {"root": str(corpus.root), "python": platform.python_version(),
+         "train_files": len(corpus.train), "heldout": list(corpus.heldout)}, indent=1) + "\n")
 
 
-@dataclasses.dataclass(frozen=True)
-class Run:
-  """What a finished `train` hands back."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Run(loop.Run):
+  """What a finished `train` hands back (`loop.Run`: data, step, ...) and what made it."""
 
   config: LMTrainConfig
   params: Params  # on a mesh, its layout (`sharding.one_device_layout` gives one device's)
   model_config: ModelConfig
   tokenizer: object  # transformers.PreTrainedTokenizerFast
   corpus: data.Corpus
-  data: Data
-  step: int
   teacher: distill.Teacher | None = None  # the model it was distilled from, if any
   layout: sharding.Layout | None = None  # the mesh it trained on (config.mesh), if any
 
 
 def validate(config: ml_collections.ConfigDict | LMTrainConfig) -> LMTrainConfig:
-  """`config` typed (`mdjax.train.config.typed`), its values checked: rejects those the
-  loop cannot run with, naming them, before any data is read."""
+  """`config` typed (`mdjax.train.config.typed`), its values checked (`loop.validate`,
+  then the LM's own): rejects those the loop cannot run with, naming them, before any
+  data is read."""
   config = typed(LMTrainConfig, config)
-  if not config.run_dir:
-    raise MdjaxError("config.run_dir is required (where checkpoints and metrics go)")
-  for name in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "checkpoint_every",
-               "keep_checkpoints", "eval_sequences"):
-    if getattr(config, name) < 1:
-      raise MdjaxError(f"config.{name} must be >= 1, got {getattr(config, name)}")
+  loop.validate(config, counts=("seq_len", "eval_sequences"))
   data.RowMix.from_config(config).check(config.seq_len + 1)
   if config.export_shard_mb < 0:
     raise MdjaxError(f"config.export_shard_mb must be >= 0 (0: one file), got "
                      f"{config.export_shard_mb}")
-  devices.device_mesh(config.mesh, config.batch_size)
   return config
 
 
@@ -384,13 +367,13 @@ def train(config: ml_collections.ConfigDict | LMTrainConfig, *, progress: bool =
                      layout=layout, name=run_dir.name, progress=progress)
   return Run(config=config, params=outcome.state["params"], model_config=cfg,
              tokenizer=tokenizer, corpus=corpus, data=run_data, step=outcome.step,
+             stopped_early=outcome.stopped_early, train_seconds=outcome.train_seconds,
              teacher=teacher, layout=layout)
 
 
 def _prepare_run(config: LMTrainConfig,
                  run_dir: pathlib.Path) -> tuple[data.Corpus, object, Data]:
   """Creates `run_dir` and its run files; loads the corpus, the tokenizer and the data."""
-  run_dir.mkdir(parents=True, exist_ok=True)
   corpus = data.load_corpus(config.data_dir, config.data_pattern, config.heldout_fraction)
   _write_run_files(config, corpus, run_dir)
   tokenizer = load_or_train_tokenizer(config, corpus, run_dir)
@@ -398,20 +381,13 @@ def _prepare_run(config: LMTrainConfig,
 
 
 def restore_state(config: LMTrainConfig, cfg: ModelConfig,
-             optimizer: optax.GradientTransformation, manager: ocp.CheckpointManager,
-             layout: sharding.Layout | None = None) -> tuple[int, dict]:
+                  optimizer: optax.GradientTransformation, manager: ocp.CheckpointManager,
+                  layout: sharding.Layout | None = None) -> tuple[int, dict]:
   """(step, state) of the latest checkpoint, or (0, the initial state) before any; on
-  `layout`'s mesh when given (`state_on_mesh`).
-
-  state: {"params", "opt_state"}; the initial one (one-device layout, as checkpoints
-  hold it) is also the template restored into: on a mesh, its shapes and dtypes with
-  the shardings of `restore_target`.
-  """
+  `layout`'s mesh when given, the params laid out by the rules (`loop.restore`).
+  state: {"params", "opt_state"}; the initial one is `initial_params`'."""
   params = initial_params(config, cfg)
-  state = {"params": params, "opt_state": optimizer.init(params)}
-  target = None if layout is None else devices.restore_target(state, layout)
-  start, state = loop.restore(manager, state, target)
-  return start, devices.state_on_mesh(state, layout)
+  return loop.restore(manager, {"params": params, "opt_state": optimizer.init(params)}, layout)
 
 
 def _rates(tokens_per_step: int, sums: dict, step: int, steps: int,

@@ -1,6 +1,12 @@
-"""What the trainers share (`mdjax.train.lm`, `mdjax.train.heads`): the optimizer and its
-schedule, the jitted step, checkpoints and resume, and the loop itself (`run`), which
-calls a trainer's `Hooks` and keeps a session's records, plot and progress bar.
+"""What the trainers share (`mdjax.train.lm`, `mdjax.train.heads`): the checks of the
+fields every config has (`validate`), the run's `config.json`, the optimizer and its
+schedule (one weight-decay rule, `decayed`), the jitted step, checkpoints and resume
+(`restore`), the loop itself (`run`), which calls a trainer's `Hooks` and keeps a
+session's records, plot and progress bar, and what a finished run hands back (`Run`).
+
+    trainer.train(config)
+      validate(config)  ->  write_config  ->  the trainer's data, params  ->  restore
+      ->  run(config, Hooks)  ->  Outcome  ->  the trainer's export  ->  its Run
 
 A step is one XLA program that draws no random numbers, and a batch is a function of
 (seed, step): restarted from its latest checkpoint, a run ends with bitwise the
@@ -29,14 +35,42 @@ import orbax.checkpoint as ocp
 from absl import flags
 from tqdm import tqdm
 
-from mdjax import distributed, sharding
+from mdjax import distributed, files, sharding
+from mdjax.errors import MdjaxError, check_count
+from mdjax.models.config import weight_dtype
 from mdjax.models.transformer import Params
 from mdjax.train import devices
-from mdjax.train.config import TrainConfig
+from mdjax.train.config import TrainConfig, to_json
 from mdjax.train.metrics import MetricsLog
+
+# the fields of every config that count something (>= 1)
+COUNTS = ("steps", "batch_size", "log_every", "eval_every", "checkpoint_every",
+          "keep_checkpoints")
 
 # (params, batch, extra) -> (loss, metrics summed into the records); extra: frozen inputs
 LossFn = Callable[[Params, jax.Array, object], tuple[jax.Array, dict]]
+
+
+def validate(config: TrainConfig, counts: tuple[str, ...] = ()) -> None:
+  """Checks the fields every trainer's config has (`TrainConfig`) and the trainer's own
+  `counts` (dotted paths, e.g. "data.feature_batch": each must be >= 1), naming the
+  first bad one, before any data is read."""
+  if not config.run_dir:
+    raise MdjaxError("config.run_dir is required (where the run's checkpoints, metrics and "
+                     "export go)")
+  for name in COUNTS + counts:
+    check_count(f"config.{name}", functools.reduce(getattr, name.split("."), config), 1)
+  if not 0 < config.heldout_fraction < 1:
+    raise MdjaxError(f"config.heldout_fraction must be in (0, 1), got {config.heldout_fraction}")
+  weight_dtype(config.export_dtype)  # fails now, not at the export after training
+  devices.device_mesh(config.mesh, config.batch_size)
+
+
+def write_config(config: TrainConfig, run_dir: pathlib.Path) -> None:
+  """Creates `run_dir` and writes the typed config into its `config.json` (process 0)."""
+  run_dir.mkdir(parents=True, exist_ok=True)
+  if distributed.is_main_process():
+    files.write_text(run_dir / "config.json", to_json(config))
 
 
 def lr_schedule(config: TrainConfig) -> optax.Schedule:
@@ -47,10 +81,17 @@ def lr_schedule(config: TrainConfig) -> optax.Schedule:
       decay_steps=max(config.steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio)
 
 
-def make_optimizer(config: TrainConfig,
-                   decayed: Callable[[Params], Params]) -> optax.GradientTransformation:
+def decayed(params: Params) -> Params:
+  """The weight-decay mask: every leaf of two axes or more. For an LM these are its
+  matrices (embed, projections fused or split, lm_head), not its norms; for heads their
+  matrices, and also the biases and norms a family stacks per head (medusa's `b`
+  [K, 1, D], mtp's norms [K, D]): the rule each trainer had, one rule for both."""
+  return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
   """Global-norm clipping, then AdamW under `lr_schedule`, with weight decay on the
-  params `decayed(params)` marks True."""
+  params `decayed` marks."""
   o = config.optim
   return optax.chain(optax.clip_by_global_norm(o.clip_norm),
                      optax.adamw(lr_schedule(config), b1=o.b1, b2=o.b2,
@@ -103,14 +144,20 @@ def coordinated_barriers() -> None:
   flag.value, flag.present = True, 1  # `present`: readable before absl parses a command line
 
 
-def restore(manager: ocp.CheckpointManager, initial: dict, target=None) -> tuple[int, dict]:
-  """(step, state) of the latest checkpoint, restored into `target` (abstract arrays
-  that say where each lands; None: like `initial`), or (0, `initial`) before any."""
+def restore(manager: ocp.CheckpointManager, initial: dict, layout: sharding.Layout | None,
+            by_rules: bool = True) -> tuple[int, dict]:
+  """(step, state) of the latest checkpoint, or (0, `initial`) before any; on `layout`'s
+  mesh when given (`devices.state_on_mesh`, `by_rules` or replicated).
+
+  `initial` (the one-device layout, as checkpoints hold it) is also the template
+  restored into: on a mesh, its shapes and dtypes with the shardings of
+  `devices.restore_target`, so each array lands straight where it lies."""
   start = manager.latest_step() or 0
-  if not start:
-    return 0, initial
-  target = initial if target is None else target
-  return start, manager.restore(start, args=ocp.args.StandardRestore(target))
+  state = initial
+  if start:
+    target = initial if layout is None else devices.restore_target(initial, layout, by_rules)
+    state = manager.restore(start, args=ocp.args.StandardRestore(target))
+  return start, devices.state_on_mesh(state, layout, by_rules)
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: dict) -> None:
@@ -151,6 +198,17 @@ class Outcome:
   step: int  # the last step run (`start` when none was)
   stopped_early: bool  # by `max_minutes`
   train_seconds: float  # every session's wall time, summed (the records' "wall_s")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Run:
+  """What a finished trainer's `train` hands back: where the loop ended and the data it
+  read; each trainer's record adds what it made (`lm.Run`, `heads.Run`)."""
+
+  data: object  # the trainer's prepared data
+  step: int  # the last step run
+  stopped_early: bool = False  # by `max_minutes`
+  train_seconds: float = 0.0  # every session's, summed
 
 
 def run(config: TrainConfig, hooks: Hooks, state: dict, *, start: int, end: int,

@@ -201,7 +201,8 @@ def test_bad_mesh_settings_are_clear_errors_before_any_data_is_read(tmp_path, me
 
 def heads_config(run_dir, prompts, **overrides):
   config = heads_tiny_test.get_config()
-  config.update({"run_dir": str(run_dir), "prompts": str(prompts), "steps": HEADS_STEPS,
+  config.data.prompts = str(prompts)
+  config.update({"run_dir": str(run_dir), "steps": HEADS_STEPS,
                  "log_every": 1, "eval_every": 100, "checkpoint_every": HEADS_KEPT,
                  **overrides})
   return config

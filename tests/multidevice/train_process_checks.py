@@ -43,7 +43,8 @@ def lm_config(run_dir: pathlib.Path, distributed: str):
 def heads_config(run_dir: pathlib.Path, distributed: str, prompts: pathlib.Path):
   from configs import heads_tiny_test
   config = heads_tiny_test.get_config()
-  config.update(run_dir=str(run_dir), prompts=str(prompts), mesh=MESH, distributed=distributed,
+  config.data.prompts = str(prompts)
+  config.update(run_dir=str(run_dir), mesh=MESH, distributed=distributed,
                 steps=STEPS, log_every=1, eval_every=100, checkpoint_every=KEPT,
                 keep_checkpoints=2)
   return config

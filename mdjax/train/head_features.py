@@ -1,0 +1,158 @@
+"""What heads read, on disk: one split of a heads run's cache (`Features`), and its one
+writer (`FeatureWriter`), fed either by the target's passes (`write_target_features`)
+or by the rows of a data set that stored them already (`write_stored_features`).
+
+    features/{train,heldout}/
+      tokens.npy           int32 [N, T]   prompt + answer, zero-padded to a multiple of 16
+      lengths.npy          int32 [N]      tokens per row
+      prompt_lengths.npy   int32 [N]
+      greedy.npy           int32 [N, T]   the target's greedy guess of token t + 1
+      hidden.npy           [N, T, F]      what the heads read at t, memory-mapped, float32
+                                          or float16 (`feature_dtype`): the final-norm
+                                          hidden state (F = D), or the residual stream
+                                          after the family's target layers (eagle3: 3 D)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+from tqdm import tqdm
+
+from mdjax import distributed, programs, sharding
+from mdjax.errors import MdjaxError
+from mdjax.models.config import ModelConfig
+from mdjax.models.model import Model
+from mdjax.models.transformer import Params, forward_causal, lm_head
+
+FEATURE_DTYPES = ("float32", "float16")
+ROW_ALIGN = 16  # rows are zero-padded to a multiple of this many tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+  """One split of the cache (layout: the module docstring)."""
+
+  tokens: np.ndarray  # int32 [N, T]
+  lengths: np.ndarray  # int32 [N]
+  prompt_lengths: np.ndarray  # int32 [N]
+  greedy: np.ndarray  # int32 [N, T]: argmax lm_head(hidden[:, t]), the guess of token t + 1
+  hidden: np.ndarray  # [N, T, F] float32 / float16, memory-mapped
+
+  FIELDS = ("tokens", "lengths", "prompt_lengths", "greedy", "hidden")
+
+  @classmethod
+  def open(cls, directory: pathlib.Path) -> "Features":
+    return cls(**{name: np.load(directory / f"{name}.npy", mmap_mode="r" if name == "hidden"
+                                else None) for name in cls.FIELDS})
+
+  @property
+  def rows(self) -> int:
+    return len(self.lengths)
+
+  @property
+  def token_count(self) -> int:
+    return int(self.lengths.sum())
+
+  @property
+  def answer_tokens(self) -> int:
+    return int((self.lengths - self.prompt_lengths).sum())
+
+
+class FeatureWriter:
+  """Writes one split: the token files at once, then `hidden` and `greedy` (memory-mapped)
+  a block of rows at a time as their source gives them (`put`). `directory` None: writes
+  nothing (a process other than 0 under `jax.distributed`, whose passes are collective)."""
+
+  def __init__(self, directory: pathlib.Path | None, rows: list[list[list[int]]], dtype: str,
+               width: int):
+    """`rows`: [prompt ids, answer ids] each; `width`: F, the features per token."""
+    sequences = [prompt + answer for prompt, answer in rows]
+    self.tokens = np.zeros((len(rows), -(-max(map(len, sequences)) // ROW_ALIGN) * ROW_ALIGN),
+                           np.int32)  # [N, T]
+    for i, sequence in enumerate(sequences):
+      self.tokens[i, :len(sequence)] = sequence
+    self.hidden = self.greedy = None
+    if directory is None:
+      return
+    directory.mkdir(parents=True)
+    np.save(directory / "tokens.npy", self.tokens)
+    np.save(directory / "lengths.npy", np.array([len(s) for s in sequences], np.int32))
+    np.save(directory / "prompt_lengths.npy", np.array([len(p) for p, _ in rows], np.int32))
+    self.hidden = np.lib.format.open_memmap(directory / "hidden.npy", "w+", np.dtype(dtype),
+                                            (*self.tokens.shape, width))
+    self.greedy = np.lib.format.open_memmap(directory / "greedy.npy", "w+", np.int32,
+                                            self.tokens.shape)
+
+  def put(self, start: int, hidden: np.ndarray, greedy: np.ndarray) -> None:
+    """Rows `start`, `start + 1`, ... of `hidden` [R, n, F] and `greedy` [R, n] (their
+    first n tokens)."""
+    if self.hidden is None:
+      return
+    rows, n = greedy.shape
+    self.hidden[start:start + rows, :n] = hidden
+    self.greedy[start:start + rows, :n] = greedy
+
+  def close(self) -> None:
+    for array in (self.hidden, self.greedy):
+      if array is not None:
+        array.flush()
+
+
+@functools.partial(programs.jit, static_argnames=("config", "layers"))
+def target_features(params: Params, tokens: Int[Array, "B T"], *, config: ModelConfig,
+                    layers: tuple[int, ...] = ()) -> tuple[Float[Array, "B T F"], Int[Array, "B T"]]:
+  """What heads read, the target's final-norm hidden states (F = D) or the residual
+  stream after `layers` concatenated (F = A D), and its greedy guess of each next token."""
+  if not layers:
+    hidden = forward_causal(params, tokens, config=config)
+    return hidden, greedy_guesses(params, hidden, config=config)
+  hidden, aux = forward_causal(params, tokens, config=config, aux_layers=layers)  # aux [B, T, A, D]
+  return aux.reshape(*aux.shape[:2], -1), greedy_guesses(params, hidden, config=config)
+
+
+def greedy_guesses(params: Params, hidden: Float[Array, "B T D"], *,
+                   config: ModelConfig) -> Int[Array, "B T"]:
+  """The target's greedy guess of each next token from its final-norm hidden states."""
+  return jnp.argmax(lm_head(params, hidden, config=config), axis=-1).astype(jnp.int32)
+
+
+def write_target_features(target: Model, rows: list[list[list[int]]],
+                          directory: pathlib.Path | None, dtype: str, batch_size: int,
+                          progress: bool = True, layers: tuple[int, ...] = ()) -> None:
+  """The split of `rows` ([prompt ids, answer ids] each) into `directory`: one pass of
+  the target per `batch_size` rows (`target_features`); `directory` None: the passes
+  alone (`FeatureWriter`)."""
+  writer = FeatureWriter(directory, rows, dtype, target.config.hidden_size * max(1, len(layers)))
+  tokens = writer.tokens
+  for start in tqdm(range(0, len(rows), batch_size), disable=not progress,
+                    desc=f"hidden states ({getattr(directory, 'name', '')})", dynamic_ncols=True):
+    chunk = tokens[start:start + batch_size]
+    padded = np.zeros((batch_size, tokens.shape[1]), np.int32)  # every call the same shape
+    padded[:len(chunk)] = chunk
+    with sharding.active(target.layout):
+      h, g = distributed.to_host(target_features(target.params, jnp.asarray(padded),
+                                                 config=target.config, layers=layers))
+    writer.put(start, h[:len(chunk)], g[:len(chunk)])
+  writer.close()
+
+
+def write_stored_features(rows: list, directory: pathlib.Path, dtype: str, hidden_size: int,
+                          aux_index: list[int]) -> None:
+  """The split of data-set rows (`head_data.Row`) into `directory`, from their stored
+  states (`aux_index`: which of the stored layers, concatenated; []: the final-norm
+  states) and greedy guesses (`FeatureWriter`)."""
+  if not rows:
+    raise MdjaxError(f"the data set has no {directory.name} rows")
+  pairs = [[list(r.tokens[:r.prompt_length]), list(r.tokens[r.prompt_length:])] for r in rows]
+  writer = FeatureWriter(directory, pairs, dtype, hidden_size * max(1, len(aux_index)))
+  for i, row in enumerate(rows):
+    n = len(row.tokens)
+    hidden = row.aux[:, aux_index].reshape(n, -1) if aux_index else row.hidden
+    writer.put(i, hidden[None], np.maximum(row.greedy, 0)[None])  # -1 (in the prompt): masked
+  writer.close()
