@@ -97,7 +97,7 @@ class _Plan:
 
   decoder: Any
   params: Any  # what the decoder runs on (the model's params, or target + draft)
-  layout: Any  # the model's `mdjax.sharding.Layout` on a mesh, or None
+  layout: Any  # the model's `mdjax.sharding.WeightPlacement` on a mesh, or None
   prompt: Prompt
   limits: Limits
   static: dict

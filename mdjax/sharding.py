@@ -34,7 +34,7 @@ inside q|k|v or gate|up, so they are split: `wqkv` -> `wq`, `wk`, `wv` (biases t
 vocabulary rows of `embed` (and `lm_head`'s columns) are padded with zeros to a
 multiple of the tensor size; `lm_head` cuts the logits back to `vocab_size`.
 
-**Loading onto a mesh.** A checkpoint loader hands `Layout.place` recipes, not arrays
+**Loading onto a mesh.** A checkpoint loader hands `WeightPlacement.place` recipes, not arrays
 (`mdjax.models.lazy`): split and padded like arrays, then read shard by shard, so
 each process reads only the slices of each tensor its own devices hold. E.g.
 `q_proj.weight [N*H, D]` on a 1x8 mesh over two processes of 4 devices::
@@ -87,7 +87,7 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "w_down": ("mlp", None),
 }
 
-# a fused weight -> the parts a mesh with tensor > 1 stores instead (`Layout.split`)
+# a fused weight -> the parts a mesh with tensor > 1 stores instead (`WeightPlacement.split`)
 FUSED: dict[str, tuple[str, ...]] = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"),
                                      "w_gate_up": ("w_gate", "w_up"),
                                      "b_gate_up": ("b_gate", "b_up")}
@@ -167,7 +167,7 @@ def constrain_cache(cache):
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class WeightPlacement:
   """How one model's weights lie on a layout mesh (static, hashable)."""
 
   mesh: Mesh  # axes LAYOUT_AXES
@@ -228,11 +228,11 @@ class Layout:
     return placed
 
 
-def layout_for(mesh: Mesh | None, config: ModelConfig) -> Layout | None:
-  """The `Layout` of a model of `config` on `mesh` (None: one device)."""
+def layout_for(mesh: Mesh | None, config: ModelConfig) -> WeightPlacement | None:
+  """The `WeightPlacement` of a model of `config` on `mesh` (None: one device)."""
   if mesh is None:
     return None
-  return Layout(mesh=layout_mesh(mesh, config.num_kv_heads), config=config)
+  return WeightPlacement(mesh=layout_mesh(mesh, config.num_kv_heads), config=config)
 
 
 def shard(model, mesh: Mesh):
@@ -243,7 +243,7 @@ def shard(model, mesh: Mesh):
   return dataclasses.replace(model, params=layout.place(params), layout=layout)
 
 
-def placer(layout: Layout | None) -> Callable[[dict], dict]:
+def placer(layout: WeightPlacement | None) -> Callable[[dict], dict]:
   """What a checkpoint loader calls on each dict of weights it describes (recipes,
   `mdjax.models.lazy`): read whole onto the default device, or, with a layout, read
   by shard straight onto their shardings."""
@@ -253,7 +253,7 @@ def placer(layout: Layout | None) -> Callable[[dict], dict]:
 
 
 def one_device_layout(params: dict, config: ModelConfig) -> dict:
-  """`params` as one device stores them (the inverse of `Layout.split`): split
+  """`params` as one device stores them (the inverse of `WeightPlacement.split`): split
   projections fused again, a padded vocabulary cut (e.g. to save a sharded model)."""
   def fuse(layer: dict) -> dict:
     layer = dict(layer)
@@ -271,7 +271,7 @@ def one_device_layout(params: dict, config: ModelConfig) -> dict:
   return out
 
 
-def on_layout(tree, layout: Layout | None):
+def on_layout(tree, layout: WeightPlacement | None):
   """Every array of `tree` (e.g. a draft model's or heads' params) on the layout's mesh:
   those already there stay, the others are replicated over it."""
   if layout is None:
@@ -286,6 +286,6 @@ def on_layout(tree, layout: Layout | None):
   return jax.tree.map(put, tree)
 
 
-def active(layout: Layout | None):
+def active(layout: WeightPlacement | None):
   """The context under which programs for `layout` are traced (a no-op without one)."""
   return jax.set_mesh(layout.mesh) if layout is not None else contextlib.nullcontext()

@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Int
 import mdjax
 from mdjax import strategies
 from mdjax.errors import MdjaxError, check_count
-from mdjax.strategies import layouts
+from mdjax.strategies import prompt_layouts
 from mdjax.strategies.base import DecodeState, OutputBuffer, Strategy, emit, prefill
 from mdjax.topology import Topology
 
@@ -39,7 +39,7 @@ class RunnerUp(Strategy):
   """The `rank`-th most likely token (0 = greedy) every pass."""
 
   name: ClassVar[str] = "runner_up"
-  layout: ClassVar = layouts.Plain()
+  layout: ClassVar = prompt_layouts.Plain()
   rank: int = 1
 
   def __post_init__(self):
@@ -114,7 +114,7 @@ def test_only_declared_strategy_dataclasses_register():
 
   @dataclasses.dataclass(frozen=True, kw_only=True)
   class Nameless(Strategy):
-    layout: ClassVar = layouts.Plain()
+    layout: ClassVar = prompt_layouts.Plain()
 
   with pytest.raises(MdjaxError, match="Undecorated is not a frozen dataclass"):
     strategies.register(Undecorated)

@@ -21,7 +21,7 @@ from mdjax.models.config import ModelConfig
 from mdjax.models.random_init import init_params
 from mdjax.step import decode_step
 from mdjax.strategies.base import region_prompt_slots, region_slot_base
-from mdjax.strategies.layouts import layout_prompts
+from mdjax.strategies.prompt_layouts import layout_prompts
 from mdjax.topology import Topology
 
 ATOL = 2e-5

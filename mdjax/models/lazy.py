@@ -19,8 +19,8 @@ inputs, so a block reads only the slices of the checkpoint tensors it covers::
 `put` builds a `jax.Array` on a sharding from the blocks its process's own devices
 hold (`jax.make_array_from_callback`), each distinct block read once; `asarray` reads
 a recipe whole, with the same numpy operations (and bytes) an eager loader would use.
-The functions `concatenate`, `split` and `pad` follow numpy's, so `mdjax.sharding.Layout.split`
-applies to recipes as it does to arrays.
+The functions `concatenate`, `split` and `pad` follow numpy's, so
+`mdjax.sharding.WeightPlacement.split` applies to recipes as it does to arrays.
 """
 
 from __future__ import annotations

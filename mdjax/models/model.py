@@ -17,7 +17,7 @@ class Model:
   path: str | None = None  # the directory it was loaded from
   name: str = ""  # what `mdjax.load` was given
   random_weights: bool = False  # seeded random weights, not a trained model
-  layout: Any = None  # a `mdjax.sharding.Layout` when the weights lie on a device mesh
+  layout: Any = None  # a `mdjax.sharding.WeightPlacement` when the weights lie on a device mesh
 
   @property
   def description(self) -> str:

@@ -6,7 +6,7 @@ A long context is cut into chunks of `chunk_tokens` tokens. Three phases, each o
 1. notes (`margin_notes`): after every chunk i, the `instruction` and a note of up
    to `note_tokens` tokens, all chunks in one pass per token. Note i sees chunks
    1..i (the paper's running prefix) over one chain of segments
-   (`mdjax.strategies.layouts.Chains`)::
+   (`mdjax.strategies.prompt_layouts.Chains`)::
 
        chunk 1 -- chunk 2 -- chunk 3          the context, prefilled once
           \\          \\          \\

@@ -35,7 +35,7 @@ from jaxtyping import Array, Float, Int
 from mdjax.cache import CacheRegions, KVCache
 from mdjax.prompts import bucket
 from mdjax.sampling import choose, row_keys
-from mdjax.strategies import layouts
+from mdjax.strategies import prompt_layouts
 from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Sampled,
                                    branch_token_counts, emit, internal, prefill,
                                    region_prompt_slots, region_slot_base, run_narrowest)
@@ -69,7 +69,7 @@ class AutoregressiveState(DecodeState):
 class Autoregressive(Sampled):
   """One token per live branch per pass; greedy unless a sampling option is set."""
 
-  layout: ClassVar = layouts.Plain()
+  layout: ClassVar = prompt_layouts.Plain()
   regions: CacheRegions | None = internal()  # one cache region per branch, or appending
 
   def for_request(self, params, prompt: Prompt, capacity: int) -> "Autoregressive":
@@ -192,7 +192,7 @@ class MultiQuestion(Autoregressive):
   sampling) gives for context + question j alone."""
 
   name: ClassVar[str] = "multi_question"
-  layout: ClassVar = layouts.Questions()
+  layout: ClassVar = prompt_layouts.Questions()
 
 
 @register
@@ -201,7 +201,7 @@ class ParallelSample(Sample):
   """`num_samples` samples per prompt, all over the prompt's one cached copy."""
 
   name: ClassVar[str] = "parallel_sample"
-  layout: ClassVar = layouts.Samples()
+  layout: ClassVar = prompt_layouts.Samples()
 
 
 @register
@@ -210,7 +210,7 @@ class SkeletonFill(Autoregressive):
   """A branch fills each stub of a Python skeleton, seeing the source up to its stub."""
 
   name: ClassVar[str] = "skeleton_fill"
-  layout: ClassVar = layouts.Chains()
+  layout: ClassVar = prompt_layouts.Chains()
 
 
 @register
@@ -220,7 +220,7 @@ class MarginNotes(Autoregressive):
   seeing the chunks up to its own (writing in the margins' first phase)."""
 
   name: ClassVar[str] = "margin_notes"
-  layout: ClassVar = layouts.Chains(option="instruction")
+  layout: ClassVar = prompt_layouts.Chains(option="instruction")
 
 
 def feed_widths(branches: int) -> tuple[int, ...]:

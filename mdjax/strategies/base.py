@@ -9,7 +9,7 @@ itself once, in its own module::
     @dataclasses.dataclass(frozen=True, kw_only=True)
     class MyStrategy(Strategy):
       name: ClassVar[str] = "my_strategy"       # what `generate(strategy=...)` calls it
-      layout: ClassVar = layouts.Plain()        # how prompts become rows and branches
+      layout: ClassVar = prompt_layouts.Plain()        # how prompts become rows and branches
       width: int = 4                            # an option: validated in __post_init__
 
 and `mdjax.strategies` imports the module. `generate` validates a call's options
@@ -91,7 +91,7 @@ class Strategy:
   """The base of every strategy: see the module docstring for the protocol."""
 
   name: ClassVar[str]
-  layout: ClassVar[Any]  # a `mdjax.strategies.layouts` layout
+  layout: ClassVar[Any]  # a `mdjax.strategies.prompt_layouts` layout
   streams: ClassVar[bool] = True  # `mdjax.stream` can show its tokens as they come
 
   model: ModelFn = internal()
@@ -179,7 +179,7 @@ class Prompt:
     branch_last                  int32[B, N]   token whose logits give the branch's first token
 
   A plain prompt is one branch in segment 0. Questions over one context (see
-  `mdjax.strategies.layouts`): the context is segment 0 at positions 0..c-1, question j is
+  `mdjax.strategies.prompt_layouts`): the context is segment 0 at positions 0..c-1, question j is
   segment j+1 forked at c, at positions c, c+1, ...; branch j continues after it.
   """
 

@@ -44,7 +44,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from mdjax.cache import KVCache, gather_slots
 from mdjax.errors import MdjaxError, check_count, check_real
-from mdjax.strategies import layouts
+from mdjax.strategies import prompt_layouts
 from mdjax.strategies.base import Limits, OutputBuffer, Prompt, Strategy, prefill
 from mdjax.strategies.registry import register
 from mdjax.topology import Topology
@@ -112,7 +112,7 @@ class Beam(Strategy):
   """Beam search; the options mean what they mean in transformers' `generate`."""
 
   name: ClassVar[str] = "beam"
-  layout: ClassVar = layouts.Plain()
+  layout: ClassVar = prompt_layouts.Plain()
   streams: ClassVar[bool] = False  # the best hypothesis is known only at the end
 
   num_beams: int = 4

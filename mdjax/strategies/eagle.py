@@ -55,7 +55,7 @@ from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
 from mdjax.heads import Heads, HeadsConfig, get_family
 from mdjax.heads.family import decoded_by
-from mdjax.strategies import drafting, layouts, tree_choice
+from mdjax.strategies import drafting, prompt_layouts, tree_choice
 from mdjax.strategies.base import Limits, ModelFn, Prompt, prefill_with_hidden
 from mdjax.strategies.drafting import DraftState
 from mdjax.strategies.registry import register
@@ -99,7 +99,7 @@ class Eagle(TreeDrafter):
   """An EAGLE head's token tree of `tree_budget` nodes, verified in one target pass."""
 
   name: ClassVar[str] = "eagle"
-  layout: ClassVar = layouts.Plain()
+  layout: ClassVar = prompt_layouts.Plain()
 
   heads: HeadsConfig | None = None  # `construct` turns the user's `mdjax.Heads` into its config
 

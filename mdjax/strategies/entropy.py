@@ -32,7 +32,7 @@ from jaxtyping import Array, Bool, Float, Int
 from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
 from mdjax.errors import check_count, check_real
-from mdjax.strategies import layouts
+from mdjax.strategies import prompt_layouts
 from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Strategy, emit,
                                    prefill)
 from mdjax.strategies.registry import register
@@ -83,7 +83,7 @@ class EntropyBranching(Strategy):
   the next token's entropy and varentropy exceed `branch_entropy` and `branch_varentropy`."""
 
   name: ClassVar[str] = "entropy_branching"
-  layout: ClassVar = layouts.Plain()
+  layout: ClassVar = prompt_layouts.Plain()
 
   num_branches: int = 3
   branch_tokens: int = 4

@@ -88,7 +88,7 @@ from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
 from mdjax.errors import check_count
 from mdjax.sampling import greedy_accept
-from mdjax.strategies import layouts
+from mdjax.strategies import prompt_layouts
 from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Strategy, emit,
                                    internal, prefill)
 from mdjax.strategies.registry import register
@@ -246,7 +246,7 @@ class Lookahead(Strategy):
   G = `guess_set` candidates per pass (0, with N = 2 only: Jacobi decoding)."""
 
   name: ClassVar[str] = "lookahead"
-  layout: ClassVar = layouts.Plain()
+  layout: ClassVar = prompt_layouts.Plain()
 
   window: int = 7
   ngram: int = 5

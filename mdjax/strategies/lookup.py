@@ -32,7 +32,7 @@ from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
 from mdjax.errors import check_count
 from mdjax.sampling import greedy_accept
-from mdjax.strategies import layouts, metadata
+from mdjax.strategies import metadata, prompt_layouts
 from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Strategy,
                                    decode_chains, emit, prefill)
 from mdjax.strategies.registry import register
@@ -128,7 +128,7 @@ class PromptLookup(Strategy):
   occurrence of the last n-gram (n = `max_ngram_size` ... 1)."""
 
   name: ClassVar[str] = "prompt_lookup"
-  layout: ClassVar = layouts.Questions(required=False)
+  layout: ClassVar = prompt_layouts.Questions(required=False)
 
   prompt_lookup_num_tokens: int = 10
   max_ngram_size: int = 2

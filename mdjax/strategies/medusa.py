@@ -106,7 +106,7 @@ from mdjax.heads import vocab
 from mdjax.heads.base import Heads, HeadsConfig
 from mdjax.heads.family import Feed, Guess, HeadFamily, decoded_by, get as get_family
 from mdjax.sampling import tree_accept, typical_accept
-from mdjax.strategies import drafting, layouts, tree_choice, trees
+from mdjax.strategies import drafting, prompt_layouts, tree_choice, trees
 from mdjax.strategies.base import (Limits, ModelFn, Prompt, Sampled, internal,
                                    prefill_with_hidden)
 from mdjax.strategies.drafting import DraftState
@@ -141,7 +141,7 @@ class Medusa(Sampled):
   """Medusa (or MTP) heads' guesses, as a static tree, verified in one target pass."""
 
   name: ClassVar[str] = "medusa"
-  layout: ClassVar = layouts.Questions(required=False)
+  layout: ClassVar = prompt_layouts.Questions(required=False)
 
   heads: HeadsConfig | None = None  # `construct` turns the user's `mdjax.Heads` into its config
   num_heads: int = 0  # 0: every head

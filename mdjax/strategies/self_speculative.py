@@ -30,7 +30,7 @@ from mdjax.errors import MdjaxError
 from mdjax.models.config import ModelConfig
 from mdjax.models.layer_loop import take_layers
 from mdjax.models.transformer import Params
-from mdjax.strategies import drafting, layouts
+from mdjax.strategies import drafting, prompt_layouts
 from mdjax.strategies.base import Limits, ModelFn, Prompt, internal
 from mdjax.strategies.drafting import ChainState
 from mdjax.strategies.registry import register
@@ -58,7 +58,7 @@ class SelfSpeculative(drafting.ChainDrafter):
   """A chain drafted by the target's first `draft_layers` layers on its own cache."""
 
   name: ClassVar[str] = "self_speculative"
-  layout: ClassVar = layouts.Plain()
+  layout: ClassVar = prompt_layouts.Plain()
 
   draft_layers: int | None = None
   num_draft_tokens: int = 4

@@ -37,7 +37,7 @@ from jaxtyping import Array, Int
 
 from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
-from mdjax.strategies import drafting, layouts
+from mdjax.strategies import drafting, prompt_layouts
 from mdjax.strategies.base import Limits, ModelFn, Prompt
 from mdjax.strategies.drafting import Chain, ChainState, DraftModelState
 from mdjax.strategies.registry import register
@@ -49,7 +49,7 @@ class Speculative(drafting.ChainDrafter):
   """A draft model's chain of up to `max_draft_tokens`, verified in one target pass."""
 
   name: ClassVar[str] = "speculative"
-  layout: ClassVar = layouts.Plain()
+  layout: ClassVar = prompt_layouts.Plain()
 
   draft: ModelFn | None = None  # `construct` turns the user's mdjax Model into its ModelFn
   num_draft_tokens: int = 4

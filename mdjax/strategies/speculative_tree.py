@@ -51,7 +51,7 @@ from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError, check_count
 from mdjax.heads import vocab
 from mdjax.sampling import process_logits
-from mdjax.strategies import drafting, layouts, tree_choice, trees
+from mdjax.strategies import drafting, prompt_layouts, tree_choice, trees
 from mdjax.strategies.base import Limits, ModelFn, Prompt, Sampled
 from mdjax.strategies.drafting import DraftModelState, DraftState
 from mdjax.strategies.pass_cost import pass_cost
@@ -288,7 +288,7 @@ class SpeculativeTree(TreeDrafter):
   """A draft model's token tree of `tree_budget` nodes, verified in one target pass."""
 
   name: ClassVar[str] = "speculative_tree"
-  layout: ClassVar = layouts.Plain()
+  layout: ClassVar = prompt_layouts.Plain()
 
   draft: ModelFn | None = None  # `construct` turns the user's mdjax Model into its ModelFn
 

@@ -55,7 +55,8 @@ def map_param_trees(fn, state: dict, other=lambda x: x) -> dict:
                       is_leaf=like_params)
 
 
-def state_on_mesh(state: dict, layout: sharding.Layout | None, by_rules: bool = True) -> dict:
+def state_on_mesh(state: dict, layout: sharding.WeightPlacement | None,
+                  by_rules: bool = True) -> dict:
   """A state in the one-device layout, laid out on `layout`'s mesh: the params and
   their moments by `Layout.place` (split, padded, sharded by the rules; a model's own
   weights) or, not `by_rules`, replicated like the rest (heads beside a frozen target).
@@ -70,7 +71,8 @@ def state_on_mesh(state: dict, layout: sharding.Layout | None, by_rules: bool = 
 SPLIT_PARTS = tuple(part for parts in sharding.FUSED.values() for part in parts)
 
 
-def checkpoint_state(state: dict, config: ModelConfig, layout: sharding.Layout | None) -> dict:
+def checkpoint_state(state: dict, config: ModelConfig,
+                     layout: sharding.WeightPlacement | None) -> dict:
   """What a checkpoint holds: `state` in the one-device layout (`state_on_mesh`'s
   inverse), so that any mesh, or one device, restores it. The split parts (and a padded
   vocabulary) are first gathered whole onto every device: a fused weight's shard
@@ -86,7 +88,7 @@ def checkpoint_state(state: dict, config: ModelConfig, layout: sharding.Layout |
 
 
 @functools.partial(jax.jit, static_argnames=("config", "layout"))
-def _one_device_state(state: dict, config: ModelConfig, layout: sharding.Layout) -> dict:
+def _one_device_state(state: dict, config: ModelConfig, layout: sharding.WeightPlacement) -> dict:
   gathered = SPLIT_PARTS + (("embed", "lm_head") if layout.padded_vocab != config.vocab_size
                             else ())
   replicated = NamedSharding(layout.mesh, PartitionSpec())
@@ -99,7 +101,7 @@ def _one_device_state(state: dict, config: ModelConfig, layout: sharding.Layout)
   return map_param_trees(one_device, state)
 
 
-def restore_target(state: dict, layout: sharding.Layout, by_rules: bool = True) -> dict:
+def restore_target(state: dict, layout: sharding.WeightPlacement, by_rules: bool = True) -> dict:
   """Abstract arrays to restore a checkpoint of the one-device layout `state` straight
   onto `layout`'s mesh: each weight (and moment) sharded by the rules where its one-device
   shape allows (a fused or unpadded one: replicated), or every one replicated when not
@@ -118,7 +120,7 @@ def restore_target(state: dict, layout: sharding.Layout, by_rules: bool = True) 
 
 
 def shard_batch(build: Callable[[slice], dict | np.ndarray], batch_size: int,
-                layout: sharding.Layout | None):
+                layout: sharding.WeightPlacement | None):
   """The step's batch of `batch_size` rows, `build(rows)` making (numpy, batch-major) the
   rows `rows` of it: on the default device, or split over the mesh's "data" axis, each
   process building only the rows its own devices hold (under `jax.distributed`, its
@@ -139,6 +141,6 @@ def process_rows(where: NamedSharding, batch_size: int) -> slice:
   return slice(min(start for start, _ in bounds), max(stop for _, stop in bounds))
 
 
-def state_shardings(state: dict, layout: sharding.Layout | None):
+def state_shardings(state: dict, layout: sharding.WeightPlacement | None):
   """Where every array of `state` lies (None without a mesh): `make_train_step` keeps it so."""
   return None if layout is None else jax.tree.map(lambda x: x.sharding, state)

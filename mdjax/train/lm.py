@@ -312,7 +312,7 @@ class Run(loop.Run):
   tokenizer: object  # transformers.PreTrainedTokenizerFast
   corpus: data.Corpus
   teacher: distill.Teacher | None = None  # the model it was distilled from, if any
-  layout: sharding.Layout | None = None  # the mesh it trained on (config.mesh), if any
+  layout: sharding.WeightPlacement | None = None  # the mesh it trained on (config.mesh), if any
 
 
 def validate(config: ml_collections.ConfigDict | LMTrainConfig) -> LMTrainConfig:
@@ -352,7 +352,7 @@ def train(config: ml_collections.ConfigDict | LMTrainConfig, *, progress: bool =
   log = MetricsLog(run_dir / "metrics.jsonl")
   log.truncate_after(start)
   teacher = distill.load_teacher(config, cfg)
-  teacher_params = teacher and (teacher.params if layout is None else sharding.Layout(
+  teacher_params = teacher and (teacher.params if layout is None else sharding.WeightPlacement(
       mesh=layout.mesh, config=teacher.config).place(teacher.params))
   tokens_per_step = config.batch_size * config.seq_len
   hooks = loop.Hooks(
@@ -382,7 +382,7 @@ def _prepare_run(config: LMTrainConfig,
 
 def restore_state(config: LMTrainConfig, cfg: ModelConfig,
                   optimizer: optax.GradientTransformation, manager: ocp.CheckpointManager,
-                  layout: sharding.Layout | None = None) -> tuple[int, dict]:
+                  layout: sharding.WeightPlacement | None = None) -> tuple[int, dict]:
   """(step, state) of the latest checkpoint, or (0, the initial state) before any; on
   `layout`'s mesh when given, the params laid out by the rules (`loop.restore`).
   state: {"params", "opt_state"}; the initial one is `initial_params`'."""

@@ -144,7 +144,7 @@ def coordinated_barriers() -> None:
   flag.value, flag.present = True, 1  # `present`: readable before absl parses a command line
 
 
-def restore(manager: ocp.CheckpointManager, initial: dict, layout: sharding.Layout | None,
+def restore(manager: ocp.CheckpointManager, initial: dict, layout: sharding.WeightPlacement | None,
             by_rules: bool = True) -> tuple[int, dict]:
   """(step, state) of the latest checkpoint, or (0, `initial`) before any; on `layout`'s
   mesh when given (`devices.state_on_mesh`, `by_rules` or replicated).
@@ -212,7 +212,7 @@ class Run:
 
 
 def run(config: TrainConfig, hooks: Hooks, state: dict, *, start: int, end: int,
-        manager: ocp.CheckpointManager, log: MetricsLog, layout: sharding.Layout | None,
+        manager: ocp.CheckpointManager, log: MetricsLog, layout: sharding.WeightPlacement | None,
         name: str, progress: bool = True, max_minutes: float = 0.0,
         session_start: float | None = None) -> Outcome:
   """Steps `start + 1` to `end`, under `sharding.active(layout)`::
