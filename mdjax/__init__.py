@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from mdjax import xla_flags
+
+xla_flags.apply()  # before any JAX backend starts: `mdjax.xla_flags`
+
 from mdjax import chat, distributed, pipelines, sharding
 from mdjax.cache import KVCache
 from mdjax.errors import CheckpointError, MdjaxError, MissingPackageError
