@@ -23,8 +23,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from mdjax import platform
-
 MATMUL_PRECISION = "float32"  # `jax.default_matmul_precision`: no TF32, no bfloat16 passes
 
 
@@ -48,20 +46,24 @@ def linear(x: jax.Array, weight: jax.Array, out_dtype=None, *,
   tied embedding serves as the unembedding) accumulated in float32, returned in
   `out_dtype` (None: `x`'s dtype), as transformers computes a bfloat16 linear layer.
 
-  Written for XLA:CPU, measured on a 2-core AVX-512 server with a 576 x 49,152 weight:
+  A one-row bfloat16 product is computed as two rows (the row broadcast), on every
+  platform. XLA:CPU, measured on a 2-core AVX-512 server with a 576 x 49,152 weight:
   a bfloat16 product that outputs bfloat16, or that has one row, takes a slow path
   (~42 ms), while 2 to 16 rows with a float32 output take 3.5-5.3 ms (about float32's
   one-row product, 3.4 ms, and flat in the row count, where float32's few-row product
-  doubles it), so a one-row bfloat16 product is computed as two rows on CPU; and a
-  transposed weight is contracted in place (`weight.T @` costs 44 ms in bfloat16, 5.5 ms
-  in float32, against 3.3 ms). On GPUs and TPUs, which accumulate bfloat16 products in
-  float32 anyway, the result is the same as `x @ weight`."""
+  doubles it). XLA:GPU, compiled for an H200 (`experiments/program_report.py`,
+  random-llama-1b, 1 token): a one-row product becomes a multiply and a reduce, and
+  for `wo` the multiply is its own kernel that writes a float32 [2048, 2048] (16 MiB per
+  layer, written and read again); two rows are one Triton product (split in K, its
+  partial sums added in the next kernel), 341 kernels per pass become 326. A
+  transposed weight is contracted in place (XLA:CPU's `weight.T @` costs 44 ms in
+  bfloat16, 5.5 ms in float32, against 3.3 ms). GPUs and TPUs accumulate bfloat16
+  products in float32 anyway: the result is `x @ weight` up to summation order."""
   out_dtype = x.dtype if out_dtype is None else out_dtype
   rows = x.reshape(-1, x.shape[-1])  # [M, D]
-  single = (weight.dtype == jnp.bfloat16 and rows.shape[0] == 1
-            and platform.is_cpu())
+  single = (weight.dtype == jnp.bfloat16 and rows.shape[0] == 1)
   if single:
-    rows = jnp.concatenate([rows, rows])  # [2, D]
+    rows = jnp.broadcast_to(rows, (2, rows.shape[1]))  # [2, D]
   contract = (((1,), (1 if transposed else 0,)), ((), ()))
   out = jax.lax.dot_general(rows.astype(weight.dtype), weight, contract,
                             preferred_element_type=jnp.float32)  # [M, F]
