@@ -82,11 +82,20 @@ def lr_schedule(config: TrainConfig) -> optax.Schedule:
 
 
 def decayed(params: Params) -> Params:
-  """The weight-decay mask: every leaf of two axes or more. For an LM these are its
-  matrices (embed, projections fused or split, lm_head), not its norms; for heads their
+  """The weight-decay mask: every leaf of two axes or more, not counting the layer axis
+  of layers stacked for a scan (`params["layers"]` a dict of `[L, ...]` leaves, where a
+  norm is `[L, D]`). For an LM these are its matrices (embed, projections fused or
+  split, lm_head), never its norms or biases, in either layer layout; for heads their
   matrices, and also the biases and norms a family stacks per head (medusa's `b`
   [K, 1, D], mtp's norms [K, D]): the rule each trainer had, one rule for both."""
-  return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+  def is_matrix(path, leaf) -> bool:
+    stacked = any(isinstance(key, jax.tree_util.DictKey) and key.key == "layers"
+                  and isinstance(after, jax.tree_util.DictKey)
+                  for key, after in zip(path, path[1:]))
+    return leaf.ndim - stacked >= 2
+
+  return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
