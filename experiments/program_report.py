@@ -1,6 +1,9 @@
 """The GPU program report: `decode_step` compiled on this CPU for a GPU target, read from
 its optimized HLO (`mdjax.hlo_report`): kernels launched, host syncs, bytes copied inside
-loops, float32 product precision; per pass at each tokens-per-pass and batch.
+loops, float32 product precision; per pass at each tokens-per-pass and batch. Then every
+registered strategy's whole-generation program (what `mdjax.generate` runs:
+`mdjax.generate.program`): per step of its token loop, kernels and host syncs, and the
+host syncs around that loop (`--strategies`, empty for none).
 
     JAX_PLATFORMS=cpu python3 -m experiments.program_report                # h200, random-llama-1b
     JAX_PLATFORMS=cpu python3 -m experiments.program_report --tokens=1,2 --batches=1 \
@@ -12,10 +15,16 @@ for each `--layer_loops`, with `--context` cache slots; the attention is what th
 target's platform gets by default (`mdjax.models.attention.default_attention`). Writes
 `program_report.json` and prints a table. Nothing runs: the report is what the GPU's
 compiler made of the program, which `experiments.device_check` times on a real device.
+
+The strategies run one prompt of `--prompt_tokens` tokens for `--new_tokens` tokens on
+weights that are shapes only: heads shaped like the shipped ones for the model's width
+and vocabulary, a draft of random-llama-tiny's shape with the model's vocabulary, fixed
+tree budgets (`tree_budget="auto"` times passes on real weights).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -23,12 +32,16 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from mdjax import compile_targets, files, hlo_report, platform
+from mdjax import compile_targets, files, hlo_report, platform, strategies
 from mdjax.cache import KVCache
+from mdjax.generate import STEP_LOOP, program
+from mdjax.heads import Heads, HeadsConfig, init_heads, load_heads
 from mdjax.models.attention import default_attention
-from mdjax.models.layer_loop import with_layer_loop
+from mdjax.models.layer_loop import default_layer_loop, with_layer_loop
+from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
 from mdjax.models.registry import RANDOM_MODELS
+from mdjax.strategies import prompt_layouts
 from mdjax.step import decode_step
 from mdjax.topology import Topology
 from experiments.cli import check_argv, one_line_errors
@@ -41,6 +54,10 @@ _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32"], "Rows per pass.")
 _LAYER_LOOPS = flags.DEFINE_list("layer_loops", ["scan", "unrolled"], "Layer loops to compile.")
 _CONTEXT = flags.DEFINE_integer("context", 1024, "Cache slots per row.")
 _SEGMENTS = flags.DEFINE_integer("segments", 4, "Segments per row in the topology.")
+_STRATEGIES = flags.DEFINE_list("strategies", list(strategies.registry.STRATEGIES),
+                                "Strategies whose whole-generation programs are compiled.")
+_PROMPT_TOKENS = flags.DEFINE_integer("prompt_tokens", 64, "Prompt tokens of a request.")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "max_new_tokens of a request.")
 _OUT_DIR = flags.DEFINE_string("out_dir", "docs/results/programs", "Where the JSON goes.")
 
 
@@ -58,6 +75,81 @@ def decode_step_counts(target: str, config, *, batch: int, tokens: int, slots: i
   compiled = compile_targets.compile_for(decode_step, target, params, cache, ids, ids, ids,
                                          topology, config=config, attention=attention)
   return hlo_report.read(compiled.as_text())
+
+
+def abstract_model(config, name: str = "") -> Model:
+  """A model of `config` whose weights are shapes only (bfloat16), laid out for the
+  platform being built for."""
+  params = jax.eval_shape(lambda: with_layer_loop(init_params(config, 0, jnp.bfloat16),
+                                                  default_layer_loop()))
+  return Model(config=config, params=params, name=name)
+
+
+def abstract_heads(model: Model, shipped: str | None, **fields) -> Heads:
+  """Heads for `model`, shapes only: configured like the shipped heads `shipped` (or
+  from `fields`) at the model's width and vocabulary."""
+  c = model.config
+  config = load_heads(shipped).config if shipped else None
+  shape = dict(base_model=model.name, base_family=c.family, hidden_size=c.hidden_size,
+               vocab_size=c.vocab_size, **fields)
+  config = dataclasses.replace(config, **shape) if config else HeadsConfig(**shape)
+  return Heads(config=config, params=jax.eval_shape(lambda: init_heads(config, c).params))
+
+
+def strategy_requests(model: Model, prompt_tokens: int) -> dict[str, tuple[list, dict]]:
+  """Per registered strategy: its prompts and options, one request of `prompt_tokens`."""
+  prompt = [list(range(3, 3 + prompt_tokens))]
+  chunks = [[prompt[0][:prompt_tokens // 2], prompt[0][prompt_tokens // 2:]]]
+  draft = abstract_model(dataclasses.replace(RANDOM_MODELS["random-llama-tiny"],
+                                             vocab_size=model.config.vocab_size), "draft")
+  medusa = abstract_heads(model, "smollm2-135m-instruct-medusa")
+  eagle = abstract_heads(model, "smollm2-135m-instruct-eagle")
+  mtp = abstract_heads(model, None, family="mtp", num_heads=3)
+  tree = dict(tree_depth=4, tree_top_k=4, tree_budget=16)
+  requests = {
+      "sample": dict(temperature=0.8, top_k=40),
+      "multi_question": dict(questions=[[20, 21], [22], [23, 24, 25], [26]]),
+      "parallel_sample": dict(num_samples=4, temperature=0.9),
+      "margin_notes": dict(instruction=[7, 8, 9]),
+      "beam": dict(num_beams=4),
+      "speculative_tree": dict(draft=draft, **tree),
+      "eagle": dict(heads=eagle, **tree),
+      "entropy_branching": dict(num_branches=2, branch_tokens=4),
+      "lookahead": dict(window=4, ngram=4, guess_set=4),
+      "jacobi": dict(window=4),
+      "medusa": dict(heads=medusa, tree_budget=16),
+      "blockwise": dict(heads=mtp),
+      "self_speculative": dict(draft_layers=model.config.num_layers // 4, num_draft_tokens=4),
+      "speculative": dict(draft=draft, num_draft_tokens=4),
+  }
+  return {name: (chunks if isinstance(cls.layout, prompt_layouts.Chains) else prompt,
+                 requests.get(name, {}))
+          for name, cls in strategies.registry.STRATEGIES.items()}
+
+
+def generation_counts(target: str, model: Model, strategy: str, prompts: list, options: dict,
+                      max_new_tokens: int) -> dict:
+  """Strategy `strategy`'s whole-generation program compiled for `target`: per step of
+  its token loop (the loop under `mdjax.generate.STEP_LOOP`), kernels and host syncs;
+  the host syncs of the program outside that loop, and how many steps run between
+  them."""
+  fn, args = program(model, prompts, strategy, max_new_tokens, eos_token_id=[], **options)
+  text = compile_targets.compile_for(fn, target, *args).as_text()
+  whole, loop = hlo_report.read(text), hlo_report.find_loop(text, STEP_LOOP)
+  per_step = loop.iteration.host_syncs + (loop.trip_count is None)
+  return dict(strategy=strategy, kernels_per_step=loop.iteration.kernels,
+              host_syncs_per_step=per_step, steps_per_check=loop.trip_count or 1,
+              host_syncs_around=whole.host_syncs - per_step * (loop.trip_count or 1),
+              program_kernels=whole.kernels)
+
+
+def strategy_table(rows: list[dict]) -> str:
+  lines = [f"{'strategy':18} {'kernels/step':>12} {'syncs/step':>10} {'syncs around':>12} "
+           f"{'steps/check':>11}"]
+  for r in rows:
+    lines.append(f"{r['strategy']:18} {r['kernels_per_step']:>12} {r['host_syncs_per_step']:>10} "
+                 f"{r['host_syncs_around']:>12} {r['steps_per_check']:>11}")
+  return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
@@ -85,11 +177,22 @@ def main(argv):
                          kernels_per_layer=counts.kernels / config.num_layers,
                          **counts.to_json()))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
+  generation = []
+  with platform.building_for(compile_targets.get(_TARGET.value).platform):
+    model = abstract_model(config, _MODEL.value)
+    requests = strategy_requests(model, _PROMPT_TOKENS.value)
+    for name in _STRATEGIES.value:
+      generation.append(generation_counts(_TARGET.value, model, name, *requests[name],
+                                          _NEW_TOKENS.value))
+      print(strategy_table(generation[-1:]).splitlines()[-1], flush=True)
   out = pathlib.Path(_OUT_DIR.value) / "program_report.json"
   files.write_text(out, json.dumps(dict(target=_TARGET.value, model=_MODEL.value,
                                         context=_CONTEXT.value, jax=jax.__version__,
-                                        decode_step=rows), indent=1) + "\n")
+                                        decode_step=rows, generation=generation,
+                                        prompt_tokens=_PROMPT_TOKENS.value,
+                                        new_tokens=_NEW_TOKENS.value), indent=1) + "\n")
   print(table(rows))
+  print(strategy_table(generation))
   print(f"wrote {out}")
 
 

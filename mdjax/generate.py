@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mdjax import distributed, programs, sharding, strategies
+from mdjax import distributed, platform, programs, sharding, strategies
 from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
 from mdjax.models.attention import ATTENTION_BLOCK
@@ -49,12 +49,56 @@ def _start(strategy, params, prompt: Prompt, limits: Limits, *, num_slots: int, 
   return strategy.init(params, prompt, cache, limits, capacity)
 
 
+STEP_LOOP = "strategy_steps"  # the named scope of the loop whose iterations are `step`s
+STEPS_PER_CHECK = 8  # off the CPU: steps run between two checks that every row is done
+
+
+def steps_per_check() -> int:
+  """How many `step`s the token loop runs between two reads of "every row done".
+
+  A while loop's condition is read by the host on a GPU: the device waits for the host
+  each iteration (`mdjax.hlo_report`'s host syncs). Off the CPU the loop checks once
+  every `STEPS_PER_CHECK` steps; the steps between run in a loop of known trip count,
+  and once every row is done they change nothing (`_step_unless_done`). The price: at
+  most `STEPS_PER_CHECK - 1` passes run after the last row is done. On the CPU a while
+  condition costs nothing and every pass costs its full compute: it checks every step.
+  """
+  return 1 if platform.is_cpu() else STEPS_PER_CHECK
+
+
+def _step_unless_done(strategy, params, state):
+  """`strategy.step(params, state)`, or `state` unchanged where every row was already
+  done (a select: the step still runs). KV caches are taken from the step either way:
+  no one reads a cache after the last row is done, and selecting one would copy it."""
+  finished = strategy.done(state).all()
+  stepped = strategy.step(params, state)
+  is_cache = lambda x: isinstance(x, KVCache)
+  return jax.tree.map(lambda old, new: new if is_cache(old) else jnp.where(finished, old, new),
+                      state, stepped, is_leaf=is_cache)
+
+
 def _run(strategy, params, prompt: Prompt, limits: Limits, **static):
-  """The whole generation: prefill, then `strategy.step` until every row is done."""
+  """The whole generation: prefill, then `strategy.step` until every row is done::
+
+      CPU     while not done: step                        (one check per step)
+      else    while not done: repeat k: step unless done  (k = `steps_per_check()`,
+                                                           a loop of known trip count)
+
+  The loop of steps is traced under the named scope `STEP_LOOP` (how
+  `experiments.program_report` finds it in the compiled program)."""
   state = _start(strategy, params, prompt, limits, **static)
-  state = jax.lax.while_loop(lambda s: ~strategy.done(s).all(),
-                             functools.partial(strategy.step, params), state)
-  return strategy.result(state)
+  unfinished = lambda s: ~strategy.done(s).all()
+  every = steps_per_check()
+  if every == 1:
+    with jax.named_scope(STEP_LOOP):
+      state = jax.lax.while_loop(unfinished, functools.partial(strategy.step, params), state)
+    return strategy.result(state)
+
+  def steps(s):
+    with jax.named_scope(STEP_LOOP):
+      return jax.lax.fori_loop(0, every, lambda _, s: _step_unless_done(strategy, params, s), s)
+
+  return strategy.result(jax.lax.while_loop(unfinished, steps, state))
 
 
 _programs = programs.Table()  # generate's whole-generation programs
@@ -79,7 +123,8 @@ def _signature(tree) -> tuple:
 def _compile(strategy, params, prompt, limits, layout=None, **static):
   """The compiled program for these shapes and placements (cached), and the seconds
   compiling took; traced under `layout`'s mesh when the model lies on one."""
-  key = (strategy, layout, tuple(sorted(static.items())), _signature((params, prompt, limits)))
+  key = (strategy, layout, steps_per_check(), tuple(sorted(static.items())),
+         _signature((params, prompt, limits)))
   program = _programs.get(key)
   if program is not None:
     return program, 0.0
@@ -89,6 +134,23 @@ def _compile(strategy, params, prompt, limits, layout=None, **static):
         params, prompt, limits).compile()
   _programs.put(key, program)
   return program, time.perf_counter() - start
+
+
+def program(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int = 32,
+            eos_token_id=None, seed: int = 0, **options) -> tuple[Any, tuple]:
+  """The whole-generation program `generate` would run for this request, not compiled
+  and not run: `(fn, args)`, `fn` jitted, so that `fn.trace(*args).lower().compile()`
+  is `generate`'s program. The weights (the model's, a draft's, heads') may be
+  `jax.ShapeDtypeStruct`s, e.g. to compile for a GPU target on this CPU::
+
+      fn, args = mdjax.generate.program(model, [[1, 2, 3]], "greedy", 64)
+      compiled = compile_targets.compile_for(fn, "h200", *args)
+
+  Options are `generate`'s; `tree_budget="auto"` times passes, so it needs real weights.
+  """
+  plan = _prepare(model, prompts, strategy, max_new_tokens, eos_token_id, seed, options)
+  fn = jax.jit(functools.partial(_run, plan.decoder, **plan.static))
+  return fn, (plan.params, plan.prompt, plan.limits)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,7 @@ bytes it copies inside loops and the precision of its float32 products.
     counts = hlo_report.read(compiled.as_text())
     counts.kernels        # kernels launched by one run of the program
     counts.host_syncs     # while loops of unknown trip count (each iteration asks the host)
+                          # and conditionals (the host reads which branch runs)
     counts.loop_copies    # bytes copied inside loops (weights sliced out of a layer stack,
                           # a layer's K/V copied out of the cache), per run
     counts.f32_products   # float32 products by precision ("default" on a GPU is TF32)
@@ -16,7 +17,8 @@ How a run is counted, computation by computation from ENTRY::
       copy, any other compute op
     while with known_trip_count n        n x body + (n + 1) x condition
     while of unknown trip count          body + condition once, and one host sync
-    conditional                          its costliest branch
+    conditional                          its costliest branch, the predicate's read,
+                                           and one host sync
     call                                 its callee
     parameter, constant, tuple, get-tuple-element, bitcast...   0 (no kernel)
 
@@ -137,16 +139,15 @@ class _Reader:
       if op == "while":
         body = self.run(instruction.attribute("body"), True)
         condition = self.run(instruction.attribute("condition"), True)
-        trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', instruction.text)
-        if trip:
-          n = int(trip.group(1))
+        n = _trip_count(instruction)
+        if n is not None:
           counts.add(body, n)
           counts.add(condition, n + 1)
         else:
           counts.add(body)
           counts.add(condition)
           counts.host_syncs += 1
-        counts.loops.append((int(trip.group(1)) if trip else None, body.kernels))
+        counts.loops.append((n, body.kernels))
       elif op == "conditional":
         branches = re.findall(r"%([\w.\-]+)", re.search(r"branch_computations=\{([^}]*)\}",
                                                          instruction.text).group(1)) \
@@ -156,6 +157,7 @@ class _Reader:
         counts.add(costliest)
         counts.kernels += 1  # the predicate's read
         counts.kernels_by_kind["conditional"] += 1
+        counts.host_syncs += 1  # XLA:GPU copies the predicate to the host and waits for it
       elif op == "call":
         counts.add(self.run(instruction.attribute("to_apply"), in_loop))
       elif op not in NO_KERNEL:
@@ -184,6 +186,34 @@ class _Reader:
         found[algorithm.group(1) if algorithm else
               precision.group(1) if precision else "default"] += 1
     return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+  """One while loop of a program: its trip count (None: unknown, a host sync per
+  iteration) and what one iteration runs (body and condition)."""
+
+  trip_count: int | None
+  iteration: Counts
+
+
+def find_loop(text: str, scope: str) -> Loop:
+  """The while loop traced directly under the named scope `scope` (`jax.named_scope`:
+  its op_name ends with `scope/while`) in the program whose optimized HLO is `text`."""
+  reader = _Reader(text)
+  for instructions in reader.computations.values():
+    for instruction in instructions:
+      if instruction.opcode == "while" and f'{scope}/while"' in instruction.text:
+        iteration = Counts()
+        iteration.add(reader.run(instruction.attribute("body"), True))
+        iteration.add(reader.run(instruction.attribute("condition"), True))
+        return Loop(trip_count=_trip_count(instruction), iteration=iteration)
+  raise ValueError(f"no while loop under the named scope {scope!r} in the HLO text")
+
+
+def _trip_count(instruction: Instruction) -> int | None:
+  trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', instruction.text)
+  return int(trip.group(1)) if trip else None
 
 
 def read(text: str) -> Counts:

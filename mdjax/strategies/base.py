@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from mdjax import platform
 from mdjax.cache import CacheRegions, KVCache
 from mdjax.models.attention import check_attention, default_attention
 from mdjax.models.config import ModelConfig
@@ -321,8 +322,13 @@ def region_prompt_slots(prompt: Prompt, regions: CacheRegions) -> Int[Array, "B 
 
 def run_narrowest(widths: tuple[int, ...], need, pass_at, carry, *operands):
   """`(pass_at(w)(carry, *operands), w)` for the narrowest `w` in `widths` (widest
-  first) that holds `need` (a traced count) columns. Every width is compiled; only
-  the one taken runs, in place (`switch_in_place`)."""
+  first) that holds `need` (a traced count) columns. On the CPU every width is
+  compiled and only the one taken runs, in place (`switch_in_place`): a pass costs
+  its columns' compute there. Elsewhere the widest runs: choosing on the device is a
+  while loop or a conditional, whose predicate the host reads (a GPU waits for it),
+  and a memory-bound pass of a few more columns costs little more."""
+  if not platform.is_cpu():
+    return pass_at(widths[0])(carry, *operands), jnp.asarray(widths[0], jnp.int32)
   level = sum((need <= w).astype(jnp.int32) for w in widths[1:])
   carry = switch_in_place(level, [pass_at(w) for w in widths], carry, *operands)
   return carry, jnp.asarray(widths, jnp.int32)[level]
