@@ -32,8 +32,13 @@ def test_the_cpu_checks_every_step():
     assert steps_per_check() == STEPS_PER_CHECK > 1
 
 
+SELF_SPECULATIVE = dict(draft_layers=1, num_draft_tokens=4, confidence_threshold=0.3)  # chains
+#                   that stop early: a loop ending when no row drafts on would ask the host
+
+
 @pytest.mark.parametrize("strategy, options", [("greedy", {}),
-                                               ("multi_question", dict(questions=[[20], [21, 22]]))])
+                                               ("multi_question", dict(questions=[[20], [21, 22]])),
+                                               ("self_speculative", SELF_SPECULATIVE)])
 def test_off_the_cpu_the_steps_run_in_a_loop_of_known_trip_count(model, strategy, options):
   with platform.building_for("gpu"):
     loop, whole = _step_loop(model, strategy, **options)
@@ -49,7 +54,8 @@ def test_on_the_cpu_the_token_loop_is_checked_every_step(model):
 
 @pytest.mark.parametrize("strategy, options", [
     ("greedy", {}), ("multi_question", dict(questions=[[20], [21, 22], [23]])),
-    ("prompt_lookup", dict(prompt_lookup_num_tokens=3, max_ngram_size=2))])
+    ("prompt_lookup", dict(prompt_lookup_num_tokens=3, max_ngram_size=2)),
+    ("self_speculative", SELF_SPECULATIVE)])
 def test_rows_finishing_between_checks_give_the_cpu_programs_tokens(model, strategy, options):
   prompts = PROMPTS[:1] if strategy == "multi_question" else PROMPTS
   # 11 new tokens: not a multiple of STEPS_PER_CHECK; an EOS from the first row's output

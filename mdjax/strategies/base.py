@@ -23,8 +23,10 @@ choice; strategies never call `decode_step` themselves), then runs
     done(state) -> bool[rows]
     result(state) -> (OutputBuffer, stats: dict of int32 scalars)
 
-with `step` inside one `lax.while_loop`, so a whole generation is one compiled
-program with no host sync per token. `state` is a registered frozen dataclass
+with `step` inside one compiled program's token loop (`mdjax.generate`): on a CPU a
+`lax.while_loop` that stops when every row is done; on a GPU or TPU, where a while
+loop's condition makes the device wait for the host, a loop of `STEPS_PER_CHECK` steps
+of known trip count between two such checks, so no step waits for the host. `state` is a registered frozen dataclass
 (`DecodeState` or a subclass) whose fields are documented with their shapes;
 `step` returns a new one through `dataclasses.replace`.
 """

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from mdjax import cache as cache_ops
+from mdjax import platform
 from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError, check_count, check_real
 from mdjax.sampling import (SamplingParams, choose, greedy_accept, process_logits, row_keys,
@@ -333,7 +334,12 @@ def draft_chain(draft: ModelFn, params, cache: KVCache, logits: Float[Array, "B 
                        q=None if sampling.greedy else jnp.zeros((batch, longest, logits.shape[-1]),
                                                                 jnp.float32),
                        active=~done, cache=cache, i=jnp.zeros((), jnp.int32)), logits)
-  return jax.lax.while_loop(lambda c: (c.i < longest) & c.active.any(), extend, chain)
+  if platform.is_cpu():
+    return jax.lax.while_loop(lambda c: (c.i < longest) & c.active.any(), extend, chain)
+  # Off the CPU a loop that stops when no row drafts on asks the host after every draft
+  # pass; `longest` passes with the stopped rows fed as padding (segment -1: no cache
+  # write, no length) ask nothing, and draft passes are cheap (a small draft model).
+  return jax.lax.fori_loop(1, longest, lambda _, c: extend(c), chain)
 
 
 def accept_chain(keys: jax.Array, chain: Chain, logits: Float[Array, "B D+1 V"],
