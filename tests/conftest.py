@@ -7,9 +7,9 @@ import tempfile
 
 # The suite's models are tiny, so its time is XLA compiling hundreds of programs;
 # without LLVM's optimisation passes that is ~30% faster, and with XLA:CPU's older
-# fusion emitters (LLVM IR directly, not through MLIR) it takes ~45% less CPU again
-# (docs/testing.md). Set before jax starts its backend; subprocesses (benchmarks, the
-# CLI) inherit it. Results are checked between strategies under the same compiler,
+# fusion emitters (LLVM IR directly, not through MLIR) small programs take ~45% less
+# CPU again, a real model's ~15% more (docs/testing.md). Set before jax starts its
+# backend; subprocesses (benchmarks, the CLI) inherit it. Results are checked between strategies under the same compiler,
 # never against recorded floats of an optimised build (the shipped models' recorded
 # accuracies have a tolerance).
 os.environ["XLA_FLAGS"] = " ".join(
