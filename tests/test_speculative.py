@@ -2,9 +2,6 @@
 the draft schedule; sampled output follows the target's sampling law (chi-square)."""
 
 import json
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +9,8 @@ import numpy as np
 import pytest
 
 import mdjax
+from configs import speculative as speculative_config
+from experiments import decode
 from mdjax.sampling import speculative_accept
 from tests.helpers import chi_square_p_value, random_model, target_law
 
@@ -200,16 +199,13 @@ def test_draft_with_another_vocabulary_is_refused(targets):
     mdjax.generate(targets[0], [1, 2], strategy="speculative", draft=other)
 
 
-def test_cli_takes_the_draft_by_name(tmp_path):
-  """configs/speculative.py with the draft named in the config == greedy via the API."""
-  out_json = tmp_path / "out.json"
-  args = ["--config=configs/speculative.py", "--config.model=random-llama-tiny",
-          "--config.draft=random-llama-tiny", "--config.prompt=", "--config.prompt_ids=5,6,7",
-          "--config.max_new_tokens=12", f"--output_json={out_json}"]
-  result = subprocess.run([sys.executable, "-m", "experiments.decode", *args], capture_output=True,
-                          text=True, cwd=pathlib.Path(__file__).resolve().parent.parent, timeout=300)
-  assert result.returncode == 0, result.stderr
-  summary = json.loads(out_json.read_text())
+def test_cli_takes_the_draft_by_name():
+  """configs/speculative.py with the draft named in the config == greedy via the API (the
+  CLI's `decode`, in this process: tests/test_cli_configs.py runs the CLI itself)."""
+  config = speculative_config.get_config()
+  config.update(model="random-llama-tiny", draft="random-llama-tiny", prompt="",
+                prompt_ids="5,6,7", max_new_tokens=12)
+  summary = json.loads(json.dumps(decode.decode(config)))
   model = mdjax.load("random-llama-tiny")
   assert summary["sequences"] == mdjax.generate(model, [5, 6, 7], max_new_tokens=12).sequences
   assert summary["stats"]["accepted"] == summary["stats"]["drafted"]

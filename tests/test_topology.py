@@ -62,12 +62,16 @@ def step(params, cache, tokens, positions, segments, topology, config, attention
 
 
 def alone(params, config, path):
-  """Logits [len(path), V] of `path` decoded alone: one segment, positions 0..n-1."""
+  """Logits [len(path), V] of `path` decoded alone: one segment, positions 0..n-1.
+  Causal, so tokens after the path change none of its logits: the path is fed
+  followed by token 0 up to a whole block, one program per block count rather than
+  per path length."""
   n = len(path)
-  cache = KVCache.create(config, 1, n + (-n) % BLOCK)
-  logits, _, _ = step(params, cache, [path], [list(range(n))], [[0] * n], Topology.causal(1),
-                      config, attention="dense")
-  return np.asarray(logits[0])
+  padded = n + (-n) % BLOCK
+  cache = KVCache.create(config, 1, padded)
+  logits, _, _ = step(params, cache, [list(path) + [0] * (padded - n)], [list(range(padded))],
+                      [[0] * padded], Topology.causal(1), config, attention="dense")
+  return np.asarray(logits[0, :n])
 
 
 @dataclasses.dataclass
