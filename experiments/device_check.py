@@ -188,7 +188,9 @@ def run_tests(settings: Settings, out_dir: pathlib.Path) -> dict:
   command = test_command(settings, junit)
   try:
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                          timeout=settings.test_timeout_s)
+                          timeout=settings.test_timeout_s,
+                          env=dict(os.environ, JAX_PLATFORMS=""))  # the device, not
+    #                                          the suite's default of the CPU (conftest)
   except subprocess.TimeoutExpired as timeout:  # its output so far says which tests ran
     output = b"".join(x if isinstance(x, bytes) else x.encode()
                       for x in (timeout.stdout, timeout.stderr) if x)

@@ -119,7 +119,8 @@ def strategy_requests(model: Model, prompt_tokens: int) -> dict[str, tuple[list,
       "jacobi": dict(window=4),
       "medusa": dict(heads=medusa, tree_budget=16),
       "blockwise": dict(heads=mtp),
-      "self_speculative": dict(draft_layers=model.config.num_layers // 4, num_draft_tokens=4),
+      "self_speculative": dict(draft_layers=max(1, model.config.num_layers // 4),
+                                num_draft_tokens=4),
       "speculative": dict(draft=draft, num_draft_tokens=4),
   }
   return {name: (chunks if isinstance(cls.layout, prompt_layouts.Chains) else prompt,
@@ -133,7 +134,8 @@ def generation_counts(target: str, model: Model, strategy: str, prompts: list, o
   its token loop (the loop under `mdjax.generate.STEP_LOOP`), kernels and host syncs;
   the host syncs of the program outside that loop, and how many steps run between
   them."""
-  fn, args = program(model, prompts, strategy, max_new_tokens, eos_token_id=[], **options)
+  with platform.building_for(compile_targets.get(target).platform):  # generate's choices
+    fn, args = program(model, prompts, strategy, max_new_tokens, eos_token_id=[], **options)
   text = compile_targets.compile_for(fn, target, *args).as_text()
   whole, loop = hlo_report.read(text), hlo_report.find_loop(text, STEP_LOOP)
   per_step = loop.iteration.host_syncs + (loop.trip_count is None)

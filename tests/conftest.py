@@ -9,12 +9,17 @@ import tempfile
 # without LLVM's optimisation passes that is ~30% faster, and with XLA:CPU's older
 # fusion emitters (LLVM IR directly, not through MLIR) small programs take ~45% less
 # CPU again, a real model's ~15% more (docs/testing.md). Set before jax starts its
-# backend; subprocesses (benchmarks, the CLI) inherit it. Results are checked between strategies under the same compiler,
-# never against recorded floats of an optimised build (the shipped models' recorded
-# accuracies have a tolerance).
+# backend; subprocesses (benchmarks, the CLI) inherit it. Results are checked between
+# strategies under the same compiler, never against recorded floats of an optimised
+# build (the shipped models' recorded accuracies have a tolerance).
 os.environ["XLA_FLAGS"] = " ".join(
     filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0",
                   "--xla_cpu_use_fusion_emitters=false"]))
+# The suite runs on the CPU, even where jax's CUDA plugin is installed (it is, for the
+# GPU program report's tests: requirements-compile-targets.txt), and every process it
+# starts inherits that; the accelerator checks on a GPU set JAX_PLATFORMS themselves
+# (experiments/device_check.py).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # `tree_budget="auto"` sizes trees by a measured pass cost: the suite pins a flat one
 # (a GPU-like device, where the widest trees pay), so no test pays a measurement and
 # every test's tree is the same on any machine; tests/test_tree_auto.py measures.
