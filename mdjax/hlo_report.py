@@ -149,10 +149,10 @@ class _Reader:
           counts.host_syncs += 1
         counts.loops.append((n, body.kernels))
       elif op == "conditional":
-        branches = re.findall(r"%([\w.\-]+)", re.search(r"branch_computations=\{([^}]*)\}",
-                                                         instruction.text).group(1)) \
-            if "branch_computations" in instruction.text else [
-                instruction.attribute("true_computation"), instruction.attribute("false_computation")]
+        listed = re.search(r"branch_computations=\{([^}]*)\}", instruction.text)
+        branches = (re.findall(r"%([\w.\-]+)", listed.group(1)) if listed else
+                    [instruction.attribute("true_computation"),
+                     instruction.attribute("false_computation")])
         costliest = max((self.run(b, in_loop) for b in branches if b), key=lambda c: c.kernels)
         counts.add(costliest)
         counts.kernels += 1  # the predicate's read

@@ -11,8 +11,7 @@ installed by requirements-dev.txt; no skip without it) by `mdjax.hlo_report`:
 
 import pytest
 
-from experiments import program_report
-from mdjax import compile_targets, platform
+from mdjax import compile_targets, platform, program_report
 from mdjax.models.layer_loop import default_layer_loop
 from mdjax.models.registry import RANDOM_MODELS
 from mdjax.strategies import registry

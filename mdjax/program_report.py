@@ -1,0 +1,110 @@
+"""What the programs mdjax builds do on a device it compiles for without having it
+(`mdjax.compile_targets`), read by `mdjax.hlo_report`: one `decode_step` pass, and every
+registered strategy's whole-generation program (`mdjax.generate.program`) on weights
+that are shapes only. `experiments/program_report.py` is the CLI that tabulates them;
+`tests/test_gpu_programs.py` holds CI to their floors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from mdjax import compile_targets, hlo_report, platform, strategies
+from mdjax.cache import KVCache
+from mdjax.generate import STEP_LOOP, program
+from mdjax.heads import Heads, HeadsConfig, init_heads, load_heads
+from mdjax.models.attention import default_attention
+from mdjax.models.layer_loop import default_layer_loop, with_layer_loop
+from mdjax.models.model import Model
+from mdjax.models.random_init import init_params
+from mdjax.models.registry import RANDOM_MODELS
+from mdjax.step import decode_step
+from mdjax.strategies import prompt_layouts
+from mdjax.topology import Topology
+
+
+def decode_step_counts(target: str, config, *, batch: int, tokens: int, slots: int,
+                       segments: int, layer_loop: str) -> hlo_report.Counts:
+  """The counts of one `decode_step` pass compiled for `target`."""
+  with platform.building_for(compile_targets.get(target).platform):
+    params = jax.eval_shape(lambda: with_layer_loop(init_params(config, 0, jnp.bfloat16),
+                                                    layer_loop))
+    cache = jax.eval_shape(lambda: KVCache.create(config, batch, slots, jnp.bfloat16))
+    attention = default_attention()
+  ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
+  topology = Topology(parent=jax.ShapeDtypeStruct((batch, segments), jnp.int32),
+                      fork=jax.ShapeDtypeStruct((batch, segments), jnp.int32))
+  compiled = compile_targets.compile_for(decode_step, target, params, cache, ids, ids, ids,
+                                         topology, config=config, attention=attention)
+  return hlo_report.read(compiled.as_text())
+
+
+def abstract_model(config, name: str = "") -> Model:
+  """A model of `config` whose weights are shapes only (bfloat16), laid out for the
+  platform being built for."""
+  params = jax.eval_shape(lambda: with_layer_loop(init_params(config, 0, jnp.bfloat16),
+                                                  default_layer_loop()))
+  return Model(config=config, params=params, name=name)
+
+
+def abstract_heads(model: Model, shipped: str | None, **fields) -> Heads:
+  """Heads for `model`, shapes only: configured like the shipped heads `shipped` (or
+  from `fields`) at the model's width and vocabulary."""
+  c = model.config
+  config = load_heads(shipped).config if shipped else None
+  shape = dict(base_model=model.name, base_family=c.family, hidden_size=c.hidden_size,
+               vocab_size=c.vocab_size, **fields)
+  config = dataclasses.replace(config, **shape) if config else HeadsConfig(**shape)
+  return Heads(config=config, params=jax.eval_shape(lambda: init_heads(config, c).params))
+
+
+def strategy_requests(model: Model, prompt_tokens: int) -> dict[str, tuple[list, dict]]:
+  """Per registered strategy: its prompts and options, one request of `prompt_tokens`."""
+  prompt = [list(range(3, 3 + prompt_tokens))]
+  chunks = [[prompt[0][:prompt_tokens // 2], prompt[0][prompt_tokens // 2:]]]
+  draft = abstract_model(dataclasses.replace(RANDOM_MODELS["random-llama-tiny"],
+                                             vocab_size=model.config.vocab_size), "draft")
+  medusa = abstract_heads(model, "smollm2-135m-instruct-medusa")
+  eagle = abstract_heads(model, "smollm2-135m-instruct-eagle")
+  mtp = abstract_heads(model, None, family="mtp", num_heads=3)
+  tree = dict(tree_depth=4, tree_top_k=4, tree_budget=16)
+  requests = {
+      "sample": dict(temperature=0.8, top_k=40),
+      "multi_question": dict(questions=[[20, 21], [22], [23, 24, 25], [26]]),
+      "parallel_sample": dict(num_samples=4, temperature=0.9),
+      "margin_notes": dict(instruction=[7, 8, 9]),
+      "beam": dict(num_beams=4),
+      "speculative_tree": dict(draft=draft, **tree),
+      "eagle": dict(heads=eagle, **tree),
+      "entropy_branching": dict(num_branches=2, branch_tokens=4),
+      "lookahead": dict(window=4, ngram=4, guess_set=4),
+      "jacobi": dict(window=4),
+      "medusa": dict(heads=medusa, tree_budget=16),
+      "blockwise": dict(heads=mtp),
+      "self_speculative": dict(draft_layers=max(1, model.config.num_layers // 4),
+                                num_draft_tokens=4),
+      "speculative": dict(draft=draft, num_draft_tokens=4),
+  }
+  return {name: (chunks if isinstance(cls.layout, prompt_layouts.Chains) else prompt,
+                 requests.get(name, {}))
+          for name, cls in strategies.registry.STRATEGIES.items()}
+
+
+def generation_counts(target: str, model: Model, strategy: str, prompts: list, options: dict,
+                      max_new_tokens: int) -> dict:
+  """Strategy `strategy`'s whole-generation program compiled for `target`: per step of
+  its token loop (the loop under `mdjax.generate.STEP_LOOP`), kernels and host syncs;
+  the host syncs of the program outside that loop, and how many steps run between
+  them."""
+  with platform.building_for(compile_targets.get(target).platform):  # generate's choices
+    fn, args = program(model, prompts, strategy, max_new_tokens, eos_token_id=[], **options)
+  text = compile_targets.compile_for(fn, target, *args).as_text()
+  whole, loop = hlo_report.read(text), hlo_report.find_loop(text, STEP_LOOP)
+  per_step = loop.iteration.host_syncs + (loop.trip_count is None)
+  return dict(strategy=strategy, kernels_per_step=loop.iteration.kernels,
+              host_syncs_per_step=per_step, steps_per_check=loop.trip_count or 1,
+              host_syncs_around=whole.host_syncs - per_step * (loop.trip_count or 1),
+              program_kernels=whole.kernels)
