@@ -9,7 +9,7 @@ data is made of and how its features are cached), `config.optim.*`, and `config.
 (what only the sequential families read); on the command line `--config.data.prompts=...`.
 
 Strings stand for "none": `data.prompts=""` uses the built-in prompt set
-(`mdjax.train.head_prompts`), else a prompts file (one per line, or `.jsonl`);
+(`mdjax.train.head_data.prompts`), else a prompts file (one per line, or `.jsonl`);
 `data.text_file=""` generates the data, else that plain text is the training data as it
 is (no prompts, no generation); `export_dir=""` exports into `run_dir/export`.
 `data.temperature=0` generates greedily ("greedy"), above 0 samples ("sample").

@@ -7,7 +7,7 @@ hidden states heads read, captured while it generates (no second pass).
 
 The same command on the same directory resumes (the settings that shape the data must
 be the same; budgets and batch may change). The last line printed is a JSON summary:
-this run's tokens, tokens/s and padding waste. The directory (`mdjax.train.head_data`,
+this run's tokens, tokens/s and padding waste. The directory (`mdjax.train.head_data.dataset`,
 read it with `HeadData(out_dir)`)::
 
     out_dir/
@@ -32,8 +32,8 @@ from absl import app, flags
 
 import mdjax
 from experiments.cli import check_argv, fail, one_line_errors
-from mdjax.train import head_prompts
-from mdjax.train.head_data_maker import DataConfig, make
+from mdjax.train.head_data import prompts as head_prompts
+from mdjax.train.head_data.make import DataConfig, make
 
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "The data directory (created, or resumed).")
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Anything `mdjax.load` takes.")

@@ -18,7 +18,10 @@ from mdjax.models.transformer import forward_causal, lm_head
 from mdjax.sampling import SamplingParams, process_logits, row_keys
 from mdjax.step import decode_step
 from mdjax.topology import Topology
-from mdjax.train import capture, head_data_maker, head_data, self_instruct
+from mdjax.train.head_data import capture
+from mdjax.train.head_data import make as head_data_maker
+from mdjax.train.head_data import dataset as head_data
+from mdjax.train.head_data import self_instruct
 from tests.helpers import GEMMA3_MIXED, chi_square_p_value, random_model
 
 AUX = (0, 2, 3)

@@ -22,15 +22,18 @@ import pytest
 
 import mdjax
 from configs import heads_tiny_test
-from mdjax.train import data, head_features, head_prompts, heads_data
+from mdjax.train import data
+from mdjax.train.heads import features as head_features
+from mdjax.train.head_data import prompts as head_prompts
+from mdjax.train.heads import inputs as heads_data
 from mdjax.heads import get_family, load_heads, save_heads
 from mdjax.heads.eagle import eagle_targets
 from mdjax.heads.objective import Objective, ahead, parallel_loss, parallel_targets
 from mdjax.models.config import ModelConfig
 from mdjax.train import heads as heads_lib
-from mdjax.train.heads_batches import Reader
-from mdjax.train.heads_card import HELDOUT_FILE
-from mdjax.train.heads_objective import evaluate, objective_of, unembedding
+from mdjax.train.heads.batches import Reader
+from mdjax.train.heads.card import HELDOUT_FILE
+from mdjax.train.heads.objective import evaluate, objective_of, unembedding
 from tests.helpers import cycle_model, write_cycle_prompts
 
 REPO = data.pathlib.Path(__file__).resolve().parent.parent

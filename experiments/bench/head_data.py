@@ -1,4 +1,4 @@
-"""Throughput of the heads' data capture (`mdjax.train.capture`) by batch size, and of
+"""Throughput of the heads' data capture (`mdjax.train.head_data.capture`) by batch size, and of
 a teacher-forced pass over the same text, in one run (the machine is shared: the
 float32 matmul rate measured beside each number says how busy it was).
 
@@ -32,7 +32,8 @@ from mdjax.heads.eagle3 import default_target_layers
 from mdjax.models.transformer import forward_causal
 from mdjax.prompts import eos_ids
 from mdjax.sampling import SamplingParams
-from mdjax.train import capture, head_prompts
+from mdjax.train.head_data import capture
+from mdjax.train.head_data import prompts as head_prompts
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Anything `mdjax.load` takes.")
 _BATCHES = flags.DEFINE_list("batches", ["64", "128", "256"], "Batch sizes.")

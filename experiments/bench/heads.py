@@ -7,7 +7,7 @@ beside a sweep of fixed trees.
 
 The prompts are held out from every head's training: `experiments/bench/data/head_questions.jsonl`
 (two questions for each of 13 task kinds, written for this benchmark in plain language, not
-from `mdjax.train.head_prompts`' templates nor the self-instruct seeds), or a user's file of
+from `mdjax.train.head_data.prompts`' templates nor the self-instruct seeds), or a user's file of
 JSON lines `{"category": ..., "prompt": ...}` (`--questions`), each prompt one user turn of
 the model's chat template. At T = 0, each row generating `--new_tokens` tokens with no early
 stop, at every batch size of `--batches`:

@@ -164,7 +164,7 @@ class HeadFamily:
   def loss(self, objective: Objective, params: Params, batch: dict, target: Params,
            ks: tuple[int, ...]) -> tuple[jax.Array, dict]:
     """(loss, {"hits": [depth, len(ks)] top-k hits, "count": [depth] targets}) of one
-    batch (`mdjax.train.heads_batches.Reader`); `target`: the frozen target's embedding and
+    batch (`mdjax.train.heads.batches.Reader`); `target`: the frozen target's embedding and
     lm_head (and a draft vocabulary's `draft_ids`, `draft_unembedding`)."""
     raise NotImplementedError
 

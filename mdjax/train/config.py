@@ -101,7 +101,7 @@ class LMTrainConfig(TrainConfig):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HeadsDataConfig:
   """`config.data` of the heads trainer: what its data is made of (prompts the target
-  answers, a text, or a data set) and how its features are cached (`heads_data`)."""
+  answers, a text, or a data set) and how its features are cached (`mdjax.train.heads.inputs`)."""
 
   prompts: str
   text_file: str

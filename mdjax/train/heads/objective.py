@@ -23,7 +23,7 @@ from mdjax.models.model import Model
 from mdjax.models.transformer import Params
 from mdjax.train import loop
 from mdjax.train.config import HeadsTrainConfig
-from mdjax.train.heads_batches import Reader
+from mdjax.train.heads.batches import Reader
 
 BAR_TOP = (1, 5)  # the top-k accuracies a training step measures
 EVAL_TOP = tuple(range(1, 11))  # the held-out ones (HeadsConfig.top_accuracy's columns)

@@ -35,7 +35,7 @@ from mdjax.chat import chat_ids
 from mdjax.models.model import Model
 from mdjax.prompts import eos_ids
 from mdjax.sampling import SamplingParams
-from mdjax.train.capture import CaptureOptions, capture
+from mdjax.train.head_data.capture import CaptureOptions, capture
 
 ONLY = " Write only the {}, nothing else."
 MAX_ASKS_PER_PROMPT = 10  # a model that writes no usable request still stops

@@ -1,10 +1,10 @@
-"""Making a heads data directory (`mdjax.train.head_data`), resumably, inside a budget.
+"""Making a heads data directory (`mdjax.train.head_data.dataset`), resumably, inside a budget.
 
     grow prompts (self_instruct) ─> split by prompt ─> prompts.jsonl      once
     work items (seeded order) ─> capture (batched, one pass) ─> chunks/   until a budget
 
 The prompts are mdjax's built-in set plus `grow_prompts` the model writes; a seeded
-`heldout_fraction` of them is held out (`head_prompts.split_prompts`). Work item i
+`heldout_fraction` of them is held out (`prompts.split_prompts`). Work item i
 answers prompt `order[i % P]` (`work_order`), sample `i // P`: every prompt is
 answered once before any twice, so a budget that stops early still covers the most
 prompts. Rerun on the same directory, it checks the settings against `meta.json` and
@@ -31,9 +31,10 @@ from mdjax.heads.eagle3 import default_target_layers
 from mdjax.models.model import Model
 from mdjax.prompts import eos_ids
 from mdjax.sampling import SamplingParams
-from mdjax.train import head_prompts, self_instruct
-from mdjax.train.capture import CaptureOptions, CaptureStats, capture
-from mdjax.train.head_data import ChunkWriter, written_items
+from mdjax.train.head_data import prompts as head_prompts
+from mdjax.train.head_data import self_instruct
+from mdjax.train.head_data.capture import CaptureOptions, CaptureStats, capture
+from mdjax.train.head_data.dataset import ChunkWriter, written_items
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

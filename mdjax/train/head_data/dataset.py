@@ -1,5 +1,5 @@
 """The heads' data set on disk: the model's own answers with the hidden states heads
-read, written in chunks as `mdjax.train.capture` yields rows, and read back.
+read, written in chunks as `mdjax.train.head_data.capture` yields rows, and read back.
 
     data/
       meta.json          what made it: model, aux_layers, hidden_size, sampling, seed...
@@ -36,7 +36,7 @@ import numpy as np
 
 from mdjax.errors import MdjaxError
 from mdjax.files import atomic_directory
-from mdjax.train.capture import CapturedRow
+from mdjax.train.head_data.capture import CapturedRow
 
 ROW_FIELDS = ("item", "prompt", "start", "length", "prompt_length")
 ARRAYS = ("tokens", "hidden", "aux", "greedy")  # a chunk's per-token files

@@ -3,13 +3,13 @@
     run_dir/cache/<key>/       keyed by the target (name and a digest of its params) and
       key.json                 everything that shapes the data; a rerun finds it and
       sequences.json           neither generates nor runs the target again
-      features/{train,heldout}/   `head_features.Features`
+      features/{train,heldout}/   `features.Features`
 
-Three sources (`config.data`): prompts (a file, or `head_prompts`' built-in set) the
+Three sources (`config.data`): prompts (a file, or the built-in set of `mdjax.train.head_data.prompts`) the
 target answers (`mdjax.generate`, through its chat template), whose hidden states one
 pass per batch then computes; a plain text cut into rows; or a data set
 `experiments/make_head_data.py` wrote (`head_data`), whose rows bring their states and
-greedy guesses along. Either way one writer (`head_features.FeatureWriter`) writes the
+greedy guesses along. Either way one writer (`features.FeatureWriter`) writes the
 cache. The draft vocabulary (`draft_vocabulary`) is counted on the training answers.
 
 Many processes: every process generates and runs the target's passes (they are
@@ -36,10 +36,10 @@ from mdjax.generate import generate
 from mdjax.heads import vocab
 from mdjax.models.model import Model
 from mdjax.prompts import encode_prompts
-from mdjax.train import head_prompts
+from mdjax.train.head_data import prompts as head_prompts
 from mdjax.train.config import HeadsDataConfig
-from mdjax.train.head_data import HeadData
-from mdjax.train.head_features import Features, write_stored_features, write_target_features
+from mdjax.train.head_data.dataset import HeadData
+from mdjax.train.heads.features import Features, write_stored_features, write_target_features
 
 CACHE_FORMAT = 1  # part of every cache key: bump when the cache's layout changes
 
@@ -84,7 +84,7 @@ def prepare_data(data: HeadsDataConfig, target: Model, run_dir: pathlib.Path, *,
 
 def data_set_features(data: HeadsDataConfig, model: str, target: Model, run_dir: pathlib.Path,
                       layers: tuple[int, ...]) -> RunData:
-  """The run's data from `data.data_dir` (`mdjax.train.head_data`): its rows as the
+  """The run's data from `data.data_dir` (`mdjax.train.head_data.dataset`): its rows as the
   cache's `Features` (written once, by process 0), the features the stored states of
   `layers` (or the final-norm ones), with the stored greedy guesses. `model`: the
   config's name of the target."""

@@ -1,4 +1,4 @@
-"""Batches of a heads run: units of one split of the cache (`head_features.Features`),
+"""Batches of a heads run: units of one split of the cache (`features.Features`),
 drawn by (seed, step) alone, so a resumed run reads the batches an uninterrupted one did.
 
 A unit is a window of tokens from a source position (medusa's: `HeadFamily.window`),
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from mdjax.errors import MdjaxError
-from mdjax.train.head_features import Features
+from mdjax.train.heads.features import Features
 
 ROW_WIDTH_STEP = 64  # whole-row batches: widths 64, 128, ...: few compiled steps
 

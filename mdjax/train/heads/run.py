@@ -7,22 +7,25 @@ alone, what the target would write further ahead. The target's unembedding is a 
 argument of the training step: only the heads' params are differentiated.
 
 The jobs, one module each; this one is the run (`validate`, `train`), on the skeleton
-every trainer shares (`loop`: checks, config.json, optimizer, restore, the loop)::
+every trainer shares (`mdjax.train.loop`: checks, config.json, optimizer, restore, the
+loop)::
 
-    head_prompts               the built-in prompts, prompt files, the seeded split
-    head_data_maker            a data set on disk: self_instruct's prompts, capture's
-                               answers and states, head_data's chunks (`make_head_data`)
-    heads_data                 the run's data and its cache -> head_features (the one writer)
-    heads_batches              `Reader`: the batches of a split
-    heads_objective            the objective, the step, the held-out evaluation
-    heads_card                 the export and its model card
+    mdjax.train.head_data      the heads' data set on disk (`make_head_data`): prompts
+                               (built-in, files, the seeded split), self_instruct's grown
+                               prompts, capture's answers and states, dataset's chunks
+    mdjax.train.heads
+      inputs                   the run's data and its cache -> features (the one writer)
+      batches                  `Reader`: the batches of a split
+      objective                the objective, the step, the held-out evaluation
+      card                     the export and its model card
+      run                      this module
 
 One run lives in `run_dir`::
 
     run_dir/
       config.json
-      cache/<key>/             the data (`heads_data`), keyed by the target and everything
-                               that shapes it; features/ as `head_features` lays it out
+      cache/<key>/             the data (`inputs`), keyed by the target and everything
+                               that shapes it; features/ as `features` lays it out
       checkpoints/<step>/      orbax: params + optimizer state, written atomically, last N kept
       metrics.jsonl            train loss, per-head top-1/top-5 accuracy, accepted length;
                                held-out top-1..top-10 accuracies, accepted length
@@ -43,12 +46,12 @@ states, so that the target's own guess of x[p + 1] is lm_head(h[p])), each famil
                     on its own outputs                `mdjax.heads.eagle3`)
 
 A data set written by `experiments/make_head_data.py` (`config.data.data_dir`: the
-target's answers with their hidden states, `mdjax.train.head_data`) replaces the
+target's answers with their hidden states, `mdjax.train.head_data.dataset`) replaces the
 generation and the target's passes: its rows become the run's cache, with the greedy
 guesses the generation stored (on answers: a data set needs `mask_prompt`). Heads of a
 family that takes one score a draft vocabulary (`config.draft_vocab_size`): the most
 frequent tokens of the training answers (`mdjax.heads.vocab`), saved with the heads.
-Accuracies and the simulated accepted length: `heads_objective`.
+Accuracies and the simulated accepted length: `objective`.
 
 Determinism: the split, the generation and the initial heads come from `config.seed`,
 the batch of step i is a pure function of (seed, i), and the step is one jitted XLA
@@ -94,11 +97,11 @@ from mdjax.models.model import Model
 from mdjax.models.transformer import Params
 from mdjax.train import devices, loop
 from mdjax.train.config import HeadsTrainConfig, typed
-from mdjax.train.head_features import FEATURE_DTYPES
-from mdjax.train.heads_batches import Reader
-from mdjax.train.heads_card import export
-from mdjax.train.heads_data import RunData, draft_vocabulary, prepare_data
-from mdjax.train.heads_objective import (accuracies, evaluate, make_train_step, objective_of,
+from mdjax.train.heads.features import FEATURE_DTYPES
+from mdjax.train.heads.batches import Reader
+from mdjax.train.heads.card import export
+from mdjax.train.heads.inputs import RunData, draft_vocabulary, prepare_data
+from mdjax.train.heads.objective import (accuracies, evaluate, make_train_step, objective_of,
                                          unembedding)
 from mdjax.train.metrics import MetricsLog, plot_losses
 

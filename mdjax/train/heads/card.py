@@ -18,7 +18,7 @@ from mdjax import distributed
 from mdjax.files import atomic_directory
 from mdjax.heads import HeadFamily, Heads, HeadsConfig, save_heads
 from mdjax.train.config import HeadsDataConfig, HeadsTrainConfig
-from mdjax.train.heads_data import RunData, heldout_coverage
+from mdjax.train.heads.inputs import RunData, heldout_coverage
 from mdjax.train.loop import Outcome
 
 HELDOUT_FILE = "heldout_prompts.json"
