@@ -234,13 +234,13 @@ def test_the_heads_trainer_on_a_mesh_gives_the_losses_of_one_device(base, prompt
                                                                     monkeypatch):
   one, one_dir = heads_one_device
   seen = []  # every step's arguments
-  real_step = heads_lib.make_train_step
+  real_step = heads_lib.run.make_train_step
 
   def spy(*args, **kwargs):
     step = real_step(*args, **kwargs)
     return lambda *step_args: seen.append(step_args) or step(*step_args)
 
-  monkeypatch.setattr(heads_lib, "make_train_step", spy)
+  monkeypatch.setattr(heads_lib.run, "make_train_step", spy)  # where `train` looks it up
   run = heads_lib.train(heads_config(tmp_path, prompts, mesh=HEADS_MESH), model=base,
                         progress=False)
   state, batch, unembedding = seen[-1]  # the heads replicated, the model sharded

@@ -4,7 +4,6 @@ run's data and its cache), `features` (the cache on disk and its one writer), `b
 its model card) and `run` (`validate`, `train`). The data set it may read is
 `mdjax.train.head_data`'s."""
 
-from mdjax.train.heads.objective import make_train_step
 from mdjax.train.heads.run import Run, train, validate
 
-__all__ = ["Run", "train", "validate", "make_train_step"]
+__all__ = ["Run", "train", "validate"]
