@@ -123,7 +123,7 @@ def _signature(tree) -> tuple:
 def _compile(strategy, params, prompt, limits, layout=None, **static):
   """The compiled program for these shapes and placements (cached), and the seconds
   compiling took; traced under `layout`'s mesh when the model lies on one."""
-  key = (strategy, layout, steps_per_check(), tuple(sorted(static.items())),
+  key = (strategy, layout, platform.current(), tuple(sorted(static.items())),
          _signature((params, prompt, limits)))
   program = _programs.get(key)
   if program is not None:

@@ -11,6 +11,7 @@ import pytest
 import mdjax
 from mdjax import hlo_report, platform
 from mdjax.generate import STEP_LOOP, STEPS_PER_CHECK, program, steps_per_check
+from tests import helpers
 
 PROMPTS = [list(range(3, 19)), [9, 10, 11, 12, 13]]
 
@@ -70,4 +71,32 @@ def test_rows_finishing_between_checks_give_the_cpu_programs_tokens(model, strat
                          attention="fused", **options)
   assert gpu.sequences == cpu.sequences
   assert len(cpu.sequences[0]) <= 5
+  np.testing.assert_array_equal(gpu.stats["target_passes"], cpu.stats["target_passes"])
+
+
+@pytest.fixture(scope="module")
+def requests(model):
+  draft = helpers.random_model("llama", 5, vocab_size=model.config.vocab_size, layers=1,
+                               std=0.05)
+  return helpers.every_strategy(draft, helpers.strategy_heads(model))
+
+
+@pytest.mark.parametrize("strategy", list(helpers.every_strategy(None, {h: None for h in
+                                                                       ("medusa", "mtp",
+                                                                        "eagle")})))
+def test_every_strategy_built_for_a_gpu_gives_the_cpu_programs_output(model, requests, strategy):
+  """Off the CPU a step may run after every row is done (it is selected away) and a
+  pass runs at its widest: every registered strategy, its rows ending at an EOS between
+  two checks, gives the CPU program's sequences and pass count (sampling ones too: the
+  same keys are drawn in the same steps)."""
+  prompts, options = requests[strategy]
+  prompts = prompts or (helpers.STRATEGY_PROMPTS[:1] if strategy == "multi_question"
+                        else helpers.STRATEGY_PROMPTS)
+  run = lambda eos: mdjax.generate(model, prompts, strategy, max_new_tokens=11,
+                                   eos_token_id=eos, seed=3, attention="fused", **options)
+  eos = run([]).sequences[0][3]
+  cpu = run(eos)
+  with platform.building_for("gpu"):
+    gpu = run(eos)
+  assert gpu.sequences == cpu.sequences
   np.testing.assert_array_equal(gpu.stats["target_passes"], cpu.stats["target_passes"])
