@@ -94,12 +94,13 @@ def default_layer_loop() -> str:
   (8 layers, hidden 256, batch 1): greedy 1.0 ms per token unrolled vs 1.7-2.6 ms
   scanned (a bare `decode_step`: 1.3 vs 2.3 ms).
 
-  XLA:GPU reads the slice in place only in a one-row product: compiled for an H200
+  XLA:GPU reads the slice in place only in a one-row product, and mdjax runs no one-row
+  bfloat16 product (`mdjax.models.numerics.linear`): compiled for an H200
   (`experiments/program_report.py`, random-llama-1b in bfloat16), a scanned
-  `decode_step` of 2 tokens, or of 1 token at batch 8, copies every layer's weights out
-  of the stack first (1.8 GB per pass, ~0.38 ms at the H200's 4.8 TB/s), where the
-  unrolled one copies nothing and launches fewer kernels (341 against 410 at 1 token,
-  batch 1). Unrolled costs compile time instead: 13 s against 3 s on the H200 for 16
+  `decode_step` copies every layer's weights out of the stack first at any tokens and
+  batch (1.3-1.9 GB per pass, ~0.38 ms at the H200's 4.8 TB/s), where the unrolled one
+  copies nothing and launches fewer kernels (326 against 443 at 1 token, batch 1).
+  Unrolled costs compile time instead: 13 s against 3 s on the H200 for 16
   layers (`docs/device/`), where one-token greedy decoding ran at the same speed either
   way. TPUs keep the scan (not measured here).
   """
