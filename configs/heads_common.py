@@ -24,6 +24,10 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.model = "smollm2-135m-instruct"  # the frozen target: any name or path mdjax.load takes
   config.model_dtype = "float32"
   config.family = "medusa"  # or "eagle", "mtp", "eagle3"
+  # heads to continue from (a name or path `mdjax.load_heads` takes, of this family and
+  # shape, for config.model): their weights, and their draft vocabulary, replace the seeded
+  # initial heads; the optimizer starts afresh. "" = seeded random heads
+  config.init_from = ""
   config.num_heads = 4  # medusa, mtp: heads (head k guesses token t + 1 + k); eagle: must be 1
   config.num_layers = 1  # medusa: residual blocks per head; eagle: decoder layers; mtp: decoder
   #                        layers per head

@@ -134,6 +134,7 @@ class HeadsTrainConfig(TrainConfig):
 
   model: str  # the frozen target: a name or path `mdjax.load` takes
   model_dtype: str
+  init_from: str  # heads to continue from (a name or path `mdjax.load_heads` takes); "" = seeded
   family: str
   num_heads: int
   num_layers: int

@@ -199,15 +199,20 @@ def train(config: ml_collections.ConfigDict | HeadsTrainConfig, *, model: Model 
                      f"target's mesh's data axis ({layout.mesh.shape['data']})")
   family = get_family(config.family)
   spec = heads_config(config, family, target)
+  continued = continued_heads(config, spec, family, target)
   run_data = prepare_data(config.data, target, run_dir, seed=config.seed,
                           heldout_fraction=config.heldout_fraction, target_name=config.model,
                           layers=family.target_layers(spec), progress=progress)
-  draft_ids = (draft_vocabulary(config.draft_vocab_size, run_data, target.config.vocab_size)
-               if config.draft_vocab_size else None)
+  if continued is not None and "draft_ids" in continued.params:
+    draft_ids = np.asarray(continued.params["draft_ids"])  # the vocabulary they were trained on
+  else:
+    draft_ids = (draft_vocabulary(config.draft_vocab_size, run_data, target.config.vocab_size)
+                 if config.draft_vocab_size else None)
   objective = objective_of(config, family, target.config)
   optimizer = loop.make_optimizer(config)
   manager = loop.checkpoint_manager(config, run_dir)
-  start, state = _restore(config.seed, spec, family, target, optimizer, manager, draft_ids)
+  start, state = _restore(config.seed, spec, family, target, optimizer, manager, draft_ids,
+                          continued)
   log = MetricsLog(run_dir / "metrics.jsonl")
   log.truncate_after(start)
   frozen = unembedding(target)
@@ -245,15 +250,38 @@ def train(config: ml_collections.ConfigDict | HeadsTrainConfig, *, model: Model 
 
 def _restore(seed: int, spec: HeadsConfig, family: HeadFamily, target: Model,
              optimizer: optax.GradientTransformation, manager: ocp.CheckpointManager,
-             draft_ids: np.ndarray | None) -> tuple[int, dict]:
-  """(step, state) of the latest checkpoint, or (0, the seeded initial state) before any
-  (`loop.restore`: on the target's mesh, replicated). The params trained are the heads'
-  floats: a draft vocabulary (`draft_ids`) stays out."""
-  ids = np.arange(target.config.vocab_size) if draft_ids is None else draft_ids
-  params = family.restrict(init_heads(spec, target.config, seed=seed).params, ids,
-                           distributed.to_host(target.params))
+             draft_ids: np.ndarray | None, continued: Heads | None) -> tuple[int, dict]:
+  """(step, state) of the latest checkpoint, or (0, the initial state) before any
+  (`loop.restore`: on the target's mesh, replicated): the `continued` heads' params, else
+  seeded ones, and a fresh optimizer state. The params trained are the heads' floats: a
+  draft vocabulary (`draft_ids`) stays out."""
+  if continued is not None:
+    params = {name: value for name, value in continued.params.items() if name != "draft_ids"}
+  else:
+    ids = np.arange(target.config.vocab_size) if draft_ids is None else draft_ids
+    params = family.restrict(init_heads(spec, target.config, seed=seed).params, ids,
+                             distributed.to_host(target.params))
   initial = {"params": params, "opt_state": optimizer.init(params)}
   return loop.restore(manager, initial, target.layout, by_rules=False)
+
+
+def continued_heads(config: HeadsTrainConfig, spec: HeadsConfig, family: HeadFamily,
+                    target: Model) -> Heads | None:
+  """`config.init_from`'s heads in float32, checked to be the run's (`spec`: family,
+  shape, target layers, draft vocabulary size) and to run on `target`; None when it is
+  empty. `MdjaxError` naming each field that differs."""
+  if not config.init_from:
+    return None
+  heads = mdjax.load_heads(config.init_from)
+  fields = ("family", "hidden_size", "vocab_size", "num_heads", "num_layers", "own_unembedding",
+            "draft_vocab_size", "target_layers")
+  differ = [f"{name} {getattr(heads.config, name)!r} (the run's: {getattr(spec, name)!r})"
+            for name in fields if getattr(heads.config, name) != getattr(spec, name)]
+  if differ:
+    raise MdjaxError(f"config.init_from {config.init_from!r}: not the heads this run trains: "
+                     + "; ".join(differ))
+  family.check(heads, target.config)
+  return heads
 
 
 def heads_config(config: HeadsTrainConfig, family: HeadFamily, target: Model) -> HeadsConfig:
