@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from mdjax import hlo_report, platform
+from mdjax import hlo_products, hlo_report, platform
 from mdjax.errors import MdjaxError
 from mdjax.models.attention import default_attention
 from mdjax.models.config import default_weight_dtype
@@ -78,7 +78,9 @@ ENTRY %main (w: f32[16,64,64], h: f32[2,64]) -> f32[2,64] {
   assert counts.loops == [(16, 2)]  # the slice and the product, 16 times
   assert counts.kernels == 16 * 2 + 17 * 1  # and the condition, 17 times
   assert counts.loop_copies == 16 * 64 * 64 * 4  # one layer's weights per trip
-  assert counts.f32_products == {"default": 1}  # the one gemm, by its precision
+  products = hlo_products.float32_products(text)
+  assert [(p.name, p.operands, p.precision, p.arithmetic) for p in products] == [
+      ("gemm", ("f32", "f32"), "default", "tf32")]  # cuBLAS' default for float32: TF32
 
 
 def test_mdjax_choices_follow_the_platform_a_program_is_built_for():

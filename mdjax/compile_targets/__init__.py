@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import pathlib
 
 import jax
@@ -77,6 +78,10 @@ def device(name: str) -> jax.Device:
   target = get(name)
   try:
     if target.platform == "tpu":
+      # libtpu holds /tmp/libtpu_lockfile while its process lives, so that two processes
+      # never drive one TPU; compiling drives none, and another compiling process (a
+      # test worker) or one whose jax found libtpu must not make this one fail
+      os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
       topology = topologies.get_topology_desc(topology_name=target.topology, platform="tpu",
                                               chips_per_host_bounds=(1, 1, 1))
     else:
