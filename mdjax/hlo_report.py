@@ -6,8 +6,10 @@ that wait for the host and the bytes it copies inside loops (float32 products:
     counts = hlo_report.read(compiled.as_text(), platform="gpu")
     counts.kernels        # kernels launched by one run of the program (on a TPU: its ops)
     counts.host_syncs     # waits for the host: see below
-    counts.loop_copies    # bytes copied inside loops into device memory (weights sliced out
-                          # of a layer stack, a layer's K/V copied out of the cache), per run
+    counts.copies         # bytes copied into device memory per run (a donated KV cache
+                          # copied before its update instead of updated in place...)
+    counts.loop_copies    # of which inside loops (weights sliced out of a layer stack, a
+                          # layer's K/V copied out of the cache)
     counts.loop_copies_on_chip  # and into on-chip memory (a TPU's VMEM: `S(1)` layouts),
                           # which costs no device-memory bandwidth beyond the read itself
 
@@ -58,6 +60,8 @@ class Counts:
   kernels: int = 0
   kernels_by_kind: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   host_syncs: int = 0
+  copies: int = 0  # bytes copied into device memory, inside loops or not
+  copy_shapes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   loop_copies: int = 0  # bytes into device memory
   loop_copies_on_chip: int = 0  # bytes into on-chip memory
   loop_copy_shapes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -66,17 +70,21 @@ class Counts:
   def add(self, other: "Counts", times: int = 1) -> None:
     self.kernels += times * other.kernels
     self.host_syncs += times * other.host_syncs
+    self.copies += times * other.copies
     self.loop_copies += times * other.loop_copies
     self.loop_copies_on_chip += times * other.loop_copies_on_chip
-    for key, n in other.kernels_by_kind.items():
-      self.kernels_by_kind[key] += times * n
-    for key, n in other.loop_copy_shapes.items():
-      self.loop_copy_shapes[key] += times * n
+    for mine, theirs in ((self.kernels_by_kind, other.kernels_by_kind),
+                         (self.copy_shapes, other.copy_shapes),
+                         (self.loop_copy_shapes, other.loop_copy_shapes)):
+      for key, n in theirs.items():
+        mine[key] += times * n
     self.loops.extend(other.loops)
 
   def to_json(self) -> dict:
     return dict(kernels=self.kernels, kernels_by_kind=dict(self.kernels_by_kind),
-                host_syncs=self.host_syncs, loop_copy_bytes=self.loop_copies,
+                host_syncs=self.host_syncs, copy_bytes=self.copies,
+                copy_shapes=dict(self.copy_shapes.most_common(8)),
+                loop_copy_bytes=self.loop_copies,
                 loop_copy_bytes_on_chip=self.loop_copies_on_chip,
                 loop_copy_shapes=dict(self.loop_copy_shapes.most_common(8)),
                 loops=[dict(trip_count=t, kernels_per_trip=k) for t, k in self.loops])
@@ -131,22 +139,26 @@ class _Reader:
         counts.kernels += 1
         counts.kernels_by_kind[op + (f":{kind.group(1)}" if kind else "")] += 1
         counts.host_syncs += _is_host_transfer(instruction)
-        if in_loop and (op in ("copy", "copy-start") or
-                        (op == "fusion" and self.is_slice_fusion(instruction))):
-          self.add_copy(counts, instruction)
+        if op in ("copy", "copy-start") or (op == "fusion" and self.is_slice_fusion(instruction)):
+          self.add_copy(counts, instruction, in_loop)
     return counts
 
   @staticmethod
-  def add_copy(counts: Counts, instruction: Instruction) -> None:
+  def add_copy(counts: Counts, instruction: Instruction, in_loop: bool) -> None:
     """A copy's bytes, by the memory it writes (`copy-start`: its destination, the
-    tuple's first array)."""
+    tuple's first array) and where it runs."""
     destination = instruction.type.lstrip("(").split(", ")[0]
     size = nbytes(*instruction.arrays[0])
-    if re.search(r"S\([1-9]\)\}", destination):
+    on_chip = bool(re.search(r"S\([1-9]\)\}", destination))
+    if not on_chip:
+      counts.copies += size
+      counts.copy_shapes[destination.split("{")[0]] += 1
+    if in_loop and on_chip:
       counts.loop_copies_on_chip += size
-    else:
+    elif in_loop:
       counts.loop_copies += size
-    counts.loop_copy_shapes[destination.split("{")[0]] += 1
+    if in_loop:
+      counts.loop_copy_shapes[destination.split("{")[0]] += 1
 
   def trip_count(self, loop: Instruction, scope: dict[str, Instruction]) -> int | None:
     """The trips of while `loop` (an instruction of `scope`): XLA's `known_trip_count`,

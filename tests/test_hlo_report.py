@@ -27,12 +27,13 @@ def test_a_loop_of_known_trip_count_multiplies_its_body_and_asks_the_host_nothin
   known, unknown = _counts(lambda x: loop(x, 7), x), _counts(loop, x, 7)
   assert known.host_syncs == 0 and [trip for trip, _ in known.loops] == [7]
   assert unknown.host_syncs == 1 and [trip for trip, _ in unknown.loops] == [None]
+  text = jax.jit(loop).lower(x, 7).compile().as_text()
+  assert hlo_report.read(text, platform="tpu").host_syncs == 0  # a TPU runs its own loops
   per_trip = known.loops[0][1]
   assert per_trip >= 1 and known.kernels >= 7 * per_trip
 
 
-def test_a_dynamic_slice_materialised_inside_a_loop_counts_as_copied_bytes():
-  text = """HloModule m
+GPU_LOOP = """HloModule m
 
 %slice_computation (p0: f32[16,64,64], p1: s32[]) -> f32[1,64,64] {
   %p0 = f32[16,64,64]{2,1,0} parameter(0)
@@ -53,9 +54,11 @@ def test_a_dynamic_slice_materialised_inside_a_loop_counts_as_copied_bytes():
   %w = f32[16,64,64]{2,1,0} get-tuple-element(%t), index=1
   %h = f32[2,64]{1,0} get-tuple-element(%t), index=2
   %slice = f32[1,64,64]{2,1,0} fusion(%w, %i), kind=kLoop, calls=%slice_computation
+  %one = s32[] constant(1)
+  %next_i = s32[] add(%i, %one)
   %gemm = (f32[2,64]{1,0}, s8[0]{0}) custom-call(%h, %slice), custom_call_target="__cublas$gemm"
   %out = f32[2,64]{1,0} get-tuple-element(%gemm), index=0
-  ROOT %next = (s32[], f32[16,64,64]{2,1,0}, f32[2,64]{1,0}) tuple(%i, %w, %out)
+  ROOT %next = (s32[], f32[16,64,64]{2,1,0}, f32[2,64]{1,0}) tuple(%next_i, %w, %out)
 }
 
 %cond (t: (s32[], f32[16,64,64], f32[2,64])) -> pred[] {
@@ -74,13 +77,30 @@ ENTRY %main (w: f32[16,64,64], h: f32[2,64]) -> f32[2,64] {
   ROOT %r = f32[2,64]{1,0} get-tuple-element(%loop), index=2
 }
 """
-  counts = hlo_report.read(text)
-  assert counts.loops == [(16, 2)]  # the slice and the product, 16 times
-  assert counts.kernels == 16 * 2 + 17 * 1  # and the condition, 17 times
+
+
+def test_a_dynamic_slice_materialised_inside_a_loop_counts_as_copied_bytes():
+  counts = hlo_report.read(GPU_LOOP)
+  assert counts.loops == [(16, 3)]  # the slice, the step and the product, 16 times
+  assert counts.kernels == 16 * 3 + 17 * 1  # and the condition, 17 times
   assert counts.loop_copies == 16 * 64 * 64 * 4  # one layer's weights per trip
-  products = hlo_products.float32_products(text)
+  products = hlo_products.float32_products(GPU_LOOP)
   assert [(p.name, p.operands, p.precision, p.arithmetic) for p in products] == [
       ("gemm", ("f32", "f32"), "default", "tf32")]  # cuBLAS' default for float32: TF32
+
+
+def test_a_tpu_loop_without_a_trip_count_is_counted_from_its_condition_start_and_step():
+  """XLA:TPU writes no `known_trip_count`; a slice into VMEM (`S(1)`) is on chip."""
+  text = GPU_LOOP.replace(', backend_config={"known_trip_count":{"n":"16"}}', "")
+  text = text.replace("%slice = f32[1,64,64]{2,1,0}", "%slice = f32[1,64,64]{2,1,0:S(1)}")
+  text = text.replace("fusion(%i, %n), kind=kLoop, calls=%compare_computation",
+                      "compare(%i, %n), direction=LT")  # XLA:TPU fuses no scalar compare
+  counts = hlo_report.read(text, platform="tpu")
+  assert counts.loops == [(16, 3)] and counts.host_syncs == 0
+  assert counts.kernels == 16 * 3 + 17 * 1
+  assert (counts.loop_copies, counts.loop_copies_on_chip) == (0, 16 * 64 * 64 * 4)
+  unknown = hlo_report.read(text.replace("constant(16)", "parameter(1)"), platform="gpu")
+  assert unknown.loops == [(None, 3)] and unknown.host_syncs == 1
 
 
 def test_mdjax_choices_follow_the_platform_a_program_is_built_for():
