@@ -70,14 +70,15 @@ def strategy_table(rows: list[dict]) -> str:
 
 
 def table(rows: list[dict]) -> str:
-  lines = [f"{'loop':9} {'batch':>5} {'tokens':>6} {'kernels':>8} {'per layer':>9} "
-           f"{'syncs':>5} {'MiB copied in loops':>20} {'of weights':>10} {'on chip':>8} "
+  lines = [f"{'loop':9} {'batch':>5} {'tokens':>6} {'kernels':>8} {'scalar':>6} {'per layer':>9} "
+           f"{'syncs':>5} {'MiB copied':>10} {'in loops':>8} {'of weights':>10} {'on chip':>8} "
            f"{'MiB: args':>9} {'out':>6} {'temp':>6} {'code':>5}  float32 products"]
   for r in rows:
     m = {k: v / 2**20 for k, v in r["memory"].items()}
     lines.append(f"{r['layer_loop']:9} {r['batch']:>5} {r['tokens']:>6} {r['kernels']:>8} "
-                 f"{r['kernels_per_layer']:>9.1f} {r['host_syncs']:>5} "
-                 f"{r['loop_copy_bytes'] / 2**20:>20.1f} {r['weight_copy_bytes'] / 2**20:>10.1f} "
+                 f"{r['scalar_kernels']:>6} {r['kernels_per_layer']:>9.1f} {r['host_syncs']:>5} "
+                 f"{r['copy_bytes'] / 2**20:>10.1f} {r['loop_copy_bytes'] / 2**20:>8.1f} "
+                 f"{r['weight_copy_bytes'] / 2**20:>10.1f} "
                  f"{r['loop_copy_bytes_on_chip'] / 2**20:>8.1f} {m['argument']:>9.0f} "
                  f"{m['output']:>6.1f} {m['temp']:>6.1f} {m['generated_code']:>5.1f}  "
                  f"{products_line(r['f32_products'])}")

@@ -5,6 +5,8 @@ that wait for the host and the bytes it copies inside loops (float32 products:
 
     counts = hlo_report.read(compiled.as_text(), platform="gpu")
     counts.kernels        # kernels launched by one run of the program (on a TPU: its ops)
+    counts.scalar_kernels # of which have a scalar result (a TPU runs them on its scalar
+                          # core, beside its vector work)
     counts.host_syncs     # waits for the host: see below
     counts.copies         # bytes copied into device memory per run (a donated KV cache
                           # copied before its update instead of updated in place...)
@@ -58,6 +60,7 @@ class Counts:
   """One run of a program (see the module docstring)."""
 
   kernels: int = 0
+  scalar_kernels: int = 0  # of which have a scalar result (on a TPU: its scalar core's)
   kernels_by_kind: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   host_syncs: int = 0
   copies: int = 0  # bytes copied into device memory, inside loops or not
@@ -69,6 +72,7 @@ class Counts:
 
   def add(self, other: "Counts", times: int = 1) -> None:
     self.kernels += times * other.kernels
+    self.scalar_kernels += times * other.scalar_kernels
     self.host_syncs += times * other.host_syncs
     self.copies += times * other.copies
     self.loop_copies += times * other.loop_copies
@@ -81,7 +85,8 @@ class Counts:
     self.loops.extend(other.loops)
 
   def to_json(self) -> dict:
-    return dict(kernels=self.kernels, kernels_by_kind=dict(self.kernels_by_kind),
+    return dict(kernels=self.kernels, scalar_kernels=self.scalar_kernels,
+                kernels_by_kind=dict(self.kernels_by_kind),
                 host_syncs=self.host_syncs, copy_bytes=self.copies,
                 copy_shapes=dict(self.copy_shapes.most_common(8)),
                 loop_copy_bytes=self.loop_copies,
@@ -137,6 +142,7 @@ class _Reader:
       elif not (op in NO_KERNEL or op.endswith("-done") or "AllocateBuffer" in instruction.text):
         kind = re.search(r"kind=(k\w+)", instruction.text)
         counts.kernels += 1
+        counts.scalar_kernels += all(not dims for _, dims in instruction.arrays)
         counts.kernels_by_kind[op + (f":{kind.group(1)}" if kind else "")] += 1
         counts.host_syncs += _is_host_transfer(instruction)
         if op in ("copy", "copy-start") or (op == "fusion" and self.is_slice_fusion(instruction)):
