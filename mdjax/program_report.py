@@ -154,7 +154,7 @@ def generation_counts(target: str, model: Model, strategy: str, prompts: list, o
   """Strategy `strategy`'s whole-generation program compiled for `target`: per step of
   its token loop (the loop under `mdjax.generate.STEP_LOOP`), kernels and host syncs;
   the host syncs of the program outside that loop, and how many steps run between
-  them; the program's memory and float32 products."""
+  them; the program's loops, memory and float32 products."""
   on = compile_targets.get(target).platform
   with platform.building_for(on):  # generate's choices
     fn, args = program(model, prompts, strategy, max_new_tokens, eos_token_id=[], **options)
@@ -167,6 +167,7 @@ def generation_counts(target: str, model: Model, strategy: str, prompts: list, o
   return dict(strategy=strategy, kernels_per_step=loop.iteration.kernels,
               host_syncs_per_step=per_step, steps_per_check=loop.trip_count or 1,
               host_syncs_around=whole.host_syncs - per_step * (loop.trip_count or 1),
-              program_kernels=whole.kernels, memory=memory(compiled),
+              program_kernels=whole.kernels, loops=whole.to_json()["loops"],
+              memory=memory(compiled),
               f32_products=hlo_products.summary(
                   hlo_products.float32_products(text, platform=on)))

@@ -1,13 +1,14 @@
 """mdjax.hlo_report reads what a compiled program launches: checked on programs this CPU
-compiles (loops of known and unknown trip count, copies inside a loop) and on a hand-made
-HLO text with GPU-shaped instructions; mdjax.platform makes mdjax's choices follow the
-platform a program is built for."""
+compiles (loops of known and unknown trip count, copies inside a loop) and on hand-made
+HLO texts with GPU- and TPU-shaped instructions; mdjax.hlo_products names the precision
+of every float32 product, on programs compiled for a GPU and a TPU target; mdjax.platform
+makes mdjax's choices follow the platform a program is built for."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from mdjax import hlo_products, hlo_report, platform
+from mdjax import compile_targets, hlo_products, hlo_report, platform
 from mdjax.errors import MdjaxError
 from mdjax.models.attention import default_attention
 from mdjax.models.config import default_weight_dtype
@@ -101,6 +102,25 @@ def test_a_tpu_loop_without_a_trip_count_is_counted_from_its_condition_start_and
   assert (counts.loop_copies, counts.loop_copies_on_chip) == (0, 16 * 64 * 64 * 4)
   unknown = hlo_report.read(text.replace("constant(16)", "parameter(1)"), platform="gpu")
   assert unknown.loops == [(None, 3)] and unknown.host_syncs == 1
+
+
+@pytest.mark.parametrize("target, rounded", [("h200", "tf32"), ("v5e", "bf16")])
+def test_the_report_names_each_float32_product_its_target_rounds(target, rounded):
+  """Compiled for a GPU or TPU target (`mdjax.compile_targets`): a float32 product at
+  the default precision loses precision there (TF32, one bfloat16 pass), one at the
+  highest does not, and a product of bfloat16 operands into float32 is exact."""
+  x = jax.ShapeDtypeStruct((16, 128), jnp.float32)
+  w = jax.ShapeDtypeStruct((128, 256), jnp.float32)
+
+  def products(x, w):
+    return (x @ w, jnp.matmul(x, w, precision="highest"),
+            jax.lax.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                        preferred_element_type=jnp.float32))
+
+  text = compile_targets.compile_for(jax.jit(products), target, x, w).as_text()
+  found = hlo_products.float32_products(text, platform=compile_targets.get(target).platform)
+  assert sorted((p.precision, p.arithmetic, p.loses_precision) for p in found) == sorted([
+      ("default", "exact", False), ("default", rounded, True), ("highest", "float32", False)])
 
 
 def test_mdjax_choices_follow_the_platform_a_program_is_built_for():
