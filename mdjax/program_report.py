@@ -81,8 +81,9 @@ def memory(compiled) -> dict[str, int]:
 
 
 def weight_copy_bytes(counts: hlo_report.Counts, params) -> int:
-  """Bytes of `counts`' loop copies shaped like one layer's weight (dimensions of 1
-  aside, in any order: a slice of a stacked weight, transposed or not)."""
+  """Bytes of `counts`' loop copies (into device memory or on chip) shaped like one
+  layer's weight (dimensions of 1 aside, in any order: a slice of a stacked weight,
+  transposed or not)."""
   def key(dims):
     return tuple(sorted(d for d in dims if d != 1))
 
