@@ -92,7 +92,8 @@ def products_line(summary: dict) -> str:
 
 
 def lossy(rows: list[dict]) -> str:
-  """The float32 products that lose precision, by jax operation, over all rows."""
+  """The float32 products that lose precision, by jax operation, over all rows (passes
+  and strategies)."""
   seen = {}
   for r in rows:
     for p in r["f32_products_listed"]:
@@ -135,8 +136,8 @@ def main(argv):
                                         prompt_tokens=_PROMPT_TOKENS.value,
                                         new_tokens=_NEW_TOKENS.value), indent=1) + "\n")
   print(table(rows))
-  print(lossy(rows))
   print(strategy_table(generation))
+  print(lossy(rows + generation))
   print(f"wrote {out}")
 
 

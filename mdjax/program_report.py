@@ -161,6 +161,7 @@ def generation_counts(target: str, model: Model, strategy: str, prompts: list, o
     fn, args = program(model, prompts, strategy, max_new_tokens, eos_token_id=[], **options)
   compiled = compile_targets.compile_for(fn, target, *args)
   text = compiled.as_text()
+  products = hlo_products.float32_products(text, platform=on)
   whole = hlo_report.read(text, platform=on)
   loop = hlo_report.find_loop(text, STEP_LOOP, platform=on)
   per_step = loop.iteration.host_syncs + (loop.trip_count is None and
@@ -169,6 +170,5 @@ def generation_counts(target: str, model: Model, strategy: str, prompts: list, o
               host_syncs_per_step=per_step, steps_per_check=loop.trip_count or 1,
               host_syncs_around=whole.host_syncs - per_step * (loop.trip_count or 1),
               program_kernels=whole.kernels, loops=whole.to_json()["loops"],
-              memory=memory(compiled),
-              f32_products=hlo_products.summary(
-                  hlo_products.float32_products(text, platform=on)))
+              memory=memory(compiled), f32_products=hlo_products.summary(products),
+              f32_products_listed=hlo_products.grouped(products))
