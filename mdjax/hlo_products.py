@@ -95,9 +95,12 @@ def grouped(products: list[Product]) -> list[dict]:
 
 
 def _is_product(instruction: Instruction) -> bool:
+  """A dot, a convolution (XLA:TPU's products), or a library's matrix product (cuBLAS'
+  `__cublas$gemm`, `__cublas$lt$matmul`), not another call reading one's result."""
   if instruction.opcode in ("dot", "convolution"):
     return True
-  return instruction.opcode == "custom-call" and "gemm" in instruction.text.lower()
+  target = re.search(r'custom_call_target="([^"]*)"', instruction.text)
+  return bool(target) and any(k in target.group(1).lower() for k in ("gemm", "matmul"))
 
 
 def _precision(instruction: Instruction) -> str:

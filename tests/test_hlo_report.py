@@ -75,6 +75,8 @@ ENTRY %main (w: f32[16,64,64], h: f32[2,64]) -> f32[2,64] {
   %z = s32[] constant(0)
   %t = (s32[], f32[16,64,64]{2,1,0}, f32[2,64]{1,0}) tuple(%z, %w, %h)
   %loop = (s32[], f32[16,64,64]{2,1,0}, f32[2,64]{1,0}) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"16"}}
+  %gemm_result = f32[2,64]{1,0} get-tuple-element(%loop), index=2
+  %top = (f32[2,4]{1,0}, s32[2,4]{1,0}) custom-call(%gemm_result), custom_call_target="__gpu$TopK"
   ROOT %r = f32[2,64]{1,0} get-tuple-element(%loop), index=2
 }
 """
@@ -83,11 +85,12 @@ ENTRY %main (w: f32[16,64,64], h: f32[2,64]) -> f32[2,64] {
 def test_a_dynamic_slice_materialised_inside_a_loop_counts_as_copied_bytes():
   counts = hlo_report.read(GPU_LOOP)
   assert counts.loops == [(16, 3)]  # the slice, the step and the product, 16 times
-  assert counts.kernels == 16 * 3 + 17 * 1  # and the condition, 17 times
+  assert counts.kernels == 16 * 3 + 17 * 1 + 1  # the condition, 17 times; the top-k
   assert counts.loop_copies == 16 * 64 * 64 * 4  # one layer's weights per trip
   products = hlo_products.float32_products(GPU_LOOP)
   assert [(p.name, p.operands, p.precision, p.arithmetic) for p in products] == [
-      ("gemm", ("f32", "f32"), "default", "tf32")]  # cuBLAS' default for float32: TF32
+      ("gemm", ("f32", "f32"), "default", "tf32")]  # cuBLAS' default for float32: TF32;
+  #   the top-k reading its result is no product
 
 
 def test_a_tpu_loop_without_a_trip_count_is_counted_from_its_condition_start_and_step():
@@ -98,7 +101,7 @@ def test_a_tpu_loop_without_a_trip_count_is_counted_from_its_condition_start_and
                       "compare(%i, %n), direction=LT")  # XLA:TPU fuses no scalar compare
   counts = hlo_report.read(text, platform="tpu")
   assert counts.loops == [(16, 3)] and counts.host_syncs == 0
-  assert counts.kernels == 16 * 3 + 17 * 1
+  assert counts.kernels == 16 * 3 + 17 * 1 + 1
   assert (counts.loop_copies, counts.loop_copies_on_chip) == (0, 16 * 64 * 64 * 4)
   unknown = hlo_report.read(text.replace("constant(16)", "parameter(1)"), platform="gpu")
   assert unknown.loops == [(None, 3)] and unknown.host_syncs == 1
