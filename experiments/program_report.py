@@ -62,6 +62,9 @@ def strategy_table(rows: list[dict]) -> str:
   lines = [f"{'strategy':18} {'kernels/step':>12} {'syncs/step':>10} {'syncs around':>12} "
            f"{'steps/check':>11} {'MiB: total':>10} {'temp':>6}  float32 products"]
   for r in rows:
+    if "error" in r:
+      lines.append(f"{r['strategy']:18} error: {r['error']}")
+      continue
     lines.append(f"{r['strategy']:18} {r['kernels_per_step']:>12} {r['host_syncs_per_step']:>10} "
                  f"{r['host_syncs_around']:>12} {r['steps_per_check']:>11} "
                  f"{r['memory']['total'] / 2**20:>10.0f} {r['memory']['temp'] / 2**20:>6.1f}  "
@@ -96,7 +99,7 @@ def lossy(rows: list[dict]) -> str:
   and strategies)."""
   seen = {}
   for r in rows:
-    for p in r["f32_products_listed"]:
+    for p in r.get("f32_products_listed", []):
       if p["loses_precision"]:
         seen[(p["op_name"], p["precision"], p["arithmetic"])] = p["operands"]
   if not seen:
@@ -106,27 +109,9 @@ def lossy(rows: list[dict]) -> str:
       for (op, precision, arithmetic), operands in sorted(seen.items()))
 
 
-@one_line_errors
-def main(argv):
-  check_argv(argv)
-  config = RANDOM_MODELS[_MODEL.value]
-  rows = []
-  for layer_loop in _LAYER_LOOPS.value:
-    for batch in map(int, _BATCHES.value):
-      for tokens in map(int, _TOKENS.value):
-        report = decode_step_report(_TARGET.value, config, batch=batch, tokens=tokens,
-                                    slots=_CONTEXT.value, segments=_SEGMENTS.value,
-                                    layer_loop=layer_loop)
-        rows.append(dict(layer_loop=layer_loop, batch=batch, tokens=tokens, **report))
-        print(table(rows[-1:]).splitlines()[-1], flush=True)
-  generation = []
-  with platform.building_for(compile_targets.get(_TARGET.value).platform):
-    model = abstract_model(config, _MODEL.value)
-    requests = strategy_requests(model, _PROMPT_TOKENS.value)
-    for name in _STRATEGIES.value:
-      generation.append(generation_counts(_TARGET.value, model, name, *requests[name],
-                                          _NEW_TOKENS.value))
-      print(strategy_table(generation[-1:]).splitlines()[-1], flush=True)
+def write(rows: list[dict], generation: list[dict]) -> pathlib.Path:
+  """The report so far as `--out_dir`/program_report.json (rewritten after each row, so
+  that a long run stopped early keeps what it compiled)."""
   out = pathlib.Path(_OUT_DIR.value) / "program_report.json"
   target = compile_targets.get(_TARGET.value)
   files.write_text(out, json.dumps(dict(target=_TARGET.value, platform=target.platform,
@@ -135,6 +120,36 @@ def main(argv):
                                         decode_step=rows, generation=generation,
                                         prompt_tokens=_PROMPT_TOKENS.value,
                                         new_tokens=_NEW_TOKENS.value), indent=1) + "\n")
+  return out
+
+
+@one_line_errors
+def main(argv):
+  check_argv(argv)
+  config = RANDOM_MODELS[_MODEL.value]
+  rows, generation = [], []
+  for layer_loop in _LAYER_LOOPS.value:
+    for batch in map(int, _BATCHES.value):
+      for tokens in map(int, _TOKENS.value):
+        report = decode_step_report(_TARGET.value, config, batch=batch, tokens=tokens,
+                                    slots=_CONTEXT.value, segments=_SEGMENTS.value,
+                                    layer_loop=layer_loop)
+        rows.append(dict(layer_loop=layer_loop, batch=batch, tokens=tokens, **report))
+        write(rows, generation)
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+  with platform.building_for(compile_targets.get(_TARGET.value).platform):
+    model = abstract_model(config, _MODEL.value)
+    requests = strategy_requests(model, _PROMPT_TOKENS.value)
+    for name in _STRATEGIES.value:
+      try:
+        generation.append(generation_counts(_TARGET.value, model, name, *requests[name],
+                                            _NEW_TOKENS.value))
+      except Exception as e:  # noqa: BLE001 - a strategy that cannot build its program on
+        #   weights that are shapes only is a row of the report, not the end of it
+        generation.append(dict(strategy=name, error=f"{type(e).__name__}: {e}"))
+      write(rows, generation)
+      print(strategy_table(generation[-1:]).splitlines()[-1], flush=True)
+  out = write(rows, generation)
   print(table(rows))
   print(strategy_table(generation))
   print(lossy(rows + generation))
