@@ -1,15 +1,20 @@
-"""The GPU program report: `decode_step` compiled on this CPU for a GPU target, read from
-its optimized HLO (`mdjax.hlo_report`): kernels launched, host syncs, bytes copied inside
-loops, float32 product precision; per pass at each tokens-per-pass and batch. Then every
-registered strategy's whole-generation program (what `mdjax.generate` runs:
-`mdjax.generate.program`): per step of its token loop, kernels and host syncs, and the
-host syncs around that loop (`--strategies`, empty for none).
+"""The program report: `decode_step` compiled on this CPU for a GPU or TPU target, read
+from its optimized HLO (`mdjax.hlo_report`, `mdjax.hlo_products`): kernels launched (a
+TPU's ops), host syncs, bytes copied inside loops (the weights' among them), the
+compiler's memory analysis and the precision of every float32 product; per pass at each
+tokens-per-pass and batch. Then every registered strategy's whole-generation program
+(what `mdjax.generate` runs: `mdjax.generate.program`): per step of its token loop,
+kernels and host syncs, and the host syncs around that loop (`--strategies`, empty for
+none), with each program's memory.
 
     JAX_PLATFORMS=cpu python3 -m experiments.program_report                # h200, random-llama-1b
+    JAX_PLATFORMS=cpu python3 -m experiments.program_report --target=v5e \
+        --out_dir=docs/results/programs/v5e                                 # Colab's TPU
     JAX_PLATFORMS=cpu python3 -m experiments.program_report --tokens=1,2 --batches=1 \
         --layer_loops=scan,unrolled --target=h100 --out_dir=docs/results/programs
 
-Needs jax's CUDA plugin (requirements-compile-targets.txt). The model is a random llama
+Targets: `mdjax.compile_targets.TARGETS` (h100, h200; v5e, v6e, v5p). Needs jax's CUDA
+plugin and libtpu (requirements-compile-targets.txt). The model is a random llama
 (`--model`, by default random-llama-1b: Llama-3.2-1B's shape) in bfloat16, laid out
 for each `--layer_loops`, with `--context` cache slots; the attention is what the
 target's platform gets by default (`mdjax.models.attention.default_attention`). Writes
@@ -32,12 +37,13 @@ from absl import app, flags
 
 from mdjax import compile_targets, files, platform, strategies
 from mdjax.models.registry import RANDOM_MODELS
-from mdjax.program_report import (abstract_model, decode_step_counts, generation_counts,
+from mdjax.hlo_products import LOSSLESS
+from mdjax.program_report import (abstract_model, decode_step_report, generation_counts,
                                   strategy_requests)
 from experiments.cli import check_argv, one_line_errors
 
 _TARGET = flags.DEFINE_enum("target", "h200", list(compile_targets.TARGETS),
-                            "Device to compile for.")
+                            "Device to compile for (GPU or TPU).")
 _MODEL = flags.DEFINE_enum("model", "random-llama-1b", list(RANDOM_MODELS),
                            "The random llama whose shape is compiled.")
 _TOKENS = flags.DEFINE_list("tokens", ["1", "2", "16", "64"], "Tokens per pass.")
@@ -54,54 +60,99 @@ _OUT_DIR = flags.DEFINE_string("out_dir", "docs/results/programs", "Where the JS
 
 def strategy_table(rows: list[dict]) -> str:
   lines = [f"{'strategy':18} {'kernels/step':>12} {'syncs/step':>10} {'syncs around':>12} "
-           f"{'steps/check':>11}"]
+           f"{'steps/check':>11} {'MiB: total':>10} {'temp':>6}  float32 products"]
   for r in rows:
+    if "error" in r:
+      lines.append(f"{r['strategy']:18} error: {r['error']}")
+      continue
     lines.append(f"{r['strategy']:18} {r['kernels_per_step']:>12} {r['host_syncs_per_step']:>10} "
-                 f"{r['host_syncs_around']:>12} {r['steps_per_check']:>11}")
+                 f"{r['host_syncs_around']:>12} {r['steps_per_check']:>11} "
+                 f"{r['memory']['total'] / 2**20:>10.0f} {r['memory']['temp'] / 2**20:>6.1f}  "
+                 f"{products_line(r['f32_products'])}")
   return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
-  lines = [f"{'loop':9} {'batch':>5} {'tokens':>6} {'kernels':>8} {'per layer':>9} "
-           f"{'syncs':>5} {'MiB copied in loops':>20}"]
+  lines = [f"{'loop':9} {'batch':>5} {'tokens':>6} {'kernels':>8} {'scalar':>6} {'per layer':>9} "
+           f"{'syncs':>5} {'MiB copied':>10} {'in loops':>8} {'of weights':>10} {'on chip':>8} "
+           f"{'MiB: args':>9} {'out':>6} {'temp':>6} {'code':>5}  float32 products"]
   for r in rows:
+    m = {k: v / 2**20 for k, v in r["memory"].items()}
     lines.append(f"{r['layer_loop']:9} {r['batch']:>5} {r['tokens']:>6} {r['kernels']:>8} "
-                 f"{r['kernels_per_layer']:>9.1f} {r['host_syncs']:>5} "
-                 f"{r['loop_copy_bytes'] / 2**20:>20.1f}")
+                 f"{r['scalar_kernels']:>6} {r['kernels_per_layer']:>9.1f} {r['host_syncs']:>5} "
+                 f"{r['copy_bytes'] / 2**20:>10.1f} {r['loop_copy_bytes'] / 2**20:>8.1f} "
+                 f"{r['weight_copy_bytes'] / 2**20:>10.1f} "
+                 f"{r['loop_copy_bytes_on_chip'] / 2**20:>8.1f} {m['argument']:>9.0f} "
+                 f"{m['output']:>6.1f} {m['temp']:>6.1f} {m['generated_code']:>5.1f}  "
+                 f"{products_line(r['f32_products'])}")
   return "\n".join(lines)
+
+
+def products_line(summary: dict) -> str:
+  """"12 float32, 97 exact" (an arithmetic that loses precision marked with !)."""
+  return ", ".join(f"{n} {a}{'' if a in LOSSLESS else '!'}" for a, n in sorted(summary.items())
+                   ) or "none"
+
+
+def lossy(rows: list[dict]) -> str:
+  """The float32 products that lose precision, by jax operation, over all rows (passes
+  and strategies)."""
+  seen = {}
+  for r in rows:
+    for p in r.get("f32_products_listed", []):
+      if p["loses_precision"]:
+        seen[(p["op_name"], p["precision"], p["arithmetic"])] = p["operands"]
+  if not seen:
+    return "float32 products losing precision: none"
+  return "float32 products losing precision:\n" + "\n".join(
+      f"  {arithmetic:8} ({precision}, {' x '.join(operands)}) {op}"
+      for (op, precision, arithmetic), operands in sorted(seen.items()))
+
+
+def write(rows: list[dict], generation: list[dict]) -> pathlib.Path:
+  """The report so far as `--out_dir`/program_report.json (rewritten after each row, so
+  that a long run stopped early keeps what it compiled)."""
+  out = pathlib.Path(_OUT_DIR.value) / "program_report.json"
+  target = compile_targets.get(_TARGET.value)
+  files.write_text(out, json.dumps(dict(target=_TARGET.value, platform=target.platform,
+                                        memory_bytes=target.memory_bytes, model=_MODEL.value,
+                                        context=_CONTEXT.value, jax=jax.__version__,
+                                        decode_step=rows, generation=generation,
+                                        prompt_tokens=_PROMPT_TOKENS.value,
+                                        new_tokens=_NEW_TOKENS.value), indent=1) + "\n")
+  return out
 
 
 @one_line_errors
 def main(argv):
   check_argv(argv)
   config = RANDOM_MODELS[_MODEL.value]
-  rows = []
+  rows, generation = [], []
   for layer_loop in _LAYER_LOOPS.value:
     for batch in map(int, _BATCHES.value):
       for tokens in map(int, _TOKENS.value):
-        counts = decode_step_counts(_TARGET.value, config, batch=batch, tokens=tokens,
+        report = decode_step_report(_TARGET.value, config, batch=batch, tokens=tokens,
                                     slots=_CONTEXT.value, segments=_SEGMENTS.value,
                                     layer_loop=layer_loop)
-        rows.append(dict(layer_loop=layer_loop, batch=batch, tokens=tokens,
-                         kernels_per_layer=counts.kernels / config.num_layers,
-                         **counts.to_json()))
+        rows.append(dict(layer_loop=layer_loop, batch=batch, tokens=tokens, **report))
+        write(rows, generation)
         print(table(rows[-1:]).splitlines()[-1], flush=True)
-  generation = []
   with platform.building_for(compile_targets.get(_TARGET.value).platform):
     model = abstract_model(config, _MODEL.value)
     requests = strategy_requests(model, _PROMPT_TOKENS.value)
     for name in _STRATEGIES.value:
-      generation.append(generation_counts(_TARGET.value, model, name, *requests[name],
-                                          _NEW_TOKENS.value))
+      try:
+        generation.append(generation_counts(_TARGET.value, model, name, *requests[name],
+                                            _NEW_TOKENS.value))
+      except Exception as e:  # noqa: BLE001 - a strategy that cannot build its program on
+        #   weights that are shapes only is a row of the report, not the end of it
+        generation.append(dict(strategy=name, error=f"{type(e).__name__}: {e}"))
+      write(rows, generation)
       print(strategy_table(generation[-1:]).splitlines()[-1], flush=True)
-  out = pathlib.Path(_OUT_DIR.value) / "program_report.json"
-  files.write_text(out, json.dumps(dict(target=_TARGET.value, model=_MODEL.value,
-                                        context=_CONTEXT.value, jax=jax.__version__,
-                                        decode_step=rows, generation=generation,
-                                        prompt_tokens=_PROMPT_TOKENS.value,
-                                        new_tokens=_NEW_TOKENS.value), indent=1) + "\n")
+  out = write(rows, generation)
   print(table(rows))
   print(strategy_table(generation))
+  print(lossy(rows + generation))
   print(f"wrote {out}")
 
 

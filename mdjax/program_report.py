@@ -1,23 +1,26 @@
 """What the programs mdjax builds do on a device it compiles for without having it
-(`mdjax.compile_targets`), read by `mdjax.hlo_report`: one `decode_step` pass, and every
-registered strategy's whole-generation program (`mdjax.generate.program`) on weights
-that are shapes only. `experiments/program_report.py` is the CLI that tabulates them;
-`tests/test_gpu_programs.py` holds CI to their floors.
+(`mdjax.compile_targets`: a GPU or a TPU), read by `mdjax.hlo_report` (kernels, host
+syncs, copies) and `mdjax.hlo_products` (float32 products), with the compiler's memory
+analysis: one `decode_step` pass, and every registered strategy's whole-generation
+program (`mdjax.generate.program`) on weights that are shapes only.
+`experiments/program_report.py` is the CLI that tabulates them;
+`tests/test_gpu_programs.py` and `tests/test_tpu_programs.py` hold CI to their floors.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 
-from mdjax import compile_targets, hlo_report, platform, strategies
+from mdjax import compile_targets, hlo_products, hlo_report, hlo_text, platform, strategies
 from mdjax.cache import KVCache
 from mdjax.generate import STEP_LOOP, program
 from mdjax.heads import Heads, HeadsConfig, init_heads, load_heads
 from mdjax.models.attention import default_attention
-from mdjax.models.layer_loop import default_layer_loop, with_layer_loop
+from mdjax.models.layer_loop import default_layer_loop, layer_loop_of, with_layer_loop
 from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
 from mdjax.models.registry import RANDOM_MODELS
@@ -26,20 +29,74 @@ from mdjax.strategies import prompt_layouts
 from mdjax.topology import Topology
 
 
-def decode_step_counts(target: str, config, *, batch: int, tokens: int, slots: int,
-                       segments: int, layer_loop: str) -> hlo_report.Counts:
-  """The counts of one `decode_step` pass compiled for `target`."""
+def compile_decode_step(target: str, config, *, batch: int, tokens: int, slots: int,
+                        segments: int, layer_loop: str, dtype=jnp.bfloat16):
+  """One `decode_step` pass compiled for `target` (weights of `dtype` laid out for
+  `layer_loop`, a cache of `dtype` with `slots` slots per row, the target's attention):
+  `(compiled, params)`, the params shapes only."""
   with platform.building_for(compile_targets.get(target).platform):
-    params = jax.eval_shape(lambda: with_layer_loop(init_params(config, 0, jnp.bfloat16),
-                                                    layer_loop))
-    cache = jax.eval_shape(lambda: KVCache.create(config, batch, slots, jnp.bfloat16))
+    params = jax.eval_shape(lambda: with_layer_loop(init_params(config, 0, dtype), layer_loop))
+    cache = jax.eval_shape(lambda: KVCache.create(config, batch, slots, dtype))
     attention = default_attention()
   ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
   topology = Topology(parent=jax.ShapeDtypeStruct((batch, segments), jnp.int32),
                       fork=jax.ShapeDtypeStruct((batch, segments), jnp.int32))
   compiled = compile_targets.compile_for(decode_step, target, params, cache, ids, ids, ids,
                                          topology, config=config, attention=attention)
-  return hlo_report.read(compiled.as_text())
+  return compiled, params
+
+
+def decode_step_counts(target: str, config, **shape) -> hlo_report.Counts:
+  """The counts of one `decode_step` pass compiled for `target` (`shape`: as
+  `compile_decode_step`'s)."""
+  compiled, _ = compile_decode_step(target, config, **shape)
+  return hlo_report.read(compiled.as_text(), platform=compile_targets.get(target).platform)
+
+
+def decode_step_report(target: str, config, **shape) -> dict:
+  """One `decode_step` pass compiled for `target`: its counts, the weight bytes among
+  its loop copies, its memory and its float32 products (`shape`: as
+  `compile_decode_step`'s)."""
+  compiled, params = compile_decode_step(target, config, **shape)
+  text, on = compiled.as_text(), compile_targets.get(target).platform
+  counts = hlo_report.read(text, platform=on)
+  products = hlo_products.float32_products(text, platform=on)
+  return dict(kernels_per_layer=counts.kernels / config.num_layers, **counts.to_json(),
+              weight_copy_bytes=weight_copy_bytes(counts, params),
+              memory=memory(compiled), f32_products=hlo_products.summary(products),
+              f32_products_listed=hlo_products.grouped(products))
+
+
+def memory(compiled) -> dict[str, int]:
+  """What `compiled` needs on its device (`compiled.memory_analysis()`), in bytes:
+  its arguments, outputs (less those aliased to donated arguments), temporaries and
+  generated code, and `total`: all of them at once."""
+  stats = compiled.memory_analysis()
+  found = dict(argument=stats.argument_size_in_bytes, output=stats.output_size_in_bytes,
+               alias=stats.alias_size_in_bytes, temp=stats.temp_size_in_bytes,
+               generated_code=stats.generated_code_size_in_bytes)
+  found["total"] = (found["argument"] + found["output"] - found["alias"] + found["temp"] +
+                    found["generated_code"])
+  return found
+
+
+def weight_copy_bytes(counts: hlo_report.Counts, params) -> int:
+  """Bytes of `counts`' loop copies (into device memory or on chip) shaped like one
+  layer's weight (dimensions of 1 aside, in any order: a slice of a stacked weight,
+  transposed or not)."""
+  def key(dims):
+    return tuple(sorted(d for d in dims if d != 1))
+
+  stacked = layer_loop_of(params) == "scan"  # each weight [layers, ...]
+  weights = {key(leaf.shape[1:] if stacked else leaf.shape)
+             for leaf in jax.tree.leaves(params["layers"])}
+  total = 0
+  for shape, n in counts.loop_copy_shapes.items():
+    dtype, dims = re.fullmatch(r"(\w+)\[([\d,]*)\]", shape).groups()
+    dims = tuple(int(d) for d in filter(None, dims.split(",")))
+    if key(dims) in weights:
+      total += n * hlo_text.nbytes(dtype, dims)
+  return total
 
 
 def abstract_model(config, name: str = "") -> Model:
@@ -98,13 +155,20 @@ def generation_counts(target: str, model: Model, strategy: str, prompts: list, o
   """Strategy `strategy`'s whole-generation program compiled for `target`: per step of
   its token loop (the loop under `mdjax.generate.STEP_LOOP`), kernels and host syncs;
   the host syncs of the program outside that loop, and how many steps run between
-  them."""
-  with platform.building_for(compile_targets.get(target).platform):  # generate's choices
+  them; the program's loops, memory and float32 products."""
+  on = compile_targets.get(target).platform
+  with platform.building_for(on):  # generate's choices
     fn, args = program(model, prompts, strategy, max_new_tokens, eos_token_id=[], **options)
-  text = compile_targets.compile_for(fn, target, *args).as_text()
-  whole, loop = hlo_report.read(text), hlo_report.find_loop(text, STEP_LOOP)
-  per_step = loop.iteration.host_syncs + (loop.trip_count is None)
+  compiled = compile_targets.compile_for(fn, target, *args)
+  text = compiled.as_text()
+  products = hlo_products.float32_products(text, platform=on)
+  whole = hlo_report.read(text, platform=on)
+  loop = hlo_report.find_loop(text, STEP_LOOP, platform=on)
+  per_step = loop.iteration.host_syncs + (loop.trip_count is None and
+                                          hlo_report.control_flow_waits(on))
   return dict(strategy=strategy, kernels_per_step=loop.iteration.kernels,
               host_syncs_per_step=per_step, steps_per_check=loop.trip_count or 1,
               host_syncs_around=whole.host_syncs - per_step * (loop.trip_count or 1),
-              program_kernels=whole.kernels)
+              program_kernels=whole.kernels, loops=whole.to_json()["loops"],
+              memory=memory(compiled), f32_products=hlo_products.summary(products),
+              f32_products_listed=hlo_products.grouped(products))

@@ -1,7 +1,8 @@
-"""Devices to compile for without having them: a GPU (jax's CUDA plugin, given a target
-description from this folder) on a machine with only a CPU.
+"""Devices to compile for without having them, on a machine with only a CPU: a GPU
+(jax's CUDA plugin, given a target description from this folder) or a TPU (libtpu, given
+a topology name such as "v5e:1x1").
 
-    device = compile_targets.device("h200")
+    device = compile_targets.device("v5e")
     compiled = compile_targets.compile_for(decode_step, "h200", params, cache, ...,
                                            config=config, attention="fused")
     compiled.as_text()   # the optimized program the H200 would run (`mdjax.hlo_report`)
@@ -9,14 +10,20 @@ description from this folder) on a machine with only a CPU.
 The arrays passed stand for their shapes only (`jax.ShapeDtypeStruct`s placed on the
 target's device); nothing runs. mdjax's platform choices follow the target
 (`mdjax.platform.building_for`). Needs `jax-cuda13-plugin` and `jax-cuda13-pjrt` at
-jax's own version (requirements-compile-targets.txt); JAX_PLATFORMS=cpu keeps the host
-on its CPU while the plugin only compiles.
+jax's own version, and `libtpu` at the version jax's `tpu` extra pins
+(requirements-compile-targets.txt); JAX_PLATFORMS=cpu keeps the host on its CPU while
+the plugin and libtpu only compile.
+
+The TPU targets are single chips, the notebook's first (notebooks/tpu_colab.ipynb:
+Colab's TPU runtime is a v5e-1); a multi-chip topology's first chip would compile the
+same one-device program.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import pathlib
 
 import jax
@@ -28,20 +35,33 @@ from mdjax.errors import MdjaxError, MissingPackageError
 HERE = pathlib.Path(__file__).parent
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Target:
-  """A device to compile for: its platform, its description and its memory bandwidth
-  (bytes/s: the roofline a report divides by)."""
+  """A device to compile for: its platform, how jax names its topology, its memory
+  bandwidth (bytes/s: the roofline a report divides by) and size (bytes: what a
+  program's `memory_analysis()` must fit in)."""
 
   name: str
-  platform: str
-  description: str  # the file in this folder
+  platform: str  # "gpu" or "tpu"
+  topology: str  # jax's topology name: a TPU's "v5e:1x1", a GPU's "1x1x1"
   memory_bandwidth: float
+  memory_bytes: int
+  description: str | None = None  # a GPU's GpuTargetConfigProto: a file in this folder
 
 
+GIB = 2**30
 TARGETS = {
-    "h100": Target(name="h100", platform="gpu", description="h100.txtpb", memory_bandwidth=3.35e12),
-    "h200": Target(name="h200", platform="gpu", description="h200.txtpb", memory_bandwidth=4.8e12),
+    "h100": Target(name="h100", platform="gpu", topology="1x1x1", description="h100.txtpb",
+                   memory_bandwidth=3.35e12, memory_bytes=80 * GIB),
+    "h200": Target(name="h200", platform="gpu", topology="1x1x1", description="h200.txtpb",
+                   memory_bandwidth=4.8e12, memory_bytes=141 * 10**9),
+    # Colab's TPU (a v5e-1) first; then the newer and the larger chips of Cloud TPU
+    "v5e": Target(name="v5e", platform="tpu", topology="v5e:1x1", memory_bandwidth=8.19e11,
+                  memory_bytes=16 * GIB),
+    "v6e": Target(name="v6e", platform="tpu", topology="v6e:1x1", memory_bandwidth=1.64e12,
+                  memory_bytes=32 * GIB),
+    "v5p": Target(name="v5p", platform="tpu", topology="v5p:1x1x1", memory_bandwidth=2.765e12,
+                  memory_bytes=95 * GIB),
 }
 
 
@@ -57,12 +77,24 @@ def device(name: str) -> jax.Device:
   from jax.experimental import topologies
   target = get(name)
   try:
-    topology = topologies.get_topology_desc(
-        name, "cuda", target_config=(HERE / target.description).read_text(), topology="1x1x1")
-  except NotImplementedError:  # jax without the CUDA plugin: "topology not implemented"
+    if target.platform == "tpu":
+      # libtpu holds /tmp/libtpu_lockfile while its process lives, so that two processes
+      # never drive one TPU; compiling drives none, and another compiling process (a
+      # test worker) or one whose jax found libtpu must not make this one fail
+      os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+      topology = topologies.get_topology_desc(topology_name=target.topology, platform="tpu",
+                                              chips_per_host_bounds=(1, 1, 1))
+    else:
+      topology = topologies.get_topology_desc(
+          name, "cuda", target_config=(HERE / target.description).read_text(),
+          topology=target.topology)
+  except (NotImplementedError, RuntimeError) as e:
+    if "not implemented" not in str(e) and "not installed" not in str(e):  # the package is there
+      raise
+    package = "libtpu" if target.platform == "tpu" else "jax's CUDA plugin"
     raise MissingPackageError(
-        f"compiling for {name} needs jax's CUDA plugin: python3 -m pip install "
-        "-r requirements-compile-targets.txt") from None
+        f"compiling for {name} needs {package}: python3 -m pip install "
+        f"-r requirements-compile-targets.txt ({e})") from None
   return topology.devices[0]
 
 
