@@ -100,13 +100,22 @@ class PromptLookup:
 
 
 @dataclasses.dataclass(frozen=True)
-class ParallelHeads:
-  """Parallel heads (a family's `Guess`): head k's top-1 is the chain's token k + 1."""
+class HeadsSource:
+  """What both kinds of heads are: their config, on the target (`ModelFn`), drafting
+  chains of `cap` tokens every step."""
 
   heads: HeadsConfig
   target: ModelFn
   cap: int
   name: str = "heads"
+
+  def available(self, state) -> Int[Array, "R"]:
+    return jnp.full(state.last.shape, self.cap, jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelHeads(HeadsSource):
+  """Parallel heads (a family's `Guess`): head k's top-1 is the chain's token k + 1."""
 
   @property
   def guess(self) -> Guess:
@@ -133,9 +142,6 @@ class ParallelHeads:
     return dict(read=self.guess.start(self.used(params), hidden, prompt.branch_last, feed,
                                       cache.num_slots, cache.k.dtype))
 
-  def available(self, state) -> Int[Array, "R"]:
-    return jnp.full(state.last.shape, self.cap, jnp.int32)
-
   def propose(self, params, state, length, keys):
     used = self.used(params)
     logits = self.guess.logits(used, state.read)  # [R, K, V]
@@ -151,13 +157,8 @@ class ParallelHeads:
 
 
 @dataclasses.dataclass(frozen=True)
-class SequentialHead:
+class SequentialHead(HeadsSource):
   """A head that drafts one token at a time (its family's `draft_step`)."""
-
-  heads: HeadsConfig
-  target: ModelFn
-  cap: int
-  name: str = "heads"
 
   def prior(self) -> tuple[float, ...]:
     return tuple(row[0] for row in (self.heads.top_accuracy or tree_choice.DRAFT_ACCURACY))
@@ -190,9 +191,6 @@ class SequentialHead:
     return dict(read=HeadState(cache=head_cache, pending=widen(first[:, None], depth),
                                features=features.at[:, :1].set(last),
                                pending_count=jnp.ones((batch,), jnp.int32)))
-
-  def available(self, state) -> Int[Array, "R"]:
-    return jnp.full(state.last.shape, self.cap, jnp.int32)
 
   def propose(self, params, state, length, keys):
     """The catch-up pass (level 1 from its logits at `c`), then a pass per further token
