@@ -4,6 +4,8 @@ EOS inside an accepted chain, chains longer than the budget); sampled output fol
 the target's law (chi-square); `auto` chooses per request and per step and row; a
 source that cannot serve is an error naming it, or left out under `auto`."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,13 +62,25 @@ def test_merge_chains_by_hand():
     ("medusa", dict(tree_budget=6, prompt_lookup_num_tokens=4, num_draft_tokens=3)),  # over budget
     ("eagle", dict(tree_budget=5, num_heads=3, prompt_lookup_num_tokens=3,
                    sources=["heads", "prompt_lookup"])),  # a sequential head first
+    ("medusa", dict(prompt_lookup_num_tokens=3)),  # "auto"
 ])
 def test_greedy_output_equals_the_target_greedy(tiny, heads_family, options):
+  """Chains longer than an integer budget; a sequential head; or under "auto" (per step
+  and row), heads whose profile says they pay, and a draft model of another vocabulary,
+  left out."""
   model, draft, heads, greedy = tiny
-  out = mdjax.generate(model, PROMPTS, strategy="mixed", heads=heads[heads_family], draft=draft,
+  heads = heads[heads_family]
+  if options.get("tree_budget", "auto") == "auto":
+    heads = mdjax.Heads(config=dataclasses.replace(heads.config, top_accuracy=((0.9,),) * 3),
+                        params=heads.params)
+    draft = random_model("llama", 2)  # 64 tokens
+  out = mdjax.generate(model, PROMPTS, strategy="mixed", heads=heads, draft=draft,
                        max_new_tokens=NEW, eos_token_id=[], **options)
   assert out.sequences == greedy
   stats = out.stats
+  if "tree_budget" not in options:
+    assert stats["tree_choice"] == "mix" and stats["sources"] == ("prompt_lookup", "heads")
+    assert "vocabulary (64 tokens)" in stats["left_out"]["draft"]
   assert stats["target_passes"] < NEW - 1 and stats["accepted"] > 0
   assert stats["accepted"] <= sum(stats[f"accepted_{s}"] for s in stats["sources"])  # shared:
   for source in stats["sources"]:  # credited to each
@@ -76,7 +90,7 @@ def test_greedy_output_equals_the_target_greedy(tiny, heads_family, options):
                     if s[i] not in s[:i])
   expected = mdjax.generate(model, PROMPTS, max_new_tokens=NEW,
                             eos_token_id=greedy[row][index]).sequences
-  out = mdjax.generate(model, PROMPTS, strategy="mixed", heads=heads[heads_family], draft=draft,
+  out = mdjax.generate(model, PROMPTS, strategy="mixed", heads=heads, draft=draft,
                        max_new_tokens=NEW, eos_token_id=greedy[row][index], **options)
   assert out.sequences == expected and len(expected[row]) == index + 1
 
@@ -134,8 +148,9 @@ def test_lengths_are_chosen_per_row_from_what_each_source_had_accepted():
   accuracy = mix_choice.estimate(prior, tried, hits)
   cost = mix_choice.StepCost(width=tuple(1 + 0.1 * w for w in range(-1, 9)), fixed=0.0,
                              per_token=(0.0, 0.1))
-  lengths = mix_choice.choose_lengths(accuracy, jnp.array([[4, 4], [4, 4]]),
-                                      mix_choice.length_grid((4, 4), 8), cost)
+  grid = mix_choice.length_grid((4, 4), 8)
+  lengths = jax.jit(lambda a, n: mix_choice.choose_lengths(a, n, grid, cost))(
+      accuracy, jnp.array([[4, 4], [4, 4]]))
   np.testing.assert_array_equal(lengths, [[4, 0], [0, 4]])
   steep = mix_choice.StepCost(width=(1.0, 1.0) + (50.0,) * 8, fixed=0.0, per_token=(0.0, 0.0))
   plain = mix_choice.request_choice(np.full((2, 4), 0.5), (4, 4), 8, steep,
@@ -144,12 +159,21 @@ def test_lengths_are_chosen_per_row_from_what_each_source_had_accepted():
 
 
 def test_auto_falls_back_to_plain_decoding_when_no_mix_pays(tiny, monkeypatch):
-  model, draft, heads, greedy = tiny
-  monkeypatch.setenv("MDJAX_PASS_COST", "1,8,16,32,64,128,256")  # extra columns never pay
-  out = mdjax.generate(model, PROMPTS, strategy="mixed", heads=heads["medusa"],
-                       max_new_tokens=NEW, eos_token_id=[])
+  """Extra columns never pay: plain decoding (heads of another model left out, said
+  why); prompt lookup alone with nothing to match: plain decoding, said why."""
+  model, _, _, greedy = tiny
+  foreign = strategy_heads(random_model("llama", 2))["medusa"]
+  monkeypatch.setenv("MDJAX_PASS_COST", "1,8,16,32,64,128,256")
+  out = mdjax.generate(model, PROMPTS, strategy="mixed", heads=foreign, max_new_tokens=NEW,
+                       eos_token_id=[])
   assert out.sequences == greedy
   assert out.stats["tree_choice"] == "greedy" and out.stats["target_passes"] == NEW - 1
+  assert "trained on" in out.stats["left_out"]["heads"]
+  monkeypatch.undo()
+  lonely = mdjax.generate(model, [[40 + i for i in range(len(p))] for p in PROMPTS],
+                          strategy="mixed", max_new_tokens=NEW)  # the same plain program
+  assert "nothing to match" in lonely.stats["left_out"]["prompt_lookup"]
+  assert lonely.stats["tree_choice"] == "greedy"
 
 
 # ------------------------------------------------------------------ bad input
@@ -170,18 +194,3 @@ def test_a_source_that_cannot_serve_is_named(tiny):
     with pytest.raises(MdjaxError, match=match):
       mdjax.generate(model, [[40, 41, 42]], strategy="mixed", tree_budget=4, max_new_tokens=4,
                      **options)
-
-
-def test_under_auto_a_source_that_cannot_serve_is_left_out(tiny):
-  model, _, _, greedy = tiny
-  other = random_model("llama", 2)
-  out = mdjax.generate(model, PROMPTS, strategy="mixed", heads=strategy_heads(other)["medusa"],
-                       draft=other, max_new_tokens=NEW, eos_token_id=[])
-  assert out.sequences == greedy
-  assert set(out.stats["left_out"]) == {"heads", "draft"}
-  assert "vocabulary (64 tokens)" in out.stats["left_out"]["draft"]
-  assert out.stats["sources"] == ("prompt_lookup",) and out.stats["accepted_prompt_lookup"] > 0
-  lonely = mdjax.generate(model, [[40 + i for i in range(len(p))] for p in PROMPTS],
-                          strategy="mixed", max_new_tokens=NEW)  # the plain program above
-  assert "nothing to match" in lonely.stats["left_out"]["prompt_lookup"]
-  assert lonely.stats["tree_choice"] == "greedy"
