@@ -13,9 +13,11 @@ import pytest
 
 import mdjax
 from mdjax.errors import MdjaxError
+from mdjax.heads import vocab
 from mdjax.strategies import mix_choice
 from mdjax.strategies.trees import PAD, merge_chains
 from tests.helpers import chi_square_p_value, random_model, strategy_heads, target_law
+from tests.test_eagle3 import draft_heads as eagle3_heads
 from tests.test_medusa import permutation_model_and_heads
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 8, 9, 5, 6], [9, 10, 11, 9], [40, 41]]  # ragged, some repeats
@@ -60,16 +62,17 @@ def test_merge_chains_by_hand():
 
 @pytest.mark.parametrize("heads_family, options", [
     ("medusa", dict(tree_budget=6, prompt_lookup_num_tokens=4, num_draft_tokens=3)),  # over budget
-    ("eagle", dict(tree_budget=5, num_heads=3, prompt_lookup_num_tokens=3,
-                   sources=["heads", "prompt_lookup"])),  # a sequential head first
+    ("eagle3", dict(tree_budget=5, num_heads=3, prompt_lookup_num_tokens=3,
+                    sources=["heads", "prompt_lookup"])),  # a sequential head first
     ("medusa", dict(prompt_lookup_num_tokens=3)),  # "auto"
 ])
 def test_greedy_output_equals_the_target_greedy(tiny, heads_family, options):
-  """Chains longer than an integer budget; a sequential head; or under "auto" (per step
-  and row), heads whose profile says they pay, and a draft model of another vocabulary,
-  left out."""
+  """Chains longer than an integer budget; a sequential head (EAGLE-3: three target
+  layers, a draft vocabulary); or under "auto" (per step and row), heads whose profile
+  says they pay, and a draft model of another vocabulary, left out."""
   model, draft, heads, greedy = tiny
-  heads = heads[heads_family]
+  heads = heads.get(heads_family) or eagle3_heads(model, vocab.choose(
+      np.bincount(np.concatenate(greedy), minlength=model.config.vocab_size) + 1e-3, 100))
   if options.get("tree_budget", "auto") == "auto":
     heads = mdjax.Heads(config=dataclasses.replace(heads.config, top_accuracy=((0.9,),) * 3),
                         params=heads.params)
