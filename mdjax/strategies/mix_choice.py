@@ -31,8 +31,10 @@ fewer nodes); lengths all 0 is plain decoding for that step and row.
 **Per request** (`request_choice`): the same rate with the priors, at the request's
 batch (`tree_choice.batch_tokens_per_pass`: the batch waits for its slowest row).
 When no lengths promise `tree_choice.MIN_GAIN` more than plain decoding (1 / t(1), no
-drafting at all), the request runs plain decoding. A source that costs a pass and gets
-no nodes in the best lengths is left out (its passes saved; `out.stats` says so).
+drafting at all), the request runs plain decoding. A source that costs passes and whose
+best lengths on its own promise less than that is left out (its passes saved; `out.stats`
+says so): the priors are rough (prompt lookup's above all), so a source that pays
+alone stays, and each step gives it the nodes its own acceptance earns.
 
 The priors (per depth, the chance a chain's token d is right when the ones before are):
 heads, their `top_accuracy` top-1 per head (parallel) or per unrolled step

@@ -26,8 +26,8 @@ the sampling options and `return_metadata`.
 
 `tree_budget="auto"` (`mdjax.strategies.mix_choice`): per request, plain decoding of
 the target when no mix pays by the sources' priors and the measured pass cost t(n),
-and the sources that cost a pass yet earn no node are left out; per step and row,
-each source's chain length from its acceptance so far in this request. With an integer
+and a source that costs passes and does not pay on its own is left out; per step and
+row, each source's chain length from its acceptance so far in this request. With an integer
 budget every source proposes its whole chain and the trie keeps its first nodes.
 
 A source that cannot serve the request (heads trained on another model, a draft model
@@ -258,31 +258,42 @@ class Mixed(Sampled):
                                                       "sources": self.sources})
     rows = prompt.tokens.shape[0]
     cost = pass_cost(self.model, params["target"], rows)
+    batch = tree_choice.Batch(rows=rows, new_tokens=capacity)
     nodes = min(sum(source.cap for source in self.chains), mix_choice.MAX_NODES)
-    choice = mix_choice.request_choice(
+    choice = mix_choice.request_choice(  # the best mix, against plain decoding
         self.prior, [source.cap for source in self.chains], nodes,
-        self._step_cost(params, cost, nodes), tree_choice.Batch(rows=rows, new_tokens=capacity),
-        allow_plain=not self.return_metadata)
+        self._step_cost(params, cost, nodes), batch, allow_plain=not self.return_metadata)
     if self.sources == ("prompt_lookup",) and "prompt_lookup" in left_out:
       choice = mix_choice.RequestChoice(lengths=(0,), tokens_per_pass=1.0, speedup=1.0)
     stats = {"left_out": left_out, "expected_tokens_per_pass": choice.tokens_per_pass,
              "expected_speedup": choice.speedup, **cost.stats()}
-    if choice.plain:
+    kept = []
+    for s, source in enumerate(self.chains):
+      fixed, per_token = source.fixed_and_per_token(params, cost, self.depth)
+      alone = mix_choice.request_choice(  # its best lengths on its own, margin or not
+          self.prior[s:s + 1], [source.cap], source.cap,
+          StepCost.of(cost, source.cap, fixed, [per_token]), batch, allow_plain=False)
+      if (fixed, per_token) == (0, 0) or alone.speedup >= tree_choice.MIN_GAIN:
+        kept.append(source.name)
+      else:
+        left_out[source.name] = (f"does not pay here: on its own its profile promises "
+                                 f"{alone.speedup:.2f}x plain decoding at best")
+    kept = tuple(kept)
+    if choice.plain or not kept:
       plain = tree_choice.plain_decoding(self, params, prompt, capacity, tree_choice.Choice(
           budget=0, depth=0, top_k=0, tokens_per_pass=1.0, speedup=1.0, cost=cost))
       return dataclasses.replace(plain, request_stats={**plain.request_stats, **stats})
-    kept = tuple(source.name for source, length in zip(self.chains, choice.lengths)
-                 if length or source.fixed_and_per_token(params, cost, self.depth) == (0, 0))
-    for source in self.chains:
-      if source.name not in kept:
-        left_out[source.name] = (f"does not pay here: no node of it is worth its passes "
-                                 f"(expected speedup {choice.speedup:.2f} without it)")
     mix = dataclasses.replace(self, sources=kept, heads=self.heads if "heads" in kept else None,
                               draft=self.draft if "draft" in kept else None)
     nodes = min(sum(source.cap for source in mix.chains), mix_choice.MAX_NODES)
+    step_cost = mix._step_cost(params, cost, nodes)
+    choice = mix_choice.request_choice(mix.prior, [source.cap for source in mix.chains], nodes,
+                                       step_cost, batch, allow_plain=False)
     return dataclasses.replace(
-        mix, tree_budget=nodes, step_cost=mix._step_cost(params, cost, nodes),
-        request_stats={**stats, "tree_choice": "mix", "tree_budget": nodes, "sources": kept})
+        mix, tree_budget=nodes, step_cost=step_cost,
+        request_stats={**stats, "tree_choice": "mix", "tree_budget": nodes, "sources": kept,
+                       "expected_tokens_per_pass": choice.tokens_per_pass,
+                       "expected_speedup": choice.speedup})
 
   @property
   def auto(self) -> bool:
