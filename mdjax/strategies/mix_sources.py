@@ -164,8 +164,9 @@ class SequentialHead(HeadsSource):
     return tuple(row[0] for row in (self.heads.top_accuracy or tree_choice.DRAFT_ACCURACY))
 
   def fixed_and_per_token(self, params, cost: PassCost, depth: int) -> tuple[float, float]:
+    own = self.heads.own_unembedding or "lm_head" in params["heads"]  # EAGLE-3's, over V_d
     fraction = tree_choice.draft_fraction(params["heads"], params["target"],
-                                          reads_unembedding=not self.heads.own_unembedding)
+                                          reads_unembedding=not own)
     return fraction * cost(1 + depth), fraction * cost(1)
 
   def _pass(self, params, cache, tokens, features, positions, segments, topology,
