@@ -144,6 +144,7 @@ def strategy_requests(model: Model, prompt_tokens: int) -> dict[str, tuple[list,
       "self_speculative": dict(draft_layers=max(1, model.config.num_layers // 4),
                                 num_draft_tokens=4),
       "speculative": dict(draft=draft, num_draft_tokens=4),
+      "mixed": dict(heads=medusa, draft=draft, tree_budget=16),
   }
   return {name: (chunks if isinstance(cls.layout, prompt_layouts.Chains) else prompt,
                  requests.get(name, {}))

@@ -217,7 +217,7 @@ def cycle_model() -> Model:
 # --- every registered strategy, with options that exercise it on a tiny model ------------
 
 LOSSLESS = {"speculative", "speculative_tree", "prompt_lookup", "lookahead", "jacobi",
-            "self_speculative", "medusa", "blockwise", "eagle"}  # greedy's tokens at temperature 0
+            "self_speculative", "medusa", "blockwise", "eagle", "mixed"}  # greedy's tokens at temperature 0
 STRATEGY_PROMPTS = [list(range(3, 19)), [9, 10, 11, 12, 13]]  # ragged
 CHUNKS = [[[5, 6, 7], [8, 9]], [[10, 11], [12]]]  # skeleton_fill / margin_notes prompts
 
@@ -269,6 +269,8 @@ def every_strategy(draft: Model, heads: dict) -> dict:
       "medusa": ([], dict(heads=heads["medusa"])),
       "blockwise": ([], dict(heads=heads["mtp"])),
       "eagle": ([], dict(heads=heads["eagle"], tree_depth=2, tree_top_k=2, tree_budget=4)),
+      "mixed": ([], dict(heads=heads["mtp"], draft=draft, tree_budget=5, num_draft_tokens=2,
+                         prompt_lookup_num_tokens=3)),
   }
 
 

@@ -7,7 +7,8 @@ Adding a strategy is one new module whose class is decorated with
 
 # Importing a strategy module registers the strategies it defines.
 from mdjax.strategies import (autoregressive, beam, eagle, entropy, lookahead,  # noqa: F401
-                              lookup, medusa, self_speculative, speculative, speculative_tree)
+                              lookup, medusa, mixed, self_speculative, speculative,
+                              speculative_tree)
 from mdjax.strategies.registry import STRATEGIES, check_options, get, option_names, register
 
 __all__ = ["STRATEGIES", "check_options", "get", "option_names", "register"]

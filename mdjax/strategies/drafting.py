@@ -301,12 +301,14 @@ class Chain:
 
 
 def draft_chain(draft: ModelFn, params, cache: KVCache, logits: Float[Array, "B V"],
-                keys: jax.Array, state: ChainState, schedule: Schedule,
-                sampling: SamplingParams) -> Chain:
+                keys: jax.Array, state: DraftState, schedule: Schedule,
+                sampling: SamplingParams, budget: Int[Array, "B"] | None = None) -> Chain:
   """From the draft's `logits` after the last emitted token (and `cache`, holding
   everything emitted), the chain: one draft pass per further token, each row until
-  its budget or the confidence threshold stops it, all rows until none drafts on."""
+  its budget (`budget`, else the `ChainState`'s) or the confidence threshold stops it,
+  all rows until none drafts on."""
   done = state.buffer.done
+  budget = state.budget if budget is None else budget
   batch, longest = done.shape[0], schedule.longest
   chain_keys = fold_in(keys, DRAFT_KEY)
 
@@ -317,7 +319,7 @@ def draft_chain(draft: ModelFn, params, cache: KVCache, logits: Float[Array, "B 
     token = choose(fold_in(chain_keys, i), logits, sampling)
     confidence = jnp.take_along_axis(q, token[:, None], axis=1)[:, 0]
     length = chain.length + active
-    active = active & (length < state.budget) & (confidence >= schedule.confidence_threshold)
+    active = active & (length < budget) & (confidence >= schedule.confidence_threshold)
     return dataclasses.replace(
         chain, tokens=chain.tokens.at[:, i].set(token), length=length, active=active, i=i + 1,
         q=None if chain.q is None else chain.q.at[:, i].set(q))

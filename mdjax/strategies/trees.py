@@ -35,24 +35,32 @@ moves)::
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
 from mdjax.sampling import SamplingParams, greedy_tree_accept, tree_accept
 from mdjax.strategies import drafting, metadata
-from mdjax.strategies.base import ModelFn
+from mdjax.strategies.base import ModelFn, chain_widths, run_narrowest
 from mdjax.strategies.drafting import DraftState, State
 from mdjax.topology import Topology
+
+
+PAD = -2  # the parent of a padding node: no walk from the root ever reaches it
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Tree:
   """Drafted nodes, parents before children: `tokens`, `parent` (node index, -1 for a
-  child of the last emitted token), `depth` (1 for those children): int32[B, N]."""
+  child of the last emitted token), `depth` (1 for those children): int32[B, N]. A
+  padding node has depth 0 and parent `PAD`: it is not fed and never accepted (a tree
+  of fewer nodes than its static width, `merge_chains`)."""
 
   tokens: Int[Array, "B N"]
   parent: Int[Array, "B N"]
@@ -102,7 +110,7 @@ class Verified:
 
 def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, keys: jax.Array,
            sampling: SamplingParams, accept=tree_accept,
-           branch_segment: Int[Array, "R"] | None = None) -> Verified:
+           branch_segment: Int[Array, "R"] | None = None, narrow: bool = False) -> Verified:
   """One target pass over every row's last emitted token and its `tree` (at most
   `depth` levels deep), accepted with the target's distributions by `accept`
   (`tree_accept`'s signature; by default the exact rule), or when greedy by
@@ -114,6 +122,9 @@ def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, ke
   whose N trees are fed side by side; `c` goes to the branch's segment, the nodes to
   segments after the prompt's (`state.topology`), and the accepted ones join the
   branch's segment. None: one branch per cache row, in segment 0 (the drawing).
+
+  `narrow` (one branch per row, padding nodes last): the pass runs only as wide as
+  the row with the most real nodes needs (`base.run_narrowest`), as chains do.
   """
   rows, budget = tree.tokens.shape
   batch = state.cache.length.shape[0]
@@ -127,11 +138,17 @@ def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, ke
       parent=jnp.concatenate([state.topology.parent, per_row(parent_segment)], axis=1),
       fork=jnp.concatenate([state.topology.fork, per_row(state.next_pos[:, None] + tree.depth)],
                            axis=1))  # [B, G + N x M]
-  fed = jnp.concatenate([segment[:, None], node_segment], axis=1)  # [R, 1 + M]
-  logits, hidden, cache = model(
-      params, state.cache, per_row(jnp.concatenate([state.last[:, None], tree.tokens], axis=1)),
-      per_row(state.next_pos[:, None] + jnp.pad(tree.depth, ((0, 0), (1, 0)))),
-      per_row(jnp.where(state.buffer.done[:, None], -1, fed)), topology)  # [B, N (1 + M), V]
+  fed = jnp.concatenate([segment[:, None], jnp.where(tree.depth > 0, node_segment, -1)],
+                        axis=1)  # [R, 1 + M]: padding nodes are not fed
+  fed = per_row(jnp.where(state.buffer.done[:, None], -1, fed))
+  tokens = per_row(jnp.concatenate([state.last[:, None], tree.tokens], axis=1))
+  positions = per_row(state.next_pos[:, None] + jnp.pad(tree.depth, ((0, 0), (1, 0))))
+  if narrow:
+    logits, hidden, cache = _narrowest_pass(model, params, state.cache, tokens, positions, fed,
+                                            topology)
+  else:
+    logits, hidden, cache = model(params, state.cache, tokens, positions, fed,
+                                  topology)  # [B, N (1 + M), V]
   logits = logits.reshape(rows, budget + 1, -1)  # [R, 1 + M, V]
   hidden = hidden.reshape(rows, budget + 1, -1)
   if sampling.greedy:  # `accept`'s result on a one-hot p, with no draw over the vocabulary
@@ -183,9 +200,80 @@ def path_metadata(tree: Tree, verified: Verified, sampling: SamplingParams):
                            proposal, accepted + child.any(axis=1), accepted)
 
 
+def merge_chains(chains: Sequence[tuple[Int[Array, "B L"], Int[Array, "B"]]], budget: int
+                 ) -> tuple[Tree, Int[Array, "B S D"]]:
+  """One trie of several drafters' chains (`tokens [B, L_s]`, the first `count [B]` of
+  them real), at most `budget` nodes, padding last. A path two chains share is one
+  path: chain s's token d joins the node of the first chain whose tokens 0 .. d equal
+  its own. Nodes come chain by chain (parents before children), so cutting the tree
+  at `budget` nodes keeps the first chains' longest. Three chains, `budget` 5::
+
+      chain 0   a b c            trie     c ── a ── b ── c
+      chain 1   a b d                               └── d
+      chain 2   e f              nodes    a b c d e   (f cut: over the budget)
+
+  Returns the tree and `node_of [B, S, D]`: the node holding chain s's token d (-1:
+  not in the tree), so a chain's accepted length is how many of its first nodes the
+  accepted path runs through (a shared node counts for every chain holding it).
+  """
+  depth = max(tokens.shape[1] for tokens, _ in chains)
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, depth - x.shape[1])))
+  tokens = [pad(t) for t, _ in chains]  # S x [B, D]
+  live = [jnp.arange(depth)[None, :] < count[:, None] for _, count in chains]  # S x [B, D]
+  offset = np.cumsum([0] + [t.shape[1] for t, _ in chains])  # first flat node of each chain
+  flat_of = []  # S x [B, D]: the flat node holding chain s's token d (-1: none)
+  for s in range(len(chains)):
+    node = jnp.where(live[s], offset[s] + jnp.arange(depth), -1)
+    for t in reversed(range(s)):  # the first chain sharing the prefix wins
+      same = jnp.cumprod(tokens[s] == tokens[t], axis=1).astype(jnp.bool_) & live[s] & live[t]
+      node = jnp.where(same, offset[t] + jnp.arange(depth), node)
+    flat_of.append(node)
+  own = jnp.concatenate([(flat_of[s] == offset[s] + jnp.arange(depth))[:, :t.shape[1]]
+                         for s, (t, _) in enumerate(chains)], axis=1)  # [B, N] a trie node
+  parent = jnp.concatenate([jnp.pad(flat_of[s], ((0, 0), (1, 0)), constant_values=-1)
+                            [:, :t.shape[1]] for s, (t, _) in enumerate(chains)], axis=1)
+  level = np.concatenate([np.arange(1, t.shape[1] + 1) for t, _ in chains])  # [N]
+  flat_tokens = jnp.concatenate([t for t, _ in chains], axis=1)  # [B, N]
+  order = jnp.argsort(~own, axis=1, stable=True)  # [B, N] trie nodes first, in flat order
+  index = jnp.argsort(order, axis=1)  # [B, N] flat -> packed
+  order = order[:, :budget]
+  index = jnp.where(own & (index < budget), index, -1)
+  take = lambda x: jnp.take_along_axis(x, order, axis=1)
+  kept = take(own & (index >= 0))
+  new_parent = jnp.where(take(parent) >= 0, jnp.take_along_axis(index, jnp.maximum(take(parent),
+                                                                                  0), axis=1), -1)
+  tree = Tree(tokens=take(flat_tokens), parent=jnp.where(kept, new_parent, PAD),
+              depth=jnp.where(kept, take(jnp.broadcast_to(jnp.asarray(level, jnp.int32),
+                                                          own.shape)), 0))
+  node_of = jnp.stack([jnp.where(f >= 0, jnp.take_along_axis(index, jnp.maximum(f, 0), axis=1),
+                                 -1) for f in flat_of], axis=1)  # [B, S, D]
+  return tree, node_of
+
+
 def keep_segments(cache: KVCache, keep: Bool[Array, "B N"]) -> KVCache:
   """Segment 0 and the tree segments 1 + n with `keep[:, n]` become segment 0; the
   other tree segments die."""
   mapping = jnp.where(keep, 0, -1).astype(jnp.int32)
   return cache_ops.remap_segments(cache, jnp.pad(mapping, ((0, 0), (1, 0))))
 
+
+def _narrowest_pass(model: ModelFn, params, cache: KVCache, tokens: Int[Array, "B W"],
+                    positions: Int[Array, "B W"], segments: Int[Array, "B W"],
+                    topology: Topology):
+  """`model` over the first columns of `tokens` that hold every row's fed ones (segment
+  >= 0 first, then padding), the logits and hidden states of the columns not fed zeros."""
+  width = tokens.shape[1]
+
+  def at(fed: int):
+    def feed(carry):
+      logits, hidden, cache = model(params, carry[2], tokens[:, :fed], positions[:, :fed],
+                                    segments[:, :fed], topology)
+      pad = lambda x: jnp.pad(x, ((0, 0), (0, width - fed), (0, 0)))
+      return pad(logits), pad(hidden), cache
+    return feed
+
+  shapes = jax.eval_shape(at(width), (None, None, cache))
+  unfed = tuple(jnp.zeros(x.shape, x.dtype) for x in shapes[:2])
+  carry, _ = run_narrowest(chain_widths(width), (segments >= 0).sum(axis=1).max(), at,
+                           (*unfed, cache))
+  return carry
