@@ -60,6 +60,7 @@ from mdjax.cache import CacheRegions, KVCache
 from mdjax.errors import MdjaxError
 from mdjax.models.attention import (ATTENTION_BLOCK, LayerAttention, Queries, attention_fn,
                                     masked_attention)
+from mdjax.models import decode_attention
 from mdjax.models.config import ModelConfig
 from mdjax.models.layer_loop import count_layers, layer_loop_of
 from mdjax.models.numerics import full_float32, linear
@@ -95,7 +96,7 @@ def apply_rope(x: Float[Array, "B T N H"], positions: Int[Array, "B T"],
 
 
 def _project_qkv(config: ModelConfig, lp: Params, h: Float[Array, "B T D"], positions,
-                 layer: int):
+                 layer: int, rope: bool = True):
   n, k, hd = config.num_heads, config.num_kv_heads, config.head_dim
   b, t, _ = h.shape
   if "wqkv" in lp:  # fused (one device)
@@ -113,6 +114,8 @@ def _project_qkv(config: ModelConfig, lp: Params, h: Float[Array, "B T D"], posi
   if config.qk_norm:
     q = _norm(config, q, lp["q_norm"])
     key = _norm(config, key, lp["k_norm"])
+  if not rope:
+    return q, key, value
   inv_freq = jnp.asarray(config.inv_freq(layer))
   return apply_rope(q, positions, inv_freq), apply_rope(key, positions, inv_freq), value
 
@@ -136,7 +139,7 @@ def _mlp(config: ModelConfig, lp: Params, h: Float[Array, "B T D"]) -> Float[Arr
 
 def decoder_layers(config: ModelConfig, params: Params, x: Float[Array, "B T D"],
                    positions: Int[Array, "B T"], attend: Callable, carry,
-                   aux_layers: tuple[int, ...] = ()):
+                   aux_layers: tuple[int, ...] = (), rope_in_attention: bool = False):
   """The decoder layers, shared by the cached and the training forward, in either
   layout of `params["layers"]` (`mdjax.models.layer_loop`).
 
@@ -146,15 +149,16 @@ def decoder_layers(config: ModelConfig, params: Params, x: Float[Array, "B T D"]
   layer's index (an int, or a traced int32 scalar under scan), `spec` its static
   `LayerAttention`. Returns the final-norm hidden states `[B, T, D]`, the residual
   stream after each layer of `aux_layers` `[B, T, A, D]` (None when A = 0) and the
-  last carry.
+  last carry. With `rope_in_attention`, q and k reach `attend` before RoPE (it applies
+  RoPE itself: `mdjax.models.decode_attention`).
   """
   aux = _aux_buffer(count_layers(params), x, aux_layers)
   if layer_loop_of(params) == "scan":
     x, carry, aux = _scanned_layers(config, params["layers"], x, positions, attend, carry,
-                                    aux_layers, aux)
+                                    aux_layers, aux, rope_in_attention)
   else:
     for index, lp in enumerate(params["layers"]):
-      x, carry = _layer(config, lp, x, positions, attend, carry, index, index)
+      x, carry = _layer(config, lp, x, positions, attend, carry, index, index, rope_in_attention)
       aux = _keep(aux, aux_layers, index, x)
   hidden = _norm(config, x, params["final_norm"]) if "final_norm" in params else x
   return hidden, (None if aux is None else jnp.moveaxis(aux, 0, 2)), carry
@@ -188,12 +192,13 @@ def _keep(aux: Float[Array, "A B T D"] | None, aux_layers: tuple[int, ...], inde
 
 
 def _layer(config: ModelConfig, lp: Params, x: Float[Array, "B T D"],
-           positions: Int[Array, "B T"], attend: Callable, carry, layer, like: int):
+           positions: Int[Array, "B T"], attend: Callable, carry, layer, like: int,
+           rope_in_attention: bool = False):
   """One decoder layer: `(x, carry)` after it. `layer` is its index, handed to `attend`
   (traced under scan); `like` is the static index of a layer with the same static
   settings (sliding window, score scale, soft-cap, RoPE): itself when unrolled."""
   h = _norm(config, x, lp["attn_norm"]) if "attn_norm" in lp else x  # (EAGLE-1 has none)
-  q, k, v = _project_qkv(config, lp, h, positions, like)
+  q, k, v = _project_qkv(config, lp, h, positions, like, rope=not rope_in_attention)
   out, carry = attend(q, k, v, layer, layer_attention(config, like), carry)  # [B, T, N, H]
   out = linear(out.reshape(*out.shape[:2], -1), lp["wo"])  # --> [B, T, D]
   if config.o_bias:
@@ -219,7 +224,8 @@ def layer_period(config: ModelConfig, num_layers: int) -> int:
 
 def _scanned_layers(config: ModelConfig, layers: Params, x: Float[Array, "B T D"],
                     positions: Int[Array, "B T"], attend: Callable, carry,
-                    aux_layers: tuple[int, ...], aux: Float[Array, "A B T D"] | None):
+                    aux_layers: tuple[int, ...], aux: Float[Array, "A B T D"] | None,
+                    rope_in_attention: bool = False):
   """Stacked layers `[L, ...]`: one `lax.scan` over the L // P whole groups of P
   consecutive layers (P = `layer_period`), each group's P layers unrolled with their
   static settings; then the L % P layers after the last whole group, unrolled. The
@@ -243,7 +249,7 @@ def _scanned_layers(config: ModelConfig, layers: Params, x: Float[Array, "B T D"
 
   def run(x, carry, aux, index, like):
     lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, index, keepdims=False), layers)
-    x, carry = _layer(config, lp, x, positions, attend, carry, index, like)
+    x, carry = _layer(config, lp, x, positions, attend, carry, index, like, rope_in_attention)
     return x, carry, _keep(aux, aux_layers, index, x)
 
   def group(state, g):
@@ -293,19 +299,68 @@ def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"] | None,
   out in one region per branch and every query sees only the shared part and its own.
   """
   attention_impl = attention_fn(attention, cache.num_slots, block_size, regions)
+  length = cache.length
   cache, slot = cache_ops.claim_slots(cache, positions, segments, slots)
   meta = dict(positions=positions, segments=segments, slots=slot,
               limit=visibility_limits(topology))
+  x = embed(config, params, tokens) if inputs is None else inputs
+  if attention == "fused" and regions is None and decode_attention.applies(config, cache,
+                                                                           x.shape[1]):
+    hidden, aux, cache = _layers_beside_cache(config, params, x, cache, length, meta, aux_layers)
+    return (hidden, cache) if aux is None else (hidden, cache, aux)
 
   def attend(q, k, v, index, spec, cache):
     cache = cache_ops.write_layer(cache, index, slot, k, v)
     return attention_impl(Queries(q=q, **meta), cache, index, spec), cache
 
-  x = embed(config, params, tokens) if inputs is None else inputs
   hidden, aux, cache = decoder_layers(config, params, x, positions, attend,
                                       constrain_cache(cache), aux_layers)
   cache = constrain_cache(cache)
   return (hidden, cache) if aux is None else (hidden, cache, aux)
+
+
+def _layers_beside_cache(config: ModelConfig, params: Params, x: Float[Array, "B T D"],
+                         cache: KVCache, length: Int[Array, "B"], meta: dict,
+                         aux_layers: tuple[int, ...]):
+  """The decoder layers of a few-token pass on a GPU (`mdjax.models.decode_attention`):
+  each layer's attention, RoPE included, is one kernel over the cache as it was and
+  the new tokens beside it; the new K/V of every layer are written once, after the
+  last layer. Masks and RoPE angles are computed once per pass::
+
+      before        masks (one per sliding window), cos/sin (one per RoPE table)
+      layer 0..L-1  attention(q k v of the layer, cache before the pass)   no write
+      after         cache.k[:, rows, slot] = RoPE(new k of every layer)    (and v)
+  """
+  num_layers = count_layers(params)
+  positions = meta["positions"]
+  masks = {window: decode_attention.pass_masks(
+      meta["limit"], positions, meta["segments"], meta["slots"], cache.seg, cache.pos, length,
+      window=window) for window in {config.layer_window(i) for i in range(num_layers)}}
+  period = layer_period(config, num_layers)
+  freqs = np.stack([config.inv_freq(i) for i in range(period)])  # [P, H/2]
+  angles = positions.astype(jnp.float32)[None, :, :, None] * freqs[:, None, None]  # [P, B, T, H/2]
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+
+  def attend(q, k, v, index, spec, written):  # q, k before RoPE
+    qkv = jnp.concatenate([q, k, v], axis=2)  # [B, T, N + 2K, H]
+    out = decode_attention.attention(qkv, cos[index % period], sin[index % period], cache.k,
+                                     cache.v, index, masks[spec.sliding_window], scale=spec.scale)
+    if isinstance(written, tuple):  # unrolled: every layer's (k, v) so far
+      return out, written + ((k, v),)
+    return out, {"k": written["k"].at[index].set(k), "v": written["v"].at[index].set(v)}
+
+  if layer_loop_of(params) == "scan":
+    shape = (num_layers, *x.shape[:2], config.num_kv_heads, config.head_dim)
+    written = {"k": jnp.zeros(shape, x.dtype), "v": jnp.zeros(shape, x.dtype)}  # [L, B, T, K, H]
+  else:
+    written = ()
+  hidden, aux, written = decoder_layers(config, params, x, positions, attend, written,
+                                        aux_layers, rope_in_attention=True)
+  if isinstance(written, tuple):
+    written = {name: jnp.stack([kv[i] for kv in written]) for i, name in enumerate("kv")}
+  table = np.arange(num_layers) % period  # [L]: each layer's RoPE table
+  keys = decode_attention.rope(written["k"], cos[table], sin[table])  # [L, B, T, K, H]
+  return hidden, aux, cache_ops.write_layers(cache, meta["slots"], keys, written["v"])
 
 
 @full_float32

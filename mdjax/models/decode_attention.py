@@ -1,0 +1,223 @@
+"""Attention of a few new tokens over one layer of the cache in one GPU kernel (Pallas,
+lowered to Triton), for passes of at most `MAX_TOKENS` tokens: a decoded token, a
+draft chain, a small tree.
+
+The cache is read as it was before this pass, and only its filled slots; the T new
+tokens' K/V come in beside it and are written to the cache once for every layer after
+the last one (`mdjax.cache.write_layers`), so a layer launches no write of its own::
+
+    keys read by a query   slots 0 .. length-1 of the cache (blocks of 128, up to the
+                           row's length)  +  the T new tokens (one more block)
+    visibility             `PassMasks`, computed once per pass from the topology:
+                           [B, M, S] over the cache, [B, M, P] over the new tokens
+
+A query row is one (token, query head) pair of one kv head: M = T x R rows (R query
+heads per kv head) padded to a tile of Triton's products (at least 16), and the new
+tokens padded to P. Slots this pass writes are invisible in the cache part: the new
+token's own block shows what lands there. Queries that see nothing give 0.
+
+Einsum letters as in `mdjax.models.attention`: B batch, T queries, S slots, K kv heads,
+R query heads per kv head (N = K R), H head dim, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Bool, Float, Int
+
+from mdjax import platform
+from mdjax.models.attention import masked_attention
+from mdjax.topology import visible
+
+MAX_TOKENS = 16  # tokens per pass up to which `decode_attention` replaces the fused product
+BLOCK = 128  # cache slots per step of the kernel's walk
+TILE = 16  # the smallest side of a Triton product
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PassMasks:
+  """What every layer's kernel reads besides its projections: the same for all layers
+  of a pass (one per sliding window).
+
+  cache: int8[B, T, S]  token t sees cache slot s (the slots this pass writes: never)
+  new:   int8[B, T, P]  token t sees new token p (p < T; padding sees nothing)
+  blocks: int32[B]      cache blocks of `BLOCK` slots the row's walk visits
+  """
+
+  cache: Int[Array, "B T S"]
+  new: Int[Array, "B T P"]
+  blocks: Int[Array, "B"]
+
+
+def fits(tokens: int, num_slots: int, head_dim: int) -> bool:
+  """Whether a pass of `tokens` over `num_slots` slots can run the kernel: few tokens,
+  slots in whole blocks, a head dim Triton tiles (a power of two of at least 32: each
+  RoPE half is a product's side)."""
+  return (tokens <= MAX_TOKENS and num_slots >= TILE and num_slots % min(BLOCK, num_slots) == 0
+          and head_dim >= 2 * TILE and head_dim & (head_dim - 1) == 0)
+
+
+def _tile(n: int) -> int:
+  """`n` rounded up to a power of two of at least `TILE`."""
+  return max(TILE, 1 << (n - 1).bit_length())
+
+
+def pass_masks(limit: Int[Array, "B G G"], positions: Int[Array, "B T"],
+               segments: Int[Array, "B T"], slots: Int[Array, "B T"], seg: Int[Array, "B S"],
+               pos: Int[Array, "B S"], length: Int[Array, "B"], *,
+               window: int | None) -> PassMasks:
+  """The masks of a pass whose T tokens (`positions`, `segments`) go to `slots` (past
+  the end: dropped); `seg`, `pos` are the cache's slots with this pass's already
+  claimed, `length` the rows' lengths before it."""
+  t = segments.shape[1]
+  num_slots = seg.shape[1]
+  written = (slots[:, :, None] == jnp.arange(num_slots)).any(1)  # [B, S]
+  cache = visible(limit, segments, positions, seg, pos, window) & ~written[:, None]  # [B, T, S]
+  kept = (segments >= 0) & (slots < num_slots)  # [B, T]: the new tokens the cache will hold
+  new = visible(limit, segments, positions, segments, positions, window) & kept[:, None]
+  new = jnp.pad(new, ((0, 0), (0, 0), (0, _tile(t) - t)))  # [B, T, P]
+  block = min(BLOCK, num_slots)
+  return PassMasks(cache=cache.astype(jnp.int8), new=new.astype(jnp.int8),
+                   blocks=((length + block - 1) // block).astype(jnp.int32))
+
+
+def _kernel(qkv_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, mask_new_ref, blocks_ref,
+            layer_ref, out_ref, *, tokens: int, group: int, block: int, scale: float,
+            precision):
+  """One (row b, kv head k) program. Its R query heads of each token t, a tile of
+  rows [Rt, H] (rows past R masked), attend over the row's filled cache blocks of layer
+  `layer_ref[0]`, then over the T new keys [P, H]; an online softmax per token.
+  RoPE is applied here, by halves (rotate_half): q1 cos - q2 sin | q2 cos + q1 sin."""
+  b, head = pl.program_id(0), pl.program_id(1)
+  layer = layer_ref[0]
+  num_q = out_ref.shape[2]
+  half = out_ref.shape[3] // 2
+  num_kv = k_ref.shape[3]
+  rows = _tile(group)
+  keys_new = mask_new_ref.shape[2]
+  row_ok = (jnp.arange(rows) < group)[:, None]  # [Rt, 1]
+  token_ok = (jnp.arange(keys_new) < tokens)[:, None]  # [P, 1]
+  lo, hi = pl.ds(0, half), pl.ds(half, half)
+
+  def rotated(first, second, cos, sin, dtype):  # halves [X, H/2] -> halves, RoPE'd
+    first, second = first.astype(jnp.float32), second.astype(jnp.float32)
+    return (first * cos - second * sin).astype(dtype), (second * cos + first * sin).astype(dtype)
+
+  dtype = k_ref.dtype
+  queries = []
+  for t in range(tokens):
+    at = lambda part: plgpu.load(qkv_ref.at[b, jnp.int32(t), pl.ds(head * group, rows), part], mask=row_ok,
+                                 other=0)
+    cos, sin = (table[b, jnp.int32(t), :][None, :] for table in (cos_ref, sin_ref))  # [1, H/2]
+    queries.append(rotated(at(lo), at(hi), cos, sin, dtype))  # [Rt, H/2] x2
+
+  def absorb(carry, t, keys, values, mask):  # halves [X, H/2] x2, [X, H], [X]
+    peak, total, acc = carry  # [Rt], [Rt], [Rt, H]
+    q1, q2 = queries[t]
+    scores = (plgpu.dot(q1, keys[0], trans_b=True, precision=precision)
+              + plgpu.dot(q2, keys[1], trans_b=True, precision=precision)) * scale  # [Rt, X]
+    scores = jnp.where(mask[None, :] != 0, scores, -jnp.inf)
+    new_peak = jnp.maximum(peak, scores.max(axis=1))
+    base = jnp.where(new_peak == -jnp.inf, 0.0, new_peak)
+    rescale = jnp.exp(peak - base)
+    weights = jnp.exp(scores - base[:, None])  # [Rt, X]
+    weighed = plgpu.dot(weights.astype(values.dtype), values, precision=precision)  # [Rt, H]
+    return new_peak, total * rescale + weights.sum(axis=1), acc * rescale[:, None] + weighed
+
+  def visit(index, carries):
+    start = pl.multiple_of(index * block, block)
+    window = pl.ds(start, block)
+    keys = (k_ref[layer, b, window, head, lo], k_ref[layer, b, window, head, hi])
+    values = v_ref[layer, b, window, head, :]  # [Bk, H]
+    return tuple(absorb(carry, t, keys, values, mask_ref[b, jnp.int32(t), window])
+                 for t, carry in enumerate(carries))
+
+  empty = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+           jnp.zeros((rows, 2 * half), jnp.float32))
+  carries = jax.lax.fori_loop(0, blocks_ref[b], visit, (empty,) * tokens)
+  new = lambda column, part: plgpu.load(qkv_ref.at[b, pl.ds(0, keys_new), column, part],
+                                        mask=token_ok, other=0)  # [P, X]
+  angle = lambda table: plgpu.load(table.at[b, pl.ds(0, keys_new), :], mask=token_ok, other=0)
+  keys = rotated(new(num_q + head, lo), new(num_q + head, hi), angle(cos_ref), angle(sin_ref),
+                 dtype)
+  values = new(num_q + num_kv + head, pl.ds(0, 2 * half)).astype(dtype)  # [P, H]
+  for t, carry in enumerate(carries):
+    _, total, acc = absorb(carry, t, keys, values, mask_new_ref[b, jnp.int32(t), :])
+    out = acc / jnp.where(total > 0, total, 1.0)[:, None]
+    plgpu.store(out_ref.at[b, jnp.int32(t), pl.ds(head * group, rows), :], out.astype(out_ref.dtype),
+                mask=row_ok)
+
+
+def decode_attention(qkv: Float[Array, "B T N+2K H"], cos: Float[Array, "B T H/2"],
+                     sin: Float[Array, "B T H/2"], cache_k: Float[Array, "L B S K H"],
+                     cache_v: Float[Array, "L B S K H"], layer, masks: PassMasks, *,
+                     scale: float, interpret: bool = False) -> Float[Array, "B T N H"]:
+  """The new tokens' attention over layer `layer` (an int, or a traced int32 scalar) of
+  the cache before this pass and over themselves. `qkv` holds each token's query heads,
+  then its K new keys, then its K values, before RoPE; `cos`, `sin` are the tokens'
+  RoPE angles (one half: rotate_half repeats them)."""
+  b, t, heads, h = qkv.shape
+  num_kv = cache_k.shape[3]
+  num_q = heads - 2 * num_kv
+  dtype = cache_k.dtype
+  precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+  kernel = functools.partial(_kernel, tokens=t, group=num_q // num_kv,
+                             block=min(BLOCK, cache_k.shape[2]), scale=scale, precision=precision)
+  whole = pl.BlockSpec()  # the whole array: each program indexes its part
+  return pl.pallas_call(
+      kernel, grid=(b, num_kv), in_specs=[whole] * 9, out_specs=whole,
+      out_shape=jax.ShapeDtypeStruct((b, t, num_q, h), qkv.dtype),
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      interpret=interpret, name="mdjax_decode_attention",
+  )(qkv, cos, sin, cache_k, cache_v, masks.cache, masks.new, masks.blocks,
+    jnp.asarray(layer, jnp.int32).reshape(1))
+
+
+def rope(x: Float[Array, "... X H"], cos: Float[Array, "... H/2"],
+         sin: Float[Array, "... H/2"]) -> Float[Array, "... X H"]:
+  """RoPE by halves (the kernel's): `mdjax.models.transformer.apply_rope` up to rounding."""
+  first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  cos, sin = cos[..., None, :], sin[..., None, :]
+  return jnp.concatenate([first * cos - second * sin, second * cos + first * sin],
+                         axis=-1).astype(x.dtype)
+
+
+def reference(qkv: Float[Array, "B T N+2K H"], cos: Float[Array, "B T H/2"],
+              sin: Float[Array, "B T H/2"], cache_k: Float[Array, "L B S K H"],
+              cache_v: Float[Array, "L B S K H"], layer, masks: PassMasks, *,
+              scale: float) -> Float[Array, "B T N H"]:
+  """What `decode_attention` computes, as one masked softmax over the cache's slots
+  followed by the new tokens (any platform: the kernel's stand-in off a GPU)."""
+  t, num_kv = qkv.shape[1], cache_k.shape[3]
+  q, k, v = jnp.split(qkv, [qkv.shape[2] - 2 * num_kv, qkv.shape[2] - num_kv], axis=2)
+  dtype = cache_k.dtype
+  keys = jnp.concatenate([cache_k[layer], rope(k.astype(dtype), cos, sin)], axis=1)  # [B, S+T, K, H]
+  values = jnp.concatenate([cache_v[layer], v.astype(dtype)], axis=1)
+  mask = jnp.concatenate([masks.cache, masks.new[..., :t]], axis=2) != 0  # [B, T, S + T]
+  return masked_attention(rope(q.astype(dtype), cos, sin), keys, values, mask, scale=scale)
+
+
+def attention(qkv, cos, sin, cache_k, cache_v, layer, masks: PassMasks, *,
+              scale: float) -> Float[Array, "B T N H"]:
+  """`decode_attention` where the program is lowered for an NVIDIA GPU, `reference`
+  elsewhere (a program built for a GPU but run on this host: the tests)."""
+  return jax.lax.platform_dependent(
+      qkv, cos, sin, cache_k, cache_v, layer, masks,
+      cuda=functools.partial(decode_attention, scale=scale),
+      default=functools.partial(reference, scale=scale))
+
+
+def applies(config, cache, tokens: int) -> bool:
+  """Whether a pass of `tokens` tokens over `cache` runs `attention` (else the fused
+  product): built for a GPU, on one device (no layout mesh), no soft-capped scores, and
+  shapes the kernel tiles (`fits`)."""
+  return (platform.current() == "gpu" and jax.sharding.get_abstract_mesh().empty
+          and config.attn_logit_softcapping is None
+          and fits(tokens, cache.num_slots, config.head_dim))
