@@ -56,6 +56,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from mdjax import cache as cache_ops
+from mdjax import platform
 from mdjax.cache import CacheRegions, KVCache
 from mdjax.errors import MdjaxError
 from mdjax.models.attention import (ATTENTION_BLOCK, LayerAttention, Queries, attention_fn,
@@ -85,6 +86,31 @@ def _norm(config: ModelConfig, x: Float[Array, "... D"], weight: Float[Array, "D
   return rms_norm(x, weight, config.rms_norm_eps, plus_one=config.gemma_norms)
 
 
+def _normed(config: ModelConfig, x: Float[Array, "B T D"], weight: Float[Array, "D"]
+            ) -> tuple[Float[Array, "B T D"], Float[Array, "B T 1"] | None]:
+  """The RMSNorm of `x` as the products after it take it: `(normed, None)`; on a GPU
+  `(x * weight, 1 / rms(x))`, each product's output then multiplied by the second
+  (`_product`): x * weight is fused into the product's operand and the row scale into
+  what reads its output, so the norm is one reduction fused with the residual add
+  before it, not a reduction and a multiply of its own (the same value up to rounding:
+  the scale is applied to the float32 sum instead of the rounded input)."""
+  if platform.current() != "gpu":
+    return _norm(config, x, weight), None
+  x32 = x.astype(jnp.float32)
+  scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + config.rms_norm_eps)
+  if config.gemma_norms:
+    return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype), scale
+  return weight * x, scale
+
+
+def _product(h: Float[Array, "B T D"], scale: Float[Array, "B T 1"] | None,
+             weight: Float[Array, "D F"]) -> Float[Array, "B T F"]:
+  """`linear(h, weight)` of an `_normed` input: times its row scale when it has one."""
+  if scale is None:
+    return linear(h, weight)
+  return (linear(h, weight, jnp.float32) * scale).astype(h.dtype)
+
+
 def apply_rope(x: Float[Array, "B T N H"], positions: Int[Array, "B T"],
                inv_freq: Float[Array, "H/2"]) -> Float[Array, "B T N H"]:
   """Rotary embedding in Hugging Face's half-split layout (rotate_half)."""
@@ -95,17 +121,17 @@ def apply_rope(x: Float[Array, "B T N H"], positions: Int[Array, "B T"],
   return (x * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
 
 
-def _project_qkv(config: ModelConfig, lp: Params, h: Float[Array, "B T D"], positions,
+def _project_qkv(config: ModelConfig, lp: Params, h: Float[Array, "B T D"], scale, positions,
                  layer: int, rope: bool = True):
   n, k, hd = config.num_heads, config.num_kv_heads, config.head_dim
   b, t, _ = h.shape
   if "wqkv" in lp:  # fused (one device)
-    qkv = linear(h, lp["wqkv"])  # [B, T, (N + 2K) * H]
+    qkv = _product(h, scale, lp["wqkv"])  # [B, T, (N + 2K) * H]
     if config.qkv_bias:
       qkv = qkv + lp["bqkv"]
     q, key, value = jnp.split(qkv, [n * hd, (n + k) * hd], axis=-1)
   else:  # split (a mesh: see `mdjax.sharding`)
-    q, key, value = (linear(h, lp["w" + x]) for x in "qkv")
+    q, key, value = (_product(h, scale, lp["w" + x]) for x in "qkv")
     if config.qkv_bias:
       q, key, value = q + lp["bq"], key + lp["bk"], value + lp["bv"]
   q = constrain(q.reshape(b, t, n, hd), "batch", None, "heads", None)
@@ -120,14 +146,14 @@ def _project_qkv(config: ModelConfig, lp: Params, h: Float[Array, "B T D"], posi
   return apply_rope(q, positions, inv_freq), apply_rope(key, positions, inv_freq), value
 
 
-def _mlp(config: ModelConfig, lp: Params, h: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+def _mlp(config: ModelConfig, lp: Params, h: Float[Array, "B T D"], scale) -> Float[Array, "B T D"]:
   if "w_gate_up" in lp:  # fused (one device)
-    gate_up = linear(h, lp["w_gate_up"])  # [B, T, 2F]
+    gate_up = _product(h, scale, lp["w_gate_up"])  # [B, T, 2F]
     if config.mlp_bias:
       gate_up = gate_up + lp["b_gate_up"]
     gate, up = jnp.split(gate_up, 2, axis=-1)
   else:  # split (a mesh)
-    gate, up = linear(h, lp["w_gate"]), linear(h, lp["w_up"])  # [B, T, F] each
+    gate, up = _product(h, scale, lp["w_gate"]), _product(h, scale, lp["w_up"])  # [B, T, F] each
     if config.mlp_bias:
       gate, up = gate + lp["b_gate"], up + lp["b_up"]
   # gemma3: GeGLU with the tanh-approximated GELU (HF's gelu_pytorch_tanh)
@@ -197,8 +223,9 @@ def _layer(config: ModelConfig, lp: Params, x: Float[Array, "B T D"],
   """One decoder layer: `(x, carry)` after it. `layer` is its index, handed to `attend`
   (traced under scan); `like` is the static index of a layer with the same static
   settings (sliding window, score scale, soft-cap, RoPE): itself when unrolled."""
-  h = _norm(config, x, lp["attn_norm"]) if "attn_norm" in lp else x  # (EAGLE-1 has none)
-  q, k, v = _project_qkv(config, lp, h, positions, like, rope=not rope_in_attention)
+  h, scale = _normed(config, x, lp["attn_norm"]) if "attn_norm" in lp else (x, None)  # (EAGLE-1
+  q, k, v = _project_qkv(config, lp, h, scale, positions, like,  # has none)
+                         rope=not rope_in_attention)
   out, carry = attend(q, k, v, layer, layer_attention(config, like), carry)  # [B, T, N, H]
   out = linear(out.reshape(*out.shape[:2], -1), lp["wo"])  # --> [B, T, D]
   if config.o_bias:
@@ -206,7 +233,7 @@ def _layer(config: ModelConfig, lp: Params, x: Float[Array, "B T D"],
   if config.gemma_norms:
     out = _norm(config, out, lp["post_attn_norm"])
   x = x + out
-  out = _mlp(config, lp, _norm(config, x, lp["mlp_norm"]))
+  out = _mlp(config, lp, *_normed(config, x, lp["mlp_norm"]))
   if config.gemma_norms:
     out = _norm(config, out, lp["post_mlp_norm"])
   return x + out, carry
