@@ -88,13 +88,32 @@ def pass_masks(limit: Int[Array, "B G G"], positions: Int[Array, "B T"],
                    blocks=((length + block - 1) // block).astype(jnp.int32))
 
 
-def _kernel(qkv_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, mask_new_ref, blocks_ref,
-            layer_ref, out_ref, *, tokens: int, group: int, block: int, scale: float,
-            precision):
-  """One (row b, kv head k) program. Its R query heads of each token t, a tile of
-  rows [Rt, H] (rows past R masked), attend over the row's filled cache blocks of layer
-  `layer_ref[0]`, then over the T new keys [P, H]; an online softmax per token.
-  RoPE is applied here, by halves (rotate_half): q1 cos - q2 sin | q2 cos + q1 sin."""
+def _row_scales(rows_ref, b, tokens: int, size: int, eps: float | None):
+  """1 / rms of each token's residual row `rows_ref[b, t]` ([D]): one scalar per token,
+  and all of them as a [size] vector (entries past T: 1); all 1 when `eps` is None (the
+  projections came in scaled)."""
+  if eps is None:
+    return [1.0] * tokens, jnp.ones((size,), jnp.float32)
+  width = rows_ref.shape[2]
+  padded = _tile(width)
+  scalars, vector = [], jnp.ones((size,), jnp.float32)
+  for t in range(tokens):
+    row = plgpu.load(rows_ref.at[b, jnp.int32(t), pl.ds(0, padded)],
+                     mask=jnp.arange(padded) < width, other=0).astype(jnp.float32)
+    scalars.append(jax.lax.rsqrt((row * row).sum() / width + eps))
+    vector = jnp.where(jnp.arange(size) == t, scalars[-1], vector)
+  return scalars, vector
+
+
+def _kernel(qkv_ref, rows_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, mask_new_ref, blocks_ref,
+            layer_ref, out_ref, k_out_ref, v_out_ref, *, tokens: int, group: int, block: int,
+            scale: float, eps: float | None, precision):
+  """One (row b, kv head k) program. Its R query heads of each token t, a tile of rows
+  [Rt, H] (rows past R masked), attend over the row's filled cache blocks of layer
+  `layer_ref[0]`, then over the T new keys [P, H]; an online softmax per token. The
+  projections are multiplied by their token's norm scale (`_row_scales`) and rounded
+  to the cache's dtype, then RoPE'd by halves (rotate_half: q1 cos - q2 sin | q2 cos +
+  q1 sin); the new keys and values go out too, for the cache."""
   b, head = pl.program_id(0), pl.program_id(1)
   layer = layer_ref[0]
   num_q = out_ref.shape[2]
@@ -104,19 +123,24 @@ def _kernel(qkv_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, mask_new_ref, blo
   keys_new = mask_new_ref.shape[2]
   row_ok = (jnp.arange(rows) < group)[:, None]  # [Rt, 1]
   token_ok = (jnp.arange(keys_new) < tokens)[:, None]  # [P, 1]
-  lo, hi = pl.ds(0, half), pl.ds(half, half)
+  lo, hi, whole = pl.ds(0, half), pl.ds(half, half), pl.ds(0, 2 * half)
+  dtype = k_ref.dtype
+  token_scales, row_scale = _row_scales(rows_ref, b, tokens, keys_new, eps)  # T scalars, [P]
 
-  def rotated(first, second, cos, sin, dtype):  # halves [X, H/2] -> halves, RoPE'd
+  def scaled(x, by):  # the projection as the cache holds it
+    return (x.astype(jnp.float32) * by).astype(dtype)
+
+  def rotated(first, second, cos, sin):  # halves [X, H/2] -> halves, RoPE'd
     first, second = first.astype(jnp.float32), second.astype(jnp.float32)
     return (first * cos - second * sin).astype(dtype), (second * cos + first * sin).astype(dtype)
 
-  dtype = k_ref.dtype
   queries = []
   for t in range(tokens):
-    at = lambda part: plgpu.load(qkv_ref.at[b, jnp.int32(t), pl.ds(head * group, rows), part], mask=row_ok,
-                                 other=0)
+    by = token_scales[t]
+    at = lambda part: scaled(plgpu.load(qkv_ref.at[b, jnp.int32(t), pl.ds(head * group, rows),
+                                                   part], mask=row_ok, other=0), by)
     cos, sin = (table[b, jnp.int32(t), :][None, :] for table in (cos_ref, sin_ref))  # [1, H/2]
-    queries.append(rotated(at(lo), at(hi), cos, sin, dtype))  # [Rt, H/2] x2
+    queries.append(rotated(at(lo), at(hi), cos, sin))  # [Rt, H/2] x2
 
   def absorb(carry, t, keys, values, mask):  # halves [X, H/2] x2, [X, H], [X]
     peak, total, acc = carry  # [Rt], [Rt], [Rt, H]
@@ -142,26 +166,34 @@ def _kernel(qkv_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, mask_new_ref, blo
   empty = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
            jnp.zeros((rows, 2 * half), jnp.float32))
   carries = jax.lax.fori_loop(0, blocks_ref[b], visit, (empty,) * tokens)
-  new = lambda column, part: plgpu.load(qkv_ref.at[b, pl.ds(0, keys_new), column, part],
-                                        mask=token_ok, other=0)  # [P, X]
+  tokens_at = lambda ref, column, part: ref.at[b, pl.ds(0, keys_new), column, part]  # [P, X]
+  new = lambda column, part: scaled(plgpu.load(tokens_at(qkv_ref, column, part), mask=token_ok,
+                                               other=0), row_scale[:, None])
   angle = lambda table: plgpu.load(table.at[b, pl.ds(0, keys_new), :], mask=token_ok, other=0)
-  keys = rotated(new(num_q + head, lo), new(num_q + head, hi), angle(cos_ref), angle(sin_ref),
-                 dtype)
-  values = new(num_q + num_kv + head, pl.ds(0, 2 * half)).astype(dtype)  # [P, H]
+  keys = rotated(new(num_q + head, lo), new(num_q + head, hi), angle(cos_ref), angle(sin_ref))
+  values = new(num_q + num_kv + head, whole)  # [P, H]
+  for key, part in zip(keys, (lo, hi)):
+    plgpu.store(tokens_at(k_out_ref, head, part), key, mask=token_ok)
+  plgpu.store(tokens_at(v_out_ref, head, whole), values, mask=token_ok)
   for t, carry in enumerate(carries):
     _, total, acc = absorb(carry, t, keys, values, mask_new_ref[b, jnp.int32(t), :])
     out = acc / jnp.where(total > 0, total, 1.0)[:, None]
-    plgpu.store(out_ref.at[b, jnp.int32(t), pl.ds(head * group, rows), :], out.astype(out_ref.dtype),
-                mask=row_ok)
+    plgpu.store(out_ref.at[b, jnp.int32(t), pl.ds(head * group, rows), :],
+                out.astype(out_ref.dtype), mask=row_ok)
 
 
-def decode_attention(qkv: Float[Array, "B T N+2K H"], cos: Float[Array, "B T H/2"],
-                     sin: Float[Array, "B T H/2"], cache_k: Float[Array, "L B S K H"],
-                     cache_v: Float[Array, "L B S K H"], layer, masks: PassMasks, *,
-                     scale: float, interpret: bool = False) -> Float[Array, "B T N H"]:
+def decode_attention(qkv: Float[Array, "B T N+2K H"], rows: Float[Array, "B T D"] | None,
+                     cos: Float[Array, "B T H/2"], sin: Float[Array, "B T H/2"],
+                     cache_k: Float[Array, "L B S K H"], cache_v: Float[Array, "L B S K H"],
+                     layer, masks: PassMasks, *, scale: float, eps: float | None = None,
+                     interpret: bool = False):
   """The new tokens' attention over layer `layer` (an int, or a traced int32 scalar) of
-  the cache before this pass and over themselves. `qkv` holds each token's query heads,
-  then its K new keys, then its K values, before RoPE; `cos`, `sin` are the tokens'
+  the cache before this pass and over themselves: `(out [B, T, N, H], k, v [B, T, K, H])`,
+  `k` and `v` the new tokens' as the cache will hold them.
+
+  `qkv` holds each token's query heads, then its K keys, then its K values, before RoPE;
+  with `eps`, also before the RMSNorm's row scale, which the kernel takes from the
+  residual `rows` (`mdjax.models.transformer._normed`). `cos`, `sin` are the tokens'
   RoPE angles (one half: rotate_half repeats them)."""
   b, t, heads, h = qkv.shape
   num_kv = cache_k.shape[3]
@@ -169,15 +201,17 @@ def decode_attention(qkv: Float[Array, "B T N+2K H"], cos: Float[Array, "B T H/2
   dtype = cache_k.dtype
   precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
   kernel = functools.partial(_kernel, tokens=t, group=num_q // num_kv,
-                             block=min(BLOCK, cache_k.shape[2]), scale=scale, precision=precision)
+                             block=min(BLOCK, cache_k.shape[2]), scale=scale,
+                             eps=None if rows is None else eps, precision=precision)
   whole = pl.BlockSpec()  # the whole array: each program indexes its part
+  new = jax.ShapeDtypeStruct((b, t, num_kv, h), dtype)
   return pl.pallas_call(
-      kernel, grid=(b, num_kv), in_specs=[whole] * 9, out_specs=whole,
-      out_shape=jax.ShapeDtypeStruct((b, t, num_q, h), qkv.dtype),
+      kernel, grid=(b, num_kv), in_specs=[whole] * 10, out_specs=[whole] * 3,
+      out_shape=[jax.ShapeDtypeStruct((b, t, num_q, h), dtype), new, new],
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret, name="mdjax_decode_attention",
-  )(qkv, cos, sin, cache_k, cache_v, masks.cache, masks.new, masks.blocks,
-    jnp.asarray(layer, jnp.int32).reshape(1))
+  )(qkv, jnp.zeros((b, t, 1), dtype) if rows is None else rows, cos, sin, cache_k, cache_v,
+    masks.cache, masks.new, masks.blocks, jnp.asarray(layer, jnp.int32).reshape(1))
 
 
 def rope(x: Float[Array, "... X H"], cos: Float[Array, "... H/2"],
@@ -189,29 +223,36 @@ def rope(x: Float[Array, "... X H"], cos: Float[Array, "... H/2"],
                          axis=-1).astype(x.dtype)
 
 
-def reference(qkv: Float[Array, "B T N+2K H"], cos: Float[Array, "B T H/2"],
-              sin: Float[Array, "B T H/2"], cache_k: Float[Array, "L B S K H"],
-              cache_v: Float[Array, "L B S K H"], layer, masks: PassMasks, *,
-              scale: float) -> Float[Array, "B T N H"]:
+def reference(qkv: Float[Array, "B T N+2K H"], rows: Float[Array, "B T D"] | None,
+              cos: Float[Array, "B T H/2"], sin: Float[Array, "B T H/2"],
+              cache_k: Float[Array, "L B S K H"], cache_v: Float[Array, "L B S K H"], layer,
+              masks: PassMasks, *, scale: float, eps: float | None = None):
   """What `decode_attention` computes, as one masked softmax over the cache's slots
   followed by the new tokens (any platform: the kernel's stand-in off a GPU)."""
   t, num_kv = qkv.shape[1], cache_k.shape[3]
-  q, k, v = jnp.split(qkv, [qkv.shape[2] - 2 * num_kv, qkv.shape[2] - num_kv], axis=2)
   dtype = cache_k.dtype
-  keys = jnp.concatenate([cache_k[layer], rope(k.astype(dtype), cos, sin)], axis=1)  # [B, S+T, K, H]
-  values = jnp.concatenate([cache_v[layer], v.astype(dtype)], axis=1)
+  by = 1.0
+  if rows is not None and eps is not None:
+    rows32 = rows.astype(jnp.float32)
+    by = jax.lax.rsqrt(jnp.mean(rows32 * rows32, axis=-1) + eps)[..., None, None]  # [B, T, 1, 1]
+  qkv = (qkv.astype(jnp.float32) * by).astype(dtype)
+  q, k, v = jnp.split(qkv, [qkv.shape[2] - 2 * num_kv, qkv.shape[2] - num_kv], axis=2)
+  k = rope(k, cos, sin)
+  keys = jnp.concatenate([cache_k[layer], k], axis=1)  # [B, S + T, K, H]
+  values = jnp.concatenate([cache_v[layer], v], axis=1)
   mask = jnp.concatenate([masks.cache, masks.new[..., :t]], axis=2) != 0  # [B, T, S + T]
-  return masked_attention(rope(q.astype(dtype), cos, sin), keys, values, mask, scale=scale)
+  return masked_attention(rope(q, cos, sin), keys, values, mask, scale=scale), k, v
 
 
-def attention(qkv, cos, sin, cache_k, cache_v, layer, masks: PassMasks, *,
-              scale: float) -> Float[Array, "B T N H"]:
+def attention(qkv, rows, cos, sin, cache_k, cache_v, layer, masks: PassMasks, *, scale: float,
+              eps: float | None = None):
   """`decode_attention` where the program is lowered for an NVIDIA GPU, `reference`
   elsewhere (a program built for a GPU but run on this host: the tests)."""
+  static = dict(scale=scale, eps=eps)
   return jax.lax.platform_dependent(
-      qkv, cos, sin, cache_k, cache_v, layer, masks,
-      cuda=functools.partial(decode_attention, scale=scale),
-      default=functools.partial(reference, scale=scale))
+      qkv, rows, cos, sin, cache_k, cache_v, layer, masks,
+      cuda=functools.partial(decode_attention, **static),
+      default=functools.partial(reference, **static))
 
 
 def applies(config, cache, tokens: int) -> bool:

@@ -121,22 +121,36 @@ def apply_rope(x: Float[Array, "B T N H"], positions: Int[Array, "B T"],
   return (x * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
 
 
+def _attention_scales(config: ModelConfig, lp: Params, scale) -> bool:
+  """Whether a layer hands its attention the fused q|k|v product before the norm's row
+  `scale` (`_normed`), for the attention to apply it: one product, no bias, no q/k norm
+  between the product and RoPE."""
+  return (scale is not None and "wqkv" in lp and not config.qkv_bias and not config.qk_norm)
+
+
+def _split_heads(config: ModelConfig, qkv: Float[Array, "B T Q"]):
+  """A fused q|k|v product `[B, T, (N + 2K) * H]` as q `[B, T, N, H]`, k and v `[B, T, K, H]`."""
+  n, k, hd = config.num_heads, config.num_kv_heads, config.head_dim
+  b, t, _ = qkv.shape
+  q, key, value = jnp.split(qkv, [n * hd, (n + k) * hd], axis=-1)
+  return q.reshape(b, t, n, hd), key.reshape(b, t, k, hd), value.reshape(b, t, k, hd)
+
+
 def _project_qkv(config: ModelConfig, lp: Params, h: Float[Array, "B T D"], scale, positions,
                  layer: int, rope: bool = True):
-  n, k, hd = config.num_heads, config.num_kv_heads, config.head_dim
-  b, t, _ = h.shape
   if "wqkv" in lp:  # fused (one device)
     qkv = _product(h, scale, lp["wqkv"])  # [B, T, (N + 2K) * H]
     if config.qkv_bias:
       qkv = qkv + lp["bqkv"]
-    q, key, value = jnp.split(qkv, [n * hd, (n + k) * hd], axis=-1)
+    q, key, value = _split_heads(config, qkv)
   else:  # split (a mesh: see `mdjax.sharding`)
     q, key, value = (_product(h, scale, lp["w" + x]) for x in "qkv")
     if config.qkv_bias:
       q, key, value = q + lp["bq"], key + lp["bk"], value + lp["bv"]
-  q = constrain(q.reshape(b, t, n, hd), "batch", None, "heads", None)
-  key = constrain(key.reshape(b, t, k, hd), "batch", None, "kv_heads", None)
-  value = constrain(value.reshape(b, t, k, hd), "batch", None, "kv_heads", None)
+    q, key, value = (x.reshape(*h.shape[:2], -1, config.head_dim) for x in (q, key, value))
+  q = constrain(q, "batch", None, "heads", None)
+  key = constrain(key, "batch", None, "kv_heads", None)
+  value = constrain(value, "batch", None, "kv_heads", None)
   if config.qk_norm:
     q = _norm(config, q, lp["q_norm"])
     key = _norm(config, key, lp["k_norm"])
@@ -224,9 +238,13 @@ def _layer(config: ModelConfig, lp: Params, x: Float[Array, "B T D"],
   (traced under scan); `like` is the static index of a layer with the same static
   settings (sliding window, score scale, soft-cap, RoPE): itself when unrolled."""
   h, scale = _normed(config, x, lp["attn_norm"]) if "attn_norm" in lp else (x, None)  # (EAGLE-1
-  q, k, v = _project_qkv(config, lp, h, scale, positions, like,  # has none)
-                         rope=not rope_in_attention)
-  out, carry = attend(q, k, v, layer, layer_attention(config, like), carry)  # [B, T, N, H]
+  spec = layer_attention(config, like)  # has none)
+  if rope_in_attention and _attention_scales(config, lp, scale):
+    q, k, v = _split_heads(config, linear(h, lp["wqkv"], jnp.float32))  # no row scale yet
+    out, carry = attend(q, k, v, layer, spec, carry, norm_input=x)  # [B, T, N, H]
+  else:
+    q, k, v = _project_qkv(config, lp, h, scale, positions, like, rope=not rope_in_attention)
+    out, carry = attend(q, k, v, layer, spec, carry)  # [B, T, N, H]
   out = linear(out.reshape(*out.shape[:2], -1), lp["wo"])  # --> [B, T, D]
   if config.o_bias:
     out = out + lp["bo"]
@@ -368,26 +386,25 @@ def _layers_beside_cache(config: ModelConfig, params: Params, x: Float[Array, "B
   angles = positions.astype(jnp.float32)[None, :, :, None] * freqs[:, None, None]  # [P, B, T, H/2]
   cos, sin = jnp.cos(angles), jnp.sin(angles)
 
-  def attend(q, k, v, index, spec, written):  # q, k before RoPE
+  def attend(q, k, v, index, spec, written, norm_input=None):  # q, k before RoPE
     qkv = jnp.concatenate([q, k, v], axis=2)  # [B, T, N + 2K, H]
-    out = decode_attention.attention(qkv, cos[index % period], sin[index % period], cache.k,
-                                     cache.v, index, masks[spec.sliding_window], scale=spec.scale)
+    out, k, v = decode_attention.attention(
+        qkv, norm_input, cos[index % period], sin[index % period], cache.k, cache.v, index,
+        masks[spec.sliding_window], scale=spec.scale, eps=config.rms_norm_eps)
     if isinstance(written, tuple):  # unrolled: every layer's (k, v) so far
       return out, written + ((k, v),)
     return out, {"k": written["k"].at[index].set(k), "v": written["v"].at[index].set(v)}
 
   if layer_loop_of(params) == "scan":
     shape = (num_layers, *x.shape[:2], config.num_kv_heads, config.head_dim)
-    written = {"k": jnp.zeros(shape, x.dtype), "v": jnp.zeros(shape, x.dtype)}  # [L, B, T, K, H]
+    written = {name: jnp.zeros(shape, cache.k.dtype) for name in "kv"}  # [L, B, T, K, H]
   else:
     written = ()
   hidden, aux, written = decoder_layers(config, params, x, positions, attend, written,
                                         aux_layers, rope_in_attention=True)
   if isinstance(written, tuple):
     written = {name: jnp.stack([kv[i] for kv in written]) for i, name in enumerate("kv")}
-  table = np.arange(num_layers) % period  # [L]: each layer's RoPE table
-  keys = decode_attention.rope(written["k"], cos[table], sin[table])  # [L, B, T, K, H]
-  return hidden, aux, cache_ops.write_layers(cache, meta["slots"], keys, written["v"])
+  return hidden, aux, cache_ops.write_layers(cache, meta["slots"], written["k"], written["v"])
 
 
 @full_float32
