@@ -1,23 +1,28 @@
 """Attention of a few new tokens over one layer of the cache in one GPU kernel (Pallas,
-lowered to Triton), for passes of at most `MAX_TOKENS` tokens: a decoded token, a
-draft chain, a small tree.
+lowered to Triton), for passes of at most `MAX_TOKENS` tokens (a decoded token, a
+draft chain, a small tree) under the "fused" attention on a GPU: what a layer does
+between its q|k|v product and its output product is this one kernel.
 
-The cache is read as it was before this pass, and only its filled slots; the T new
-tokens' K/V come in beside it and are written to the cache once for every layer after
-the last one (`mdjax.cache.write_layers`), so a layer launches no write of its own::
+The cache is read as it was before the pass, and only up to each row's length; the T
+new tokens' K/V come in beside it (from the product, RoPE and the attention norm's
+row scale applied in the kernel) and go out for `mdjax.cache.write_layers`, which
+writes every layer's at once after the last layer::
 
-    keys read by a query   slots 0 .. length-1 of the cache (blocks of 128, up to the
-                           row's length)  +  the T new tokens (one more block)
-    visibility             `PassMasks`, computed once per pass from the topology:
-                           [B, M, S] over the cache, [B, M, P] over the new tokens
+    program (row b, kv head k, new token t):
+      q   [Rt, H]   t's R query heads of kv head k (rows past R masked), scaled, RoPE'd
+      walk          cache blocks of `BLOCK` slots of layer l, 0 .. length[b]
+                    (masks.cache [b, t, block]: what the topology lets t see)
+      then          the T new keys of head k [P, H] (masks.new [b, t, :])
+      out           online softmax, [Rt, H] -> out[b, t, k R .. k R + R]
+    programs of t = 0: the T new keys and values of head k -> k_out, v_out [b, :, k]
 
-A query row is one (token, query head) pair of one kv head: M = T x R rows (R query
-heads per kv head) padded to a tile of Triton's products (at least 16), and the new
-tokens padded to P. Slots this pass writes are invisible in the cache part: the new
-token's own block shows what lands there. Queries that see nothing give 0.
+The masks (`PassMasks`) are computed once per pass; slots the pass writes are
+invisible in the cache part (the new tokens' block shows what lands there). Queries
+that see nothing give 0. Off a GPU, `reference` computes the same with jnp.
 
-Einsum letters as in `mdjax.models.attention`: B batch, T queries, S slots, K kv heads,
-R query heads per kv head (N = K R), H head dim, L layers.
+Einsum letters as in `mdjax.models.attention`: B batch, T new tokens (P: padded to a
+Triton tile), S slots, K kv heads, R query heads per kv head (N = K R; Rt: R padded),
+H head dim, L layers, D model width.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from mdjax import platform
 from mdjax.models.attention import masked_attention
@@ -89,32 +94,31 @@ def pass_masks(limit: Int[Array, "B G G"], positions: Int[Array, "B T"],
 
 
 def _row_scales(rows_ref, b, tokens: int, size: int, eps: float | None):
-  """1 / rms of each token's residual row `rows_ref[b, t]` ([D]): one scalar per token,
-  and all of them as a [size] vector (entries past T: 1); all 1 when `eps` is None (the
-  projections came in scaled)."""
+  """1 / rms of each token's residual row `rows_ref[b, t]` ([D]) as a [size] vector
+  (entries past T: 1); all 1 when `eps` is None (the projections came in scaled)."""
+  scales = jnp.ones((size,), jnp.float32)
   if eps is None:
-    return [1.0] * tokens, jnp.ones((size,), jnp.float32)
+    return scales
   width = rows_ref.shape[2]
   padded = _tile(width)
-  scalars, vector = [], jnp.ones((size,), jnp.float32)
   for t in range(tokens):
     row = plgpu.load(rows_ref.at[b, jnp.int32(t), pl.ds(0, padded)],
                      mask=jnp.arange(padded) < width, other=0).astype(jnp.float32)
-    scalars.append(jax.lax.rsqrt((row * row).sum() / width + eps))
-    vector = jnp.where(jnp.arange(size) == t, scalars[-1], vector)
-  return scalars, vector
+    scales = jnp.where(jnp.arange(size) == t, jax.lax.rsqrt((row * row).sum() / width + eps),
+                       scales)
+  return scales
 
 
 def _kernel(qkv_ref, rows_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, mask_new_ref, blocks_ref,
             layer_ref, out_ref, k_out_ref, v_out_ref, *, tokens: int, group: int, block: int,
             scale: float, eps: float | None, precision):
-  """One (row b, kv head k) program. Its R query heads of each token t, a tile of rows
-  [Rt, H] (rows past R masked), attend over the row's filled cache blocks of layer
-  `layer_ref[0]`, then over the T new keys [P, H]; an online softmax per token. The
-  projections are multiplied by their token's norm scale (`_row_scales`) and rounded
-  to the cache's dtype, then RoPE'd by halves (rotate_half: q1 cos - q2 sin | q2 cos +
-  q1 sin); the new keys and values go out too, for the cache."""
-  b, head = pl.program_id(0), pl.program_id(1)
+  """One (row b, kv head k, token t) program: t's R query heads, a tile of rows [Rt, H]
+  (rows past R masked), attend over the row's filled cache blocks of layer
+  `layer_ref[0]`, then over the T new keys [P, H]; an online softmax. The projections
+  are multiplied by their token's norm scale (`_row_scales`) and rounded to the cache's
+  dtype, then RoPE'd by halves (rotate_half: x1 cos - x2 sin | x2 cos + x1 sin); the
+  programs of token 0 also write the new keys and values out, for the cache."""
+  b, head, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   layer = layer_ref[0]
   num_q = out_ref.shape[2]
   half = out_ref.shape[3] // 2
@@ -125,26 +129,20 @@ def _kernel(qkv_ref, rows_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, mask_ne
   token_ok = (jnp.arange(keys_new) < tokens)[:, None]  # [P, 1]
   lo, hi, whole = pl.ds(0, half), pl.ds(half, half), pl.ds(0, 2 * half)
   dtype = k_ref.dtype
-  token_scales, row_scale = _row_scales(rows_ref, b, tokens, keys_new, eps)  # T scalars, [P]
+  by = _row_scales(rows_ref, b, tokens, keys_new, eps)  # [P]
 
-  def scaled(x, by):  # the projection as the cache holds it
-    return (x.astype(jnp.float32) * by).astype(dtype)
-
-  def rotated(first, second, cos, sin):  # halves [X, H/2] -> halves, RoPE'd
+  def rotated(first, second, cos, sin):  # halves [X, H/2], as the cache holds them -> RoPE'd
     first, second = first.astype(jnp.float32), second.astype(jnp.float32)
     return (first * cos - second * sin).astype(dtype), (second * cos + first * sin).astype(dtype)
 
-  queries = []
-  for t in range(tokens):
-    by = token_scales[t]
-    at = lambda part: scaled(plgpu.load(qkv_ref.at[b, jnp.int32(t), pl.ds(head * group, rows),
-                                                   part], mask=row_ok, other=0), by)
-    cos, sin = (table[b, jnp.int32(t), :][None, :] for table in (cos_ref, sin_ref))  # [1, H/2]
-    queries.append(rotated(at(lo), at(hi), cos, sin))  # [Rt, H/2] x2
+  mine = jnp.where(jnp.arange(keys_new) == t, by, 0).sum()  # this token's scale
+  query = lambda part: (plgpu.load(qkv_ref.at[b, t, pl.ds(head * group, rows), part],
+                                   mask=row_ok, other=0).astype(jnp.float32) * mine).astype(dtype)
+  cos, sin = (table[b, t, :][None, :] for table in (cos_ref, sin_ref))  # [1, H/2]
+  q1, q2 = rotated(query(lo), query(hi), cos, sin)  # [Rt, H/2] x2
 
-  def absorb(carry, t, keys, values, mask):  # halves [X, H/2] x2, [X, H], [X]
+  def absorb(carry, keys, values, mask):  # halves [X, H/2] x2, [X, H], [X]
     peak, total, acc = carry  # [Rt], [Rt], [Rt, H]
-    q1, q2 = queries[t]
     scores = (plgpu.dot(q1, keys[0], trans_b=True, precision=precision)
               + plgpu.dot(q2, keys[1], trans_b=True, precision=precision)) * scale  # [Rt, X]
     scores = jnp.where(mask[None, :] != 0, scores, -jnp.inf)
@@ -155,31 +153,30 @@ def _kernel(qkv_ref, rows_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, mask_ne
     weighed = plgpu.dot(weights.astype(values.dtype), values, precision=precision)  # [Rt, H]
     return new_peak, total * rescale + weights.sum(axis=1), acc * rescale[:, None] + weighed
 
-  def visit(index, carries):
-    start = pl.multiple_of(index * block, block)
-    window = pl.ds(start, block)
+  def visit(index, carry):
+    window = pl.ds(pl.multiple_of(index * block, block), block)
     keys = (k_ref[layer, b, window, head, lo], k_ref[layer, b, window, head, hi])
-    values = v_ref[layer, b, window, head, :]  # [Bk, H]
-    return tuple(absorb(carry, t, keys, values, mask_ref[b, jnp.int32(t), window])
-                 for t, carry in enumerate(carries))
+    return absorb(carry, keys, v_ref[layer, b, window, head, :], mask_ref[b, t, window])
 
   empty = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
            jnp.zeros((rows, 2 * half), jnp.float32))
-  carries = jax.lax.fori_loop(0, blocks_ref[b], visit, (empty,) * tokens)
+  carry = jax.lax.fori_loop(0, blocks_ref[b], visit, empty)
   tokens_at = lambda ref, column, part: ref.at[b, pl.ds(0, keys_new), column, part]  # [P, X]
-  new = lambda column, part: scaled(plgpu.load(tokens_at(qkv_ref, column, part), mask=token_ok,
-                                               other=0), row_scale[:, None])
+  new = lambda column, part: (plgpu.load(tokens_at(qkv_ref, column, part), mask=token_ok,
+                                         other=0).astype(jnp.float32) * by[:, None]).astype(dtype)
   angle = lambda table: plgpu.load(table.at[b, pl.ds(0, keys_new), :], mask=token_ok, other=0)
   keys = rotated(new(num_q + head, lo), new(num_q + head, hi), angle(cos_ref), angle(sin_ref))
   values = new(num_q + num_kv + head, whole)  # [P, H]
-  for key, part in zip(keys, (lo, hi)):
-    plgpu.store(tokens_at(k_out_ref, head, part), key, mask=token_ok)
-  plgpu.store(tokens_at(v_out_ref, head, whole), values, mask=token_ok)
-  for t, carry in enumerate(carries):
-    _, total, acc = absorb(carry, t, keys, values, mask_new_ref[b, jnp.int32(t), :])
-    out = acc / jnp.where(total > 0, total, 1.0)[:, None]
-    plgpu.store(out_ref.at[b, jnp.int32(t), pl.ds(head * group, rows), :],
-                out.astype(out_ref.dtype), mask=row_ok)
+  _, total, acc = absorb(carry, keys, values, mask_new_ref[b, t, :])
+  out = acc / jnp.where(total > 0, total, 1.0)[:, None]
+  plgpu.store(out_ref.at[b, t, pl.ds(head * group, rows), :], out.astype(out_ref.dtype),
+              mask=row_ok)
+
+  @pl.when(t == 0)
+  def _():
+    for key, part in zip(keys, (lo, hi)):
+      plgpu.store(tokens_at(k_out_ref, head, part), key, mask=token_ok)
+    plgpu.store(tokens_at(v_out_ref, head, whole), values, mask=token_ok)
 
 
 def decode_attention(qkv: Float[Array, "B T N+2K H"], rows: Float[Array, "B T D"] | None,
@@ -206,7 +203,7 @@ def decode_attention(qkv: Float[Array, "B T N+2K H"], rows: Float[Array, "B T D"
   whole = pl.BlockSpec()  # the whole array: each program indexes its part
   new = jax.ShapeDtypeStruct((b, t, num_kv, h), dtype)
   return pl.pallas_call(
-      kernel, grid=(b, num_kv), in_specs=[whole] * 10, out_specs=[whole] * 3,
+      kernel, grid=(b, num_kv, t), in_specs=[whole] * 10, out_specs=[whole] * 3,
       out_shape=[jax.ShapeDtypeStruct((b, t, num_q, h), dtype), new, new],
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret, name="mdjax_decode_attention",
