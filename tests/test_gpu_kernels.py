@@ -9,7 +9,6 @@ for one token at batch 1 and 8 at most `KERNELS_IN_A_LAYER` kernels in each laye
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

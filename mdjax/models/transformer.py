@@ -189,8 +189,10 @@ def decoder_layers(config: ModelConfig, params: Params, x: Float[Array, "B T D"]
   layer's index (an int, or a traced int32 scalar under scan), `spec` its static
   `LayerAttention`. Returns the final-norm hidden states `[B, T, D]`, the residual
   stream after each layer of `aux_layers` `[B, T, A, D]` (None when A = 0) and the
-  last carry. With `rope_in_attention`, q and k reach `attend` before RoPE (it applies
-  RoPE itself: `mdjax.models.decode_attention`).
+  last carry. With `rope_in_attention`, q and k reach `attend` before RoPE, which it
+  applies itself (`mdjax.models.decode_attention`); where a layer can
+  (`_attention_scales`), q, k and v also come before the attention norm's row scale, in
+  float32, and `attend` gets the residual rows it is computed from as `norm_input`.
   """
   aux = _aux_buffer(count_layers(params), x, aux_layers)
   if layer_loop_of(params) == "scan":
@@ -236,9 +238,11 @@ def _layer(config: ModelConfig, lp: Params, x: Float[Array, "B T D"],
            rope_in_attention: bool = False):
   """One decoder layer: `(x, carry)` after it. `layer` is its index, handed to `attend`
   (traced under scan); `like` is the static index of a layer with the same static
-  settings (sliding window, score scale, soft-cap, RoPE): itself when unrolled."""
-  h, scale = _normed(config, x, lp["attn_norm"]) if "attn_norm" in lp else (x, None)  # (EAGLE-1
-  spec = layer_attention(config, like)  # has none)
+  settings (sliding window, score scale, soft-cap, RoPE): itself when unrolled.
+  `rope_in_attention`: see `decoder_layers`."""
+  # (EAGLE-1's first layer has no attn_norm)
+  h, scale = _normed(config, x, lp["attn_norm"]) if "attn_norm" in lp else (x, None)
+  spec = layer_attention(config, like)
   if rope_in_attention and _attention_scales(config, lp, scale):
     q, k, v = _split_heads(config, linear(h, lp["wqkv"], jnp.float32))  # no row scale yet
     out, carry = attend(q, k, v, layer, spec, carry, norm_input=x)  # [B, T, N, H]
@@ -368,13 +372,14 @@ def _layers_beside_cache(config: ModelConfig, params: Params, x: Float[Array, "B
                          cache: KVCache, length: Int[Array, "B"], meta: dict,
                          aux_layers: tuple[int, ...]):
   """The decoder layers of a few-token pass on a GPU (`mdjax.models.decode_attention`):
-  each layer's attention, RoPE included, is one kernel over the cache as it was and
-  the new tokens beside it; the new K/V of every layer are written once, after the
-  last layer. Masks and RoPE angles are computed once per pass::
+  each layer's attention, RoPE and the norm's row scale included, is one kernel over
+  the cache as it was and the new tokens beside it, and returns their K/V; every layer's
+  are written once, after the last layer. Masks and RoPE angles are computed once per
+  pass::
 
       before        masks (one per sliding window), cos/sin (one per RoPE table)
-      layer 0..L-1  attention(q k v of the layer, cache before the pass)   no write
-      after         cache.k[:, rows, slot] = RoPE(new k of every layer)    (and v)
+      layer 0..L-1  out, k, v = attention(q|k|v of the layer, cache before the pass)
+      after         cache.k[:, rows, slot] = k of every layer [L, B, T, K, H]  (and v)
   """
   num_layers = count_layers(params)
   positions = meta["positions"]
