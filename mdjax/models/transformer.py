@@ -41,6 +41,12 @@ layers mix sliding-window and full attention, each kind with its own RoPE
 compile time flat in depth; on CPU slower per token, so "unrolled" is CPU's default).
 Both run each layer through `_layer`. The KV cache is stacked `[L, ...]` either way:
 each layer writes its new K/V into its slots in place, then attends over the cache.
+On a GPU a pass of a few tokens under the fused attention does not write layer by
+layer: each layer's attention is one kernel over the cache as it was and the new
+tokens beside it, and the pass writes every layer's K/V after the last
+(`_layers_beside_cache`, `mdjax.models.decode_attention`). There an RMSNorm before a
+product is also split: its weight into the product's operand, its row scale after it
+(`_normed`).
 
 The model knows nothing of strategies: it maps tokens at explicit positions, in
 explicit segments, over an explicit cache, to logits.
@@ -59,9 +65,9 @@ from mdjax import cache as cache_ops
 from mdjax import platform
 from mdjax.cache import CacheRegions, KVCache
 from mdjax.errors import MdjaxError
+from mdjax.models import decode_attention
 from mdjax.models.attention import (ATTENTION_BLOCK, LayerAttention, Queries, attention_fn,
                                     masked_attention)
-from mdjax.models import decode_attention
 from mdjax.models.config import ModelConfig
 from mdjax.models.layer_loop import count_layers, layer_loop_of
 from mdjax.models.numerics import full_float32, linear
