@@ -66,6 +66,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
+from mdjax import platform
+
 UNBOUNDED = jnp.iinfo(jnp.int32).max
 
 
@@ -107,7 +109,9 @@ def visibility_limits(topology: Topology) -> Int[Array, "B G G"]:
 
   UNBOUNDED on the diagonal (the causal rule `pos <= p` bounds it), the fork
   position of the path's child for ancestors, 0 for every other segment.
-  Walks up the tree `G` times, so any depth up to the table size is handled.
+  Walks up the tree `G` times, so any depth up to the table size is handled; off the
+  CPU the walk is unrolled (a GPU runs each step of a loop as kernels of its own: 21 of
+  the 205 kernels of a 1B one-token pass at G = 4, 4 once unrolled and fused).
   """
   parent, fork = topology.parent, topology.fork  # [B, G]
   batch, num_segments = parent.shape
@@ -126,7 +130,8 @@ def visibility_limits(topology: Topology) -> Int[Array, "B G G"]:
   limit = jnp.zeros((batch, num_segments, num_segments), jnp.int32)
   node = jnp.broadcast_to(jnp.arange(num_segments, dtype=jnp.int32), (batch, num_segments))
   bound = jnp.full((batch, num_segments), UNBOUNDED, jnp.int32)
-  limit, _, _ = jax.lax.fori_loop(0, num_segments, climb, (limit, node, bound))
+  limit, _, _ = jax.lax.fori_loop(0, num_segments, climb, (limit, node, bound),
+                                  unroll=not platform.is_cpu())
   return limit if topology.joins is None else jnp.where(topology.joins, UNBOUNDED, limit)
 
 

@@ -20,6 +20,9 @@ summation order:
   query; a region is read by one, so a step's attention work is N x (prefix + own
   tokens), not N x (prefix + all N branches').
 
+On a GPU, "fused" passes of a few tokens run `mdjax.models.decode_attention` instead: one
+kernel per layer that reads only the filled slots, the new tokens' K/V beside the cache.
+
 Each takes the layer's static `LayerAttention` (its sliding window, score scale and
 soft-cap), so layers of one model may differ (gemma3 mixes sliding and full ones).
 

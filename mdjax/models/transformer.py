@@ -41,6 +41,12 @@ layers mix sliding-window and full attention, each kind with its own RoPE
 compile time flat in depth; on CPU slower per token, so "unrolled" is CPU's default).
 Both run each layer through `_layer`. The KV cache is stacked `[L, ...]` either way:
 each layer writes its new K/V into its slots in place, then attends over the cache.
+On a GPU a pass of a few tokens under the fused attention does not write layer by
+layer: each layer's attention is one kernel over the cache as it was and the new
+tokens beside it, and the pass writes every layer's K/V after the last
+(`_layers_beside_cache`, `mdjax.models.decode_attention`). There an RMSNorm before a
+product is also split: its weight into the product's operand, its row scale after it
+(`_normed`).
 
 The model knows nothing of strategies: it maps tokens at explicit positions, in
 explicit segments, over an explicit cache, to logits.
@@ -56,8 +62,10 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from mdjax import cache as cache_ops
+from mdjax import platform
 from mdjax.cache import CacheRegions, KVCache
 from mdjax.errors import MdjaxError
+from mdjax.models import decode_attention
 from mdjax.models.attention import (ATTENTION_BLOCK, LayerAttention, Queries, attention_fn,
                                     masked_attention)
 from mdjax.models.config import ModelConfig
@@ -84,6 +92,31 @@ def _norm(config: ModelConfig, x: Float[Array, "... D"], weight: Float[Array, "D
   return rms_norm(x, weight, config.rms_norm_eps, plus_one=config.gemma_norms)
 
 
+def _normed(config: ModelConfig, x: Float[Array, "B T D"], weight: Float[Array, "D"]
+            ) -> tuple[Float[Array, "B T D"], Float[Array, "B T 1"] | None]:
+  """The RMSNorm of `x` as the products after it take it: `(normed, None)`; on a GPU
+  `(x * weight, 1 / rms(x))`, each product's output then multiplied by the second
+  (`_product`): x * weight is fused into the product's operand and the row scale into
+  what reads its output, so the norm is one reduction fused with the residual add
+  before it, not a reduction and a multiply of its own (the same value up to rounding:
+  the scale is applied to the float32 sum instead of the rounded input)."""
+  if platform.current() != "gpu":
+    return _norm(config, x, weight), None
+  x32 = x.astype(jnp.float32)
+  scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + config.rms_norm_eps)
+  if config.gemma_norms:
+    return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype), scale
+  return weight * x, scale
+
+
+def _product(h: Float[Array, "B T D"], scale: Float[Array, "B T 1"] | None,
+             weight: Float[Array, "D F"]) -> Float[Array, "B T F"]:
+  """`linear(h, weight)` of an `_normed` input: times its row scale when it has one."""
+  if scale is None:
+    return linear(h, weight)
+  return (linear(h, weight, jnp.float32) * scale).astype(h.dtype)
+
+
 def apply_rope(x: Float[Array, "B T N H"], positions: Int[Array, "B T"],
                inv_freq: Float[Array, "H/2"]) -> Float[Array, "B T N H"]:
   """Rotary embedding in Hugging Face's half-split layout (rotate_half)."""
@@ -94,37 +127,53 @@ def apply_rope(x: Float[Array, "B T N H"], positions: Int[Array, "B T"],
   return (x * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
 
 
-def _project_qkv(config: ModelConfig, lp: Params, h: Float[Array, "B T D"], positions,
-                 layer: int):
+def _attention_scales(config: ModelConfig, lp: Params, scale) -> bool:
+  """Whether a layer hands its attention the fused q|k|v product before the norm's row
+  `scale` (`_normed`), for the attention to apply it: one product, no bias, no q/k norm
+  between the product and RoPE."""
+  return (scale is not None and "wqkv" in lp and not config.qkv_bias and not config.qk_norm)
+
+
+def _split_heads(config: ModelConfig, qkv: Float[Array, "B T Q"]):
+  """A fused q|k|v product `[B, T, (N + 2K) * H]` as q `[B, T, N, H]`, k and v `[B, T, K, H]`."""
   n, k, hd = config.num_heads, config.num_kv_heads, config.head_dim
-  b, t, _ = h.shape
+  b, t, _ = qkv.shape
+  q, key, value = jnp.split(qkv, [n * hd, (n + k) * hd], axis=-1)
+  return q.reshape(b, t, n, hd), key.reshape(b, t, k, hd), value.reshape(b, t, k, hd)
+
+
+def _project_qkv(config: ModelConfig, lp: Params, h: Float[Array, "B T D"], scale, positions,
+                 layer: int, rope: bool = True):
   if "wqkv" in lp:  # fused (one device)
-    qkv = linear(h, lp["wqkv"])  # [B, T, (N + 2K) * H]
+    qkv = _product(h, scale, lp["wqkv"])  # [B, T, (N + 2K) * H]
     if config.qkv_bias:
       qkv = qkv + lp["bqkv"]
-    q, key, value = jnp.split(qkv, [n * hd, (n + k) * hd], axis=-1)
+    q, key, value = _split_heads(config, qkv)
   else:  # split (a mesh: see `mdjax.sharding`)
-    q, key, value = (linear(h, lp["w" + x]) for x in "qkv")
+    q, key, value = (_product(h, scale, lp["w" + x]) for x in "qkv")
     if config.qkv_bias:
       q, key, value = q + lp["bq"], key + lp["bk"], value + lp["bv"]
-  q = constrain(q.reshape(b, t, n, hd), "batch", None, "heads", None)
-  key = constrain(key.reshape(b, t, k, hd), "batch", None, "kv_heads", None)
-  value = constrain(value.reshape(b, t, k, hd), "batch", None, "kv_heads", None)
+    q, key, value = (x.reshape(*h.shape[:2], -1, config.head_dim) for x in (q, key, value))
+  q = constrain(q, "batch", None, "heads", None)
+  key = constrain(key, "batch", None, "kv_heads", None)
+  value = constrain(value, "batch", None, "kv_heads", None)
   if config.qk_norm:
     q = _norm(config, q, lp["q_norm"])
     key = _norm(config, key, lp["k_norm"])
+  if not rope:
+    return q, key, value
   inv_freq = jnp.asarray(config.inv_freq(layer))
   return apply_rope(q, positions, inv_freq), apply_rope(key, positions, inv_freq), value
 
 
-def _mlp(config: ModelConfig, lp: Params, h: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+def _mlp(config: ModelConfig, lp: Params, h: Float[Array, "B T D"], scale) -> Float[Array, "B T D"]:
   if "w_gate_up" in lp:  # fused (one device)
-    gate_up = linear(h, lp["w_gate_up"])  # [B, T, 2F]
+    gate_up = _product(h, scale, lp["w_gate_up"])  # [B, T, 2F]
     if config.mlp_bias:
       gate_up = gate_up + lp["b_gate_up"]
     gate, up = jnp.split(gate_up, 2, axis=-1)
   else:  # split (a mesh)
-    gate, up = linear(h, lp["w_gate"]), linear(h, lp["w_up"])  # [B, T, F] each
+    gate, up = _product(h, scale, lp["w_gate"]), _product(h, scale, lp["w_up"])  # [B, T, F] each
     if config.mlp_bias:
       gate, up = gate + lp["b_gate"], up + lp["b_up"]
   # gemma3: GeGLU with the tanh-approximated GELU (HF's gelu_pytorch_tanh)
@@ -136,7 +185,7 @@ def _mlp(config: ModelConfig, lp: Params, h: Float[Array, "B T D"]) -> Float[Arr
 
 def decoder_layers(config: ModelConfig, params: Params, x: Float[Array, "B T D"],
                    positions: Int[Array, "B T"], attend: Callable, carry,
-                   aux_layers: tuple[int, ...] = ()):
+                   aux_layers: tuple[int, ...] = (), rope_in_attention: bool = False):
   """The decoder layers, shared by the cached and the training forward, in either
   layout of `params["layers"]` (`mdjax.models.layer_loop`).
 
@@ -146,15 +195,18 @@ def decoder_layers(config: ModelConfig, params: Params, x: Float[Array, "B T D"]
   layer's index (an int, or a traced int32 scalar under scan), `spec` its static
   `LayerAttention`. Returns the final-norm hidden states `[B, T, D]`, the residual
   stream after each layer of `aux_layers` `[B, T, A, D]` (None when A = 0) and the
-  last carry.
+  last carry. With `rope_in_attention`, q and k reach `attend` before RoPE, which it
+  applies itself (`mdjax.models.decode_attention`); where a layer can
+  (`_attention_scales`), q, k and v also come before the attention norm's row scale, in
+  float32, and `attend` gets the residual rows it is computed from as `norm_input`.
   """
   aux = _aux_buffer(count_layers(params), x, aux_layers)
   if layer_loop_of(params) == "scan":
     x, carry, aux = _scanned_layers(config, params["layers"], x, positions, attend, carry,
-                                    aux_layers, aux)
+                                    aux_layers, aux, rope_in_attention)
   else:
     for index, lp in enumerate(params["layers"]):
-      x, carry = _layer(config, lp, x, positions, attend, carry, index, index)
+      x, carry = _layer(config, lp, x, positions, attend, carry, index, index, rope_in_attention)
       aux = _keep(aux, aux_layers, index, x)
   hidden = _norm(config, x, params["final_norm"]) if "final_norm" in params else x
   return hidden, (None if aux is None else jnp.moveaxis(aux, 0, 2)), carry
@@ -188,20 +240,28 @@ def _keep(aux: Float[Array, "A B T D"] | None, aux_layers: tuple[int, ...], inde
 
 
 def _layer(config: ModelConfig, lp: Params, x: Float[Array, "B T D"],
-           positions: Int[Array, "B T"], attend: Callable, carry, layer, like: int):
+           positions: Int[Array, "B T"], attend: Callable, carry, layer, like: int,
+           rope_in_attention: bool = False):
   """One decoder layer: `(x, carry)` after it. `layer` is its index, handed to `attend`
   (traced under scan); `like` is the static index of a layer with the same static
-  settings (sliding window, score scale, soft-cap, RoPE): itself when unrolled."""
-  h = _norm(config, x, lp["attn_norm"]) if "attn_norm" in lp else x  # (EAGLE-1 has none)
-  q, k, v = _project_qkv(config, lp, h, positions, like)
-  out, carry = attend(q, k, v, layer, layer_attention(config, like), carry)  # [B, T, N, H]
+  settings (sliding window, score scale, soft-cap, RoPE): itself when unrolled.
+  `rope_in_attention`: see `decoder_layers`."""
+  # (EAGLE-1's first layer has no attn_norm)
+  h, scale = _normed(config, x, lp["attn_norm"]) if "attn_norm" in lp else (x, None)
+  spec = layer_attention(config, like)
+  if rope_in_attention and _attention_scales(config, lp, scale):
+    q, k, v = _split_heads(config, linear(h, lp["wqkv"], jnp.float32))  # no row scale yet
+    out, carry = attend(q, k, v, layer, spec, carry, norm_input=x)  # [B, T, N, H]
+  else:
+    q, k, v = _project_qkv(config, lp, h, scale, positions, like, rope=not rope_in_attention)
+    out, carry = attend(q, k, v, layer, spec, carry)  # [B, T, N, H]
   out = linear(out.reshape(*out.shape[:2], -1), lp["wo"])  # --> [B, T, D]
   if config.o_bias:
     out = out + lp["bo"]
   if config.gemma_norms:
     out = _norm(config, out, lp["post_attn_norm"])
   x = x + out
-  out = _mlp(config, lp, _norm(config, x, lp["mlp_norm"]))
+  out = _mlp(config, lp, *_normed(config, x, lp["mlp_norm"]))
   if config.gemma_norms:
     out = _norm(config, out, lp["post_mlp_norm"])
   return x + out, carry
@@ -219,7 +279,8 @@ def layer_period(config: ModelConfig, num_layers: int) -> int:
 
 def _scanned_layers(config: ModelConfig, layers: Params, x: Float[Array, "B T D"],
                     positions: Int[Array, "B T"], attend: Callable, carry,
-                    aux_layers: tuple[int, ...], aux: Float[Array, "A B T D"] | None):
+                    aux_layers: tuple[int, ...], aux: Float[Array, "A B T D"] | None,
+                    rope_in_attention: bool = False):
   """Stacked layers `[L, ...]`: one `lax.scan` over the L // P whole groups of P
   consecutive layers (P = `layer_period`), each group's P layers unrolled with their
   static settings; then the L % P layers after the last whole group, unrolled. The
@@ -243,7 +304,7 @@ def _scanned_layers(config: ModelConfig, layers: Params, x: Float[Array, "B T D"
 
   def run(x, carry, aux, index, like):
     lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, index, keepdims=False), layers)
-    x, carry = _layer(config, lp, x, positions, attend, carry, index, like)
+    x, carry = _layer(config, lp, x, positions, attend, carry, index, like, rope_in_attention)
     return x, carry, _keep(aux, aux_layers, index, x)
 
   def group(state, g):
@@ -293,19 +354,68 @@ def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"] | None,
   out in one region per branch and every query sees only the shared part and its own.
   """
   attention_impl = attention_fn(attention, cache.num_slots, block_size, regions)
+  length = cache.length
   cache, slot = cache_ops.claim_slots(cache, positions, segments, slots)
   meta = dict(positions=positions, segments=segments, slots=slot,
               limit=visibility_limits(topology))
+  x = embed(config, params, tokens) if inputs is None else inputs
+  if attention == "fused" and regions is None and decode_attention.applies(config, cache,
+                                                                           x.shape[1]):
+    hidden, aux, cache = _layers_beside_cache(config, params, x, cache, length, meta, aux_layers)
+    return (hidden, cache) if aux is None else (hidden, cache, aux)
 
   def attend(q, k, v, index, spec, cache):
     cache = cache_ops.write_layer(cache, index, slot, k, v)
     return attention_impl(Queries(q=q, **meta), cache, index, spec), cache
 
-  x = embed(config, params, tokens) if inputs is None else inputs
   hidden, aux, cache = decoder_layers(config, params, x, positions, attend,
                                       constrain_cache(cache), aux_layers)
   cache = constrain_cache(cache)
   return (hidden, cache) if aux is None else (hidden, cache, aux)
+
+
+def _layers_beside_cache(config: ModelConfig, params: Params, x: Float[Array, "B T D"],
+                         cache: KVCache, length: Int[Array, "B"], meta: dict,
+                         aux_layers: tuple[int, ...]):
+  """The decoder layers of a few-token pass on a GPU (`mdjax.models.decode_attention`):
+  each layer's attention, RoPE and the norm's row scale included, is one kernel over
+  the cache as it was and the new tokens beside it, and returns their K/V; every layer's
+  are written once, after the last layer. Masks and RoPE angles are computed once per
+  pass::
+
+      before        masks (one per sliding window), cos/sin (one per RoPE table)
+      layer 0..L-1  out, k, v = attention(q|k|v of the layer, cache before the pass)
+      after         cache.k[:, rows, slot] = k of every layer [L, B, T, K, H]  (and v)
+  """
+  num_layers = count_layers(params)
+  positions = meta["positions"]
+  masks = {window: decode_attention.pass_masks(
+      meta["limit"], positions, meta["segments"], meta["slots"], cache.seg, cache.pos, length,
+      window=window) for window in {config.layer_window(i) for i in range(num_layers)}}
+  period = layer_period(config, num_layers)
+  freqs = np.stack([config.inv_freq(i) for i in range(period)])  # [P, H/2]
+  angles = positions.astype(jnp.float32)[None, :, :, None] * freqs[:, None, None]  # [P, B, T, H/2]
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+
+  def attend(q, k, v, index, spec, written, norm_input=None):  # q, k before RoPE
+    qkv = jnp.concatenate([q, k, v], axis=2)  # [B, T, N + 2K, H]
+    out, k, v = decode_attention.attention(
+        qkv, norm_input, cos[index % period], sin[index % period], cache.k, cache.v, index,
+        masks[spec.sliding_window], scale=spec.scale, eps=config.rms_norm_eps)
+    if isinstance(written, tuple):  # unrolled: every layer's (k, v) so far
+      return out, written + ((k, v),)
+    return out, {"k": written["k"].at[index].set(k), "v": written["v"].at[index].set(v)}
+
+  if layer_loop_of(params) == "scan":
+    shape = (num_layers, *x.shape[:2], config.num_kv_heads, config.head_dim)
+    written = {name: jnp.zeros(shape, cache.k.dtype) for name in "kv"}  # [L, B, T, K, H]
+  else:
+    written = ()
+  hidden, aux, written = decoder_layers(config, params, x, positions, attend, written,
+                                        aux_layers, rope_in_attention=True)
+  if isinstance(written, tuple):
+    written = {name: jnp.stack([kv[i] for kv in written]) for i, name in enumerate("kv")}
+  return hidden, aux, cache_ops.write_layers(cache, meta["slots"], written["k"], written["v"])
 
 
 @full_float32

@@ -1,0 +1,124 @@
+"""A few-token pass on a GPU (`mdjax.models.decode_attention`): the Pallas kernel gives
+what its reference gives (run on this CPU in Pallas' interpret mode), a whole pass built
+for a GPU (the reference standing in for the kernel) gives the CPU's logits and cache,
+and the 1B `decode_step` compiled for an H200 target (`mdjax.compile_targets`) launches
+for one token at batch 1 and 8 at most `KERNELS_IN_A_LAYER` kernels in each layer (issue
+49's goal) and `KERNELS_PER_LAYER` per layer all told, the pass's own included
+(docs/results/programs/)."""
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mdjax import compile_targets, platform, program_report
+from mdjax.cache import KVCache
+from mdjax.models import decode_attention
+from mdjax.models.layer_loop import default_layer_loop, with_layer_loop
+from mdjax.models.random_init import init_params
+from mdjax.models.registry import RANDOM_MODELS
+from mdjax.step import decode_step
+from mdjax.topology import Topology, visibility_limits
+
+TARGET = "h200"
+KERNELS_IN_A_LAYER = 10
+KERNELS_PER_LAYER = 11.3  # today: 11.25 at batch 1, 10.9 at batch 8 (10 in each layer, and
+#                           15-20 per pass: masks, RoPE angles, the cache writes, the head)
+
+
+def _pass(rng, dtype, *, batch=2, slots=256, kv_heads=2, group=4, head_dim=64, tokens=3):
+  """A cache with rows of 100 and 200 tokens of segment 0, and a pass of `tokens`
+  tokens after them (the last token of row 1: padding)."""
+  shape = (3, batch, slots, kv_heads, head_dim)
+  cache_k, cache_v = (jnp.asarray(rng.normal(size=shape), dtype) for _ in "kv")
+  qkv = jnp.asarray(rng.normal(size=(batch, tokens, kv_heads * (group + 2), head_dim)), dtype)
+  length = jnp.array([100, 200], jnp.int32)
+  seg = jnp.where(jnp.arange(slots) < length[:, None], 0, -1).astype(jnp.int32)  # [B, S]
+  pos = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (batch, slots))
+  positions = length[:, None] + jnp.arange(tokens, dtype=jnp.int32)  # [B, T]
+  segments = jnp.zeros((batch, tokens), jnp.int32).at[1, -1].set(-1)
+  written = jnp.where(segments >= 0, positions, slots)  # [B, T]: slot of each token
+  rows = jnp.arange(batch)[:, None]
+  masks = decode_attention.pass_masks(
+      visibility_limits(Topology.causal(batch)), positions, segments, written,
+      seg.at[rows, written].set(segments, mode="drop"),
+      pos.at[rows, written].set(positions, mode="drop"), length, window=None)
+  angles = positions[..., None] * jnp.linspace(0.01, 1.0, head_dim // 2)  # [B, T, H/2]
+  return qkv, jnp.cos(angles), jnp.sin(angles), cache_k, cache_v, masks
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("norm", [False, True])
+def test_the_kernel_gives_its_reference(dtype, tolerance, norm):
+  """Attention out, new keys and values; with `norm`, the projections scaled by the
+  norm of residual rows the kernel reads itself."""
+  rng = np.random.default_rng(0)
+  qkv, cos, sin, cache_k, cache_v, masks = _pass(rng, dtype)
+  rows = jnp.asarray(rng.normal(size=(*qkv.shape[:2], 96)), dtype) if norm else None
+  args = (qkv, rows, cos, sin, cache_k, cache_v, 1, masks)
+  got = decode_attention.decode_attention(*args, scale=0.125, eps=1e-6, interpret=True)
+  expected = decode_attention.reference(*args, scale=0.125, eps=1e-6)
+  for a, b in zip(got, expected):  # bfloat16: the kernel weighs the values in bfloat16,
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               atol=tolerance)  # the reference in float32
+
+
+@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
+def test_a_pass_built_for_a_gpu_gives_the_cpus_logits_and_cache(layer_loop):
+  """A prefill (with padding) then three one-token steps (one with a padding row),
+  built for a GPU (kernel path, the reference run here) and for the CPU."""
+  config = dataclasses.replace(RANDOM_MODELS["random-llama-tiny"], head_dim=32)  # the kernel's
+  params = with_layer_loop(init_params(config, 0, jnp.float32), layer_loop)  # smallest head
+
+  def decode(target: str, attention: str):
+    with platform.building_for(target):
+      cache = KVCache.create(config, 2, 64, jnp.float32)
+      tokens = jnp.array([[5, 6, 7, 8, 9, 10, 0, 0], list(range(11, 19))], jnp.int32)
+      segments = jnp.array([[0] * 6 + [-1] * 2, [0] * 8], jnp.int32)
+      positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
+      logits, _, cache = decode_step(params, cache, tokens, positions, segments,
+                                     Topology.causal(2), config=config, attention=attention)
+      out = [logits]
+      for i in range(3):
+        logits, _, cache = decode_step(
+            params, cache, jnp.array([[20 + i], [30 + i]], jnp.int32),
+            jnp.array([[6 + i], [8 + i]], jnp.int32), jnp.array([[0], [-(i == 1)]], jnp.int32),
+            Topology.causal(2), config=config, attention=attention)
+        out.append(logits)
+      return out, cache
+
+  expected, expected_cache = decode("cpu", "dense")
+  got, cache = decode("gpu", "fused")
+  for a, b in zip(got, expected):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+  np.testing.assert_allclose(cache.k, expected_cache.k, atol=1e-6)
+  np.testing.assert_allclose(cache.v, expected_cache.v, atol=1e-6)
+  for name in ("pos", "seg", "length"):
+    np.testing.assert_array_equal(getattr(cache, name), getattr(expected_cache, name))
+
+
+@functools.cache
+def _one_token_step(batch: int, num_layers: int = 16):
+  config = dataclasses.replace(RANDOM_MODELS["random-llama-1b"], num_layers=num_layers)
+  with platform.building_for(compile_targets.get(TARGET).platform):
+    loop = default_layer_loop()
+  return program_report.decode_step_counts(TARGET, config, batch=batch, tokens=1, slots=1024,
+                                           segments=4, layer_loop=loop)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_1b_one_token_step_launches_few_kernels_per_layer(batch):
+  counts = _one_token_step(batch)
+  assert counts.kernels <= KERNELS_PER_LAYER * 16, counts.kernels_by_kind
+  assert counts.kernels_by_kind["custom-call"] == 16  # one attention kernel per layer
+  assert counts.loop_copies == 0, counts.loop_copy_shapes
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_layer_of_a_one_token_step_launches_at_most_10_kernels(batch):
+  """A layer's kernels: those of the 16-layer 1B shape less a 2-layer one's, per layer
+  (XLA fuses the first and last layers with what is around them a little differently)."""
+  in_a_layer = (_one_token_step(batch).kernels - _one_token_step(batch, 2).kernels) / 14
+  assert in_a_layer <= KERNELS_IN_A_LAYER
