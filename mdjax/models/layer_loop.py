@@ -81,8 +81,17 @@ def take_layers(params: dict, n: int) -> dict:
   the first `n` layers' weights copied once, so no step slices them again)."""
   layers = params["layers"]
   if isinstance(layers, dict):
-    return {**params, "layers": {name: w[:n] for name, w in layers.items()}}  # each [n, ...]
+    return {**params, "layers": {name: _first(w, n) for name, w in layers.items()}}
   return {**params, "layers": layers[:n]}
+
+
+def _first(stacked, n: int):
+  """The first `n` layers of one stacked weight [L, ...] -> [n, ...]; of its shape alone
+  when it is a `jax.ShapeDtypeStruct` (a program built for another device's target)."""
+  if isinstance(stacked, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct((n, *stacked.shape[1:]), stacked.dtype,
+                                sharding=stacked.sharding)
+  return stacked[:n]
 
 
 def default_layer_loop() -> str:
