@@ -78,6 +78,9 @@ def test_report_on_a_tiny_random_model(tmp_path):
       "runs"].keys()
   readme = spec_bench.readme(results)
   assert "| method | writing | coding | overall |" in readme and "## batch 2, T=0.7" in readme
+  assert "stopped" not in readme
+  del results["runs"]["batch 2, T=0.7"]  # a run stopped there: its README says so
+  assert "stopped before it finished batch 2, T=0.7" in spec_bench.readme(results)
 
 
 def test_cli_bad_method_is_one_error_line(tmp_path):

@@ -46,14 +46,15 @@ random draws, so their tokens are not compared; a method that decodes greedily o
 Writes `spec_bench.json`, `spec_bench.png` (per kind: speedup and tokens per pass, one row
 of plots per batch and temperature) and `README.md` (Spec-Bench's table: a row per method, a
 column per kind, "speedup (tokens per pass)"; the command that made it) into `--out_dir`.
-The JSON is rewritten after every batch and temperature, so a stopped run keeps what it
-measured.
+The JSON is rewritten after every kind, so a stopped run keeps what it measured;
+`--redraw` draws the plot and writes the README from it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import pathlib
 import shlex
 import sys
@@ -93,6 +94,9 @@ _TEMPERATURES = flags.DEFINE_list("temperatures", ["0", "0.7"], "Temperatures (0
 _REPEATS = flags.DEFINE_integer("repeats", 1, "Timed repetitions of every contender (median).")
 _OUT_DIR = flags.DEFINE_string("out_dir", results_dir("spec_bench"),
                                "Where the JSON, PNG and README go.")
+_REDRAW = flags.DEFINE_bool("redraw", False,
+                            "Run nothing: draw the plot and write the README (and the table) "
+                            "from --out_dir's JSON, e.g. a stopped run's.")
 _QUICK = flags.DEFINE_bool("quick", False,
                            "Smoke test: random-llama-tiny, random heads, 1 random prompt of each "
                            "of 2 kinds, 8 tokens, batches 1 and 2.")
@@ -253,7 +257,7 @@ def overall(kinds: dict[str, dict]) -> dict:
 def run(model: mdjax.Model, methods: dict[str, tuple[str, dict]], prompts: list[Prompt],
         settings: Settings, header: dict, out_dir: str | None = None) -> dict:
   """Every (batch, temperature) of `settings`: per kind and overall (`bench_slice`,
-  `overall`); the results so far written to `out_dir` after each, when given."""
+  `overall`); the results so far written to `out_dir` after every kind, when given."""
   results = dict(header, settings=dataclasses.asdict(settings), model=model.description,
                  methods={name: strategy for name, (strategy, _) in methods.items()},
                  kinds={kind: len(ids) for kind, ids in by_kind(prompts).items()}, runs={})
@@ -263,16 +267,17 @@ def run(model: mdjax.Model, methods: dict[str, tuple[str, dict]], prompts: list[
       key = run_key(batch, temperature)
       sampling = {name: method for name, method in methods.items()
                   if not temperature or "temperature" in strategies.option_names(method[0])}
-      cells = {kind: bench_slice(model, sampling, groups_of(ids, batch), settings, temperature,
-                                 f"{key}, {kind}")
-               for kind, ids in tqdm.tqdm(kinds.items(), desc=key, unit="kind")}
-      results["runs"][key] = dict(batch=batch, temperature=temperature, kinds=cells,
-                                  overall=overall(cells),
-                                  left_out={name: f"{methods[name][0]} decodes greedily only"
-                                            for name in methods if name not in sampling})
-      if out_dir is not None:
-        pathlib.Path(out_dir).mkdir(parents=True, exist_ok=True)
-        write_json(pathlib.Path(out_dir) / f"{STEM}.json", results)
+      left_out = {name: f"{methods[name][0]} decodes greedily only"
+                  for name in methods if name not in sampling}
+      cells = {}
+      for kind, ids in tqdm.tqdm(kinds.items(), desc=key, unit="kind"):
+        cells[kind] = bench_slice(model, sampling, groups_of(ids, batch), settings, temperature,
+                                  f"{key}, {kind}")
+        results["runs"][key] = dict(batch=batch, temperature=temperature, kinds=cells,
+                                    overall=overall(cells), left_out=left_out)
+        if out_dir is not None:
+          pathlib.Path(out_dir).mkdir(parents=True, exist_ok=True)
+          write_json(pathlib.Path(out_dir) / f"{STEM}.json", results)
   results["mismatches"] = mismatches(results["runs"])
   return results
 
@@ -348,8 +353,15 @@ def readme(results: dict) -> str:
            "A cell is the speedup over plain decoding at the same batch and temperature "
            "(greedy at T=0, sampling at T>0), timed interleaved on the same prompts, and the "
            "mean tokens per target pass (prefill counted); * where the tokens part from "
-           "greedy's at T=0 (see `mismatches` in the JSON: bfloat16 near-ties). "
+           "greedy's at T=0 (`mismatches` in the JSON: with the gap between greedy's top-2 "
+           "logits where each row parted). "
            "[JSON](spec_bench.json), [plot](spec_bench.png).", ""]
+  missing = [key for key in (run_key(b, t) for b in results["settings"]["batches"]
+                              for t in results["settings"]["temperatures"])
+             if len(results["runs"].get(key, {}).get("kinds", ())) < len(results["kinds"])]
+  if missing:
+    lines += [f"The run was stopped before it finished {'; '.join(missing)} (what it measured "
+              "there is below, if anything).", ""]
   for key, entry in results["runs"].items():
     lines += [f"## {key}", ""] + spec_table(entry)
     if entry["left_out"]:
@@ -401,8 +413,21 @@ def setup(settings: Settings, quick: bool) -> tuple[mdjax.Model, list[Prompt]]:
   return model, [Prompt(kind, chat.chat_ids(model, text)) for kind, text in questions]
 
 
+def write_report(results: dict, out_dir: str) -> None:
+  """The JSON (with its `mismatches`), the plot, the table printed, and the README."""
+  results["mismatches"] = mismatches(results["runs"])
+  write_results(results, out_dir, STEM, plot, table)
+  files.write_text(pathlib.Path(out_dir) / "README.md", readme(results))
+
+
 def main(argv):
   del argv
+  if _REDRAW.value:
+    path = pathlib.Path(_OUT_DIR.value) / f"{STEM}.json"
+    if not path.is_file():
+      raise MdjaxError(f"--redraw reads {str(path)!r}, which does not exist")
+    write_report(json.loads(path.read_text()), _OUT_DIR.value)
+    return
   settings = Settings(kinds=tuple(_KINDS.value), prompts_per_kind=_PROMPTS_PER_KIND.value,
                       max_new_tokens=_MAX_NEW_TOKENS.value,
                       batches=tuple(int(b) for b in _BATCHES.value),
@@ -427,9 +452,7 @@ def main(argv):
                                  + [shlex.quote(a) for a in sys.argv[1:]]),
                 questions="random ids" if _QUICK.value else _QUESTIONS.value,
                 method_specs=dict(zip(labels, _METHODS.value)))
-  results = run(model, methods, prompts, settings, header, _OUT_DIR.value)
-  write_results(results, _OUT_DIR.value, STEM, plot, table)
-  files.write_text(pathlib.Path(_OUT_DIR.value) / "README.md", readme(results))
+  write_report(run(model, methods, prompts, settings, header, _OUT_DIR.value), _OUT_DIR.value)
 
 
 if __name__ == "__main__":
