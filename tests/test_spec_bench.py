@@ -20,16 +20,17 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_method_spec_parses_label_strategy_and_options():
-  method = spec_bench.Method.parse("mix=medusa:heads=medusa,tree_budget=4,temperature=0.5")
+  method = spec_bench.Method.parse("mix=medusa:heads=medusa,tree_budget=4,top_p=0.5")
   assert (method.label, method.strategy) == ("mix", "medusa")
-  assert dict(method.given) == {"heads": "medusa", "tree_budget": 4, "temperature": 0.5}
+  assert dict(method.given) == {"heads": "medusa", "tree_budget": 4, "top_p": 0.5}
   assert spec_bench.Method.parse("prompt_lookup").label == "prompt_lookup"
   assert spec_bench.parse_value("prompt_lookup+heads") == ["prompt_lookup", "heads"]
   assert spec_bench.parse_value("true") is True and spec_bench.parse_value("auto") == "auto"
 
 
 @pytest.mark.parametrize("spec, named", [("nope", "'nope'"), ("medusa:heads", "'heads'"),
-                                         ("greedy", "'greedy'"), ("medusa:depth=3", "'depth'")])
+                                         ("greedy", "'greedy'"), ("medusa:depth=3", "'depth'"),
+                                         ("medusa:temperature=1", "temperature")])
 def test_a_bad_method_spec_is_an_error_naming_it(spec, named):
   with pytest.raises(MdjaxError, match=named):
     spec_bench.Method.parse(spec)

@@ -146,6 +146,9 @@ class Method:
     strategies.check_options(strategy, dict(given))
     if label in ("greedy", "sample"):
       raise MdjaxError(f"method {spec!r}: {label!r} is the baseline's label; give another")
+    if "temperature" in dict(given):
+      raise MdjaxError(f"method {spec!r}: the temperature is the run's (--temperatures), not a "
+                       "method's")
     return cls(label=label, strategy=strategy, given=tuple(given))
 
   def options(self, model: mdjax.Model, quick: bool) -> dict:
