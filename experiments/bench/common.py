@@ -39,6 +39,8 @@ from matplotlib import pyplot as plt  # noqa: E402 -- after choosing the headles
 
 
 RESULTS = pathlib.Path("docs") / "results"  # relative to the repository root, where benches run
+# held-out questions, two for each of 13 task kinds (written for the benchmarks, never trained on)
+QUESTIONS = pathlib.Path(__file__).parent / "data" / "head_questions.jsonl"
 FIRST_PROMPT_ID = 3  # random prompts avoid the low special ids (pad, bos, eos of random models)
 # The options of the strategies every bench runs with the same settings (Hugging Face's
 # defaults for prompt lookup; a chain of 4 drafted tokens).
@@ -62,6 +64,56 @@ def random_llama(config: mdjax.ModelConfig, seed: int, dtype, name: str) -> mdja
   `mdjax.models.layer_loop.with_layer_loop` or `mdjax.shard`)."""
   params = mdjax.init_params(config, seed, mdjax.weight_dtype(dtype))
   return mdjax.Model(config=config, params=params, name=name, random_weights=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+  """A question's task kind and its chat-template token ids."""
+
+  kind: str
+  ids: list[int]
+
+
+def read_questions(path: str | pathlib.Path) -> list[tuple[str, str]]:
+  """(category, prompt) of every line of a JSON-lines file (blank lines skipped); a
+  line that is not an object with non-empty string "category" and "prompt" is an
+  `MdjaxError` naming the file and the line."""
+  questions = []
+  for number, line in enumerate(pathlib.Path(path).read_text().splitlines(), start=1):
+    if not line.strip():
+      continue
+    try:
+      entry = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise MdjaxError(f"{path} line {number}: not JSON ({e.msg})") from None
+    if not (isinstance(entry, dict) and all(isinstance(entry.get(key), str) and entry[key].strip()
+                                            for key in ("category", "prompt"))):
+      raise MdjaxError(f'{path} line {number}: expected {{"category": <text>, "prompt": <text>}}, '
+                       f"got {line.strip()[:80]!r}")
+    questions.append((entry["category"], entry["prompt"]))
+  if not questions:
+    raise MdjaxError(f"{path} holds no questions")
+  return questions
+
+
+def selected(questions: list[tuple[str, str]], kinds: int, per_kind: int) -> list[tuple[str, str]]:
+  """The first `per_kind` questions (0: all) of each of the first `kinds` kinds (0: all),
+  in file order."""
+  chosen = list(dict.fromkeys(kind for kind, _ in questions))[:kinds or None]
+  taken = dict.fromkeys(chosen, 0)
+  kept = []
+  for kind, text in questions:
+    if kind in taken and (not per_kind or taken[kind] < per_kind):
+      taken[kind] += 1
+      kept.append((kind, text))
+  return kept
+
+
+def groups_of(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
+  """The prompts in groups of `batch` rows (the last group filled from the start, round
+  again where there are fewer prompts than rows)."""
+  rows = [prompts[i % len(prompts)] for i in range(-(-len(prompts) // batch) * batch)]
+  return [rows[i:i + batch] for i in range(0, len(rows), batch)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +312,16 @@ def divergence_gaps(model: mdjax.Model, rows: list[list[int]], greedy: list[list
   return gaps
 
 
+def mismatch_line(where: str, cell: dict) -> str:
+  """"<where>: m/n tokens equal greedy's", with the widest gap between greedy's top-2
+  logits where its rows parted (`divergence_gaps`), for a cell whose tokens are not greedy's."""
+  gaps = cell.get("divergence_gaps")
+  parted = (f", parted where greedy's top-2 logits were {max(gaps):.3g} apart at most"
+            if gaps else "")
+  return (f"{where}: {cell['tokens']['matching_tokens']}/{cell['tokens']['total_tokens']} tokens "
+          f"equal greedy's{parted}")
+
+
 def median_after_first_token(whole: list[float], first: list[float]) -> float:
   """The median over repetitions of a generation's seconds after its first token: each
   whole run minus the run cut at one token from the same repetition (paired, so a slow
@@ -284,6 +346,18 @@ def machine_info(bandwidth: dict) -> dict:
 def machine_line(machine: dict) -> str:
   """The part of a figure title that says how far to trust its times."""
   return f"{machine['cpu_count']} CPUs, load {machine['load_average']:.1f}"
+
+
+def bars(ax, labels: list[str], series: dict[str, list[float]], ylabel: str) -> None:
+  """Grouped bars: one group per label, one bar per series; a line at 1 (greedy)."""
+  width = 0.8 / max(len(series), 1)
+  for i, (name, values) in enumerate(series.items()):
+    ax.bar(np.arange(len(labels)) + i * width, values, width, label=name)
+  ax.axhline(1.0, color="black", lw=0.8)
+  ax.set_xticks(np.arange(len(labels)) + width * (len(series) - 1) / 2, labels, rotation=30,
+                ha="right", fontsize=8)
+  ax.set_ylabel(ylabel)
+  ax.legend(fontsize=8)
 
 
 def save_figure(fig, path: pathlib.Path, title: str) -> None:
@@ -312,25 +386,34 @@ def write_results(results: dict, out_dir: str, stem: str, plot, table) -> None:
 
 
 SUMMED_STATS = ("target_passes", "draft_passes", "drafted_at", "accepted_at")  # counts
+# what a strategy drafting from several sources counts per source (`drafted_<source>`), summed too
+SOURCE_STATS = ("drafted_", "accepted_")
 
 RATE_STATS = ("mean_accepted_length", "acceptance_rate_at")
+# what `tree_budget="auto"` chose for a request (`out.stats`), kept per group
+CHOICE_STATS = ("tree_choice", "tree_budget", "tree_depth", "tree_top_k",
+                "expected_tokens_per_pass", "expected_speedup")
 
 
-def run_mdjax(model, groups: np.ndarray, new_tokens: int, strategy: str, **options) -> dict:
-  """One `generate` per group of `groups` [G, batch, L], in turn, then the same cut at
-  one token: the seconds of each (summed over the groups), the pass counts summed,
-  the rates (acceptance) their mean."""
+def run_mdjax(model, groups: np.ndarray, new_tokens: int, strategy: str, first_token: bool = True,
+              **options) -> dict:
+  """One `generate` per group of `groups` [G, batch, L], in turn, then (with `first_token`)
+  the same cut at one token: the seconds of each (summed over the groups; 0 for the cut
+  when not run), the pass counts summed (per-source counts too), the rates (acceptance)
+  their mean, and each group's `auto` choice (`CHOICE_STATS`, where the strategy made one)."""
   def generate(rows, tokens):
     return mdjax.generate(model, rows, strategy=strategy, max_new_tokens=tokens,
                           eos_token_id=[], **options)
   runs = [generate(rows, new_tokens) for rows in groups]
-  first = sum(generate(rows, 1).stats["wall_s"] for rows in groups)
-  stats = {k: np.sum([r.stats[k] for r in runs], axis=0).tolist()
-           for k in SUMMED_STATS if k in runs[0].stats}
+  first = sum(generate(rows, 1).stats["wall_s"] for rows in groups) if first_token else 0.0
+  summed = [k for k in runs[0].stats if k in SUMMED_STATS or k.startswith(SOURCE_STATS)]
+  stats = {k: np.sum([r.stats[k] for r in runs], axis=0).tolist() for k in summed}
   stats |= {k: np.mean([r.stats[k] for r in runs], axis=0).tolist()
             for k in RATE_STATS if k in runs[0].stats}
+  choices = [{k: r.stats[k] for k in CHOICE_STATS if k in r.stats} for r in runs]
   return dict(seconds=sum(r.stats["wall_s"] for r in runs), first_token_seconds=first,
-              stats=stats, sequences=[s for r in runs for s in r.sequences])
+              stats=stats, sequences=[s for r in runs for s in r.sequences],
+              choices=choices if any(choices) else [])
 
 
 def timed(contenders: dict, repeats: int, label: str) -> dict:

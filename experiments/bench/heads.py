@@ -51,7 +51,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import json
 import pathlib
 
 from absl import app, flags
@@ -59,15 +58,14 @@ import numpy as np
 
 import mdjax
 from experiments.cli import one_line_errors
-from experiments.bench.common import (LOOKUP, RATE_STATS, SUMMED_STATS, Tree, auto_choice,
-                                      divergence_gaps, head_strategy, machine_info, machine_line,
-                                      memory_bandwidth, plt, random_heads, random_ids, results_dir,
-                                      run_mdjax, save_figure, summarize, takes_tree_shape, timed,
-                                      tokens_per_pass, write_results)
+from experiments.bench.common import (LOOKUP, QUESTIONS, RATE_STATS, SUMMED_STATS, Prompt, Tree,
+                                      auto_choice, bars, divergence_gaps, groups_of, head_strategy,
+                                      machine_info, machine_line, memory_bandwidth, mismatch_line,
+                                      plt, random_heads, random_ids, read_questions, results_dir,
+                                      run_mdjax, save_figure, selected, summarize,
+                                      takes_tree_shape, timed, tokens_per_pass, write_results)
 from mdjax import chat
 from mdjax.errors import MdjaxError, check_count
-
-QUESTIONS = pathlib.Path(__file__).parent / "data" / "head_questions.jsonl"
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Model (name, directory, .gguf).")
 _MEDUSA = flags.DEFINE_string("medusa", "smollm2-135m-instruct-medusa",
@@ -135,49 +133,6 @@ class HeadLine:
     return runs
 
 
-@dataclasses.dataclass(frozen=True)
-class Prompt:
-  """A question's task kind and its chat-template token ids."""
-
-  kind: str
-  ids: list[int]
-
-
-def read_questions(path: str | pathlib.Path) -> list[tuple[str, str]]:
-  """(category, prompt) of every line of a JSON-lines file (blank lines skipped); a
-  line that is not an object with non-empty string "category" and "prompt" is an
-  `MdjaxError` naming the file and the line."""
-  questions = []
-  for number, line in enumerate(pathlib.Path(path).read_text().splitlines(), start=1):
-    if not line.strip():
-      continue
-    try:
-      entry = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise MdjaxError(f"{path} line {number}: not JSON ({e.msg})") from None
-    if not (isinstance(entry, dict) and all(isinstance(entry.get(key), str) and entry[key].strip()
-                                            for key in ("category", "prompt"))):
-      raise MdjaxError(f'{path} line {number}: expected {{"category": <text>, "prompt": <text>}}, '
-                       f"got {line.strip()[:80]!r}")
-    questions.append((entry["category"], entry["prompt"]))
-  if not questions:
-    raise MdjaxError(f"{path} holds no questions")
-  return questions
-
-
-def selected(questions: list[tuple[str, str]], kinds: int, per_kind: int) -> list[tuple[str, str]]:
-  """The first `per_kind` questions (0: all) of each of the first `kinds` kinds (0: all),
-  in file order."""
-  chosen = list(dict.fromkeys(kind for kind, _ in questions))[:kinds or None]
-  taken = dict.fromkeys(chosen, 0)
-  kept = []
-  for kind, text in questions:
-    if kind in taken and (not per_kind or taken[kind] < per_kind):
-      taken[kind] += 1
-      kept.append((kind, text))
-  return kept
-
-
 def load_line(family: str, heads_name: str, model: mdjax.Model,
               settings: Settings) -> HeadLine | None:
   """The head strategy of `family` on `heads_name`, or None (with a printed note) when
@@ -220,12 +175,6 @@ def setup(settings: Settings) -> tuple[mdjax.Model, list[HeadLine], list[Prompt]
   lines = [load_line(family, flag.value, model, settings) for family, flag in HEADS.items()]
   prompts = [Prompt(kind, chat.chat_ids(model, text)) for kind, text in questions]
   return model, [line for line in lines if line], prompts, dict(questions=_QUESTIONS.value)
-
-
-def groups_of(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
-  """The prompts in groups of `batch` rows (the last group filled from the start)."""
-  rows = prompts + prompts[:(-len(prompts)) % batch]
-  return [rows[i:i + batch] for i in range(0, len(rows), batch)]
 
 
 def slices(prompts: list[Prompt], batch: int) -> dict[str, list[list[list[int]]]]:
@@ -335,11 +284,7 @@ def mismatches(batches: dict) -> list[str]:
     for part, cells in {**cell.get("kinds", {}), "overall": cell["overall"]}.items():
       for name, c in cells.items():
         if not c["identical_to_greedy"]:
-          gaps = c.get("divergence_gaps")
-          where = (f", parted where greedy's top-2 logits were {max(gaps):.3g} apart at most"
-                   if gaps else "")
-          found.append(f"batch {batch}, {part}, {name}: {c['tokens']['matching_tokens']}/"
-                       f"{c['tokens']['total_tokens']} tokens equal greedy's{where}")
+          found.append(mismatch_line(f"batch {batch}, {part}, {name}", c))
   return found
 
 
@@ -402,18 +347,6 @@ def auto_line(batch: str, name: str, verdict: dict) -> str:
              f"{verdict['auto_over_best_fixed']:.0%} of it "
              f"[{'ok' if verdict['within_5pct_of_best_fixed'] else 'FAILS'} >= 95%]")
   return line
-
-
-def bars(ax, labels: list[str], series: dict[str, list[float]], ylabel: str) -> None:
-  """Grouped bars: one group per label, one bar per series; a line at 1 (greedy)."""
-  width = 0.8 / max(len(series), 1)
-  for i, (name, values) in enumerate(series.items()):
-    ax.bar(np.arange(len(labels)) + i * width, values, width, label=name)
-  ax.axhline(1.0, color="black", lw=0.8)
-  ax.set_xticks(np.arange(len(labels)) + width * (len(series) - 1) / 2, labels, rotation=30,
-                ha="right", fontsize=8)
-  ax.set_ylabel(ylabel)
-  ax.legend(fontsize=8)
 
 
 def plot_budgets(ax, results: dict) -> None:
