@@ -9,6 +9,7 @@ import concurrent.futures
 import dataclasses
 import importlib
 import math
+import os
 import pathlib
 import shutil
 import time
@@ -691,6 +692,19 @@ def load_real(name: str, cache, packages: str = ""):
     again = mdjax.load(name)
     cached_s = time.perf_counter() - start
     file = GGUF_MODELS[name].locate(pathlib.Path(cache) / packages)
+    # transformers parses the file's header again for its config, its weights and its
+    # tokenizer (9 CPU s each for gemma3's 262,144-token vocabulary): one parse serves
+    # the three (a `gguf.GGUFReader` only views the file); mdjax's own loads above parse
+    # theirs as a user's would
+    parsed, parse = {}, gguf.GGUFReader
+
+    def parsed_once(path):
+      key = os.path.realpath(path)
+      if key not in parsed:
+        parsed[key] = parse(path)
+      return parsed[key]
+
+    patch.setattr(gguf, "GGUFReader", parsed_once)
     oracle = transformers_gguf(file)
     tokenizer = transformers.AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
   print(f"{name}: first load {first_s:.1f} s, cached {cached_s:.1f} s")
