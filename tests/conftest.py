@@ -43,11 +43,13 @@ import mdjax  # noqa: E402
 REAL_MODEL_FIXTURES = {"smollm2", "gemma3_270m"}
 
 
-# The files that take longest (minutes each, `--durations` on 2 cores), longest first.
-# They start first, so that the two workers (`--dist loadfile`) end together rather than
-# one running the 8-device subprocess alone at the end.
-SLOW_FILES = ("test_bench_smoke.py", "test_cli_configs.py", "test_sharding.py",
-              "test_notebooks.py", "test_distributed.py", "test_gguf.py", "test_speculative.py",
+# The files that take longest (minutes each), longest first by the CPU seconds each
+# spends in one process (docs/testing.md). They start first, so that the two workers
+# (`--dist loadfile`) end together rather than one running the 8-device subprocess
+# alone at the end; the two multi-process files (three processes each, on heartbeat
+# timeouts) are four files apart, so that they do not run at the same time.
+SLOW_FILES = ("test_notebooks.py", "test_bench_smoke.py", "test_sharding.py",
+              "test_distributed.py", "test_gguf.py", "test_cli_configs.py", "test_speculative.py",
               "test_distributed_train.py")
 
 

@@ -4,6 +4,15 @@ text; the lossless ones reproduce greedy's tokens on the same model and prompt.
 The configs run in this process through `experiments.decode.decode` (what the CLI's
 `main` calls), sharing compiled programs; one run goes through the CLI itself and
 checks its output: the text, then one JSON summary line.
+
+The configs run here on models laid out for `layer_loop="scan"`, each model loaded once
+(`_scanned_models_loaded_once`): a real model's program then compiles one layer instead
+of 30, about 10 CPU s less each (docs/testing.md), and what these tests prove (a config
+runs end to end and prints its text; a lossless one gives greedy's tokens) does not
+depend on the layer loop, which tests/test_layer_loop.py proves gives the same tokens
+for every strategy. The CLI run keeps the default loop (unrolled on the CPU) and its
+own load, and is compared with the scanned greedy run: the two loops agree on SmolLM2's
+tokens too.
 """
 
 import importlib.util
@@ -14,6 +23,7 @@ import sys
 
 import pytest
 
+import mdjax
 from experiments import decode
 from mdjax.models.registry import GGUF_MODELS
 
@@ -32,6 +42,25 @@ def _config(name: str):
   config = module.get_config()
   config.max_new_tokens = NEW_TOKENS
   return config
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _scanned_models_loaded_once():
+  """Every model this module loads (`mdjax.load` without a `layer_loop`) is scanned, and
+  loaded once: ten configs name SmolLM2, whose load from the conversion cache costs ~5
+  CPU s and proves nothing new after the first (the CLI run loads it in its own process)."""
+  loaded, load = {}, mdjax.load
+
+  def load_once(path_or_name, **options):
+    key = (path_or_name, tuple(sorted(options.items())))
+    if key not in loaded:
+      loaded[key] = load(path_or_name, **options)
+    return loaded[key]
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(mdjax, "default_layer_loop", lambda: "scan")
+    patch.setattr(mdjax, "load", load_once)
+    yield
 
 
 @pytest.fixture(scope="module")
