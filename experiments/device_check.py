@@ -30,6 +30,12 @@ run stopped by a time limit keeps what it measured):
    shipped SmolLM2 heads of their family (heads, layers, draft vocabulary) and carrying
    their held-out acceptance profile, so `auto` sizes trees as it would for those heads;
    their drafts are rarely accepted, so the speeds measure a step's cost, not a speedup.
+   Beside them, at each batch, the mix (`strategy="mixed"`: prompt lookup and the
+   EAGLE-3-shaped heads in one tree, `tree_budget="auto"`) on copy-heavy prompts (a
+   random chunk repeated, where lookup is accepted), against greedy on the same
+   prompts: its tokens, per-source acceptance, and the step cost `auto` predicted
+   (expected tokens per pass over expected speedup, in target passes t(1)) against
+   the one measured (seconds per mix pass over greedy's seconds per token).
 
 The model: a random llama of `--preset` (`experiments.bench.device.PRESETS`; "1b" on GPU/TPU, "tiny"
 on CPU) in `--dtype` (bfloat16 on GPU/TPU), its context stretched to the longest of
@@ -79,6 +85,7 @@ from mdjax.topology import Topology
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SECTIONS = ("tests", "roofline", "pass_cost", "variants", "branches", "heads")
 COPY_REPEATS = 4  # the copy-heavy prompt: one random chunk this many times
+MIX_HEADS = "eagle3"  # the heads the heads section's mix drafts with beside prompt lookup
 
 FLAGS = flags.FLAGS
 FLAGS.set_default("out_dir", "docs/device")
@@ -368,12 +375,47 @@ def run_heads(settings: Settings, placed) -> dict:
         cell["choice"] = auto_choice(model, rows[0], head_strategy(family), n,
                                      heads=heads[family])
       cells[name] = cell
-    out[str(batch)] = dict(greedy_ms_per_token=greedy["seconds"] / n * 1e3, contenders=cells)
+    mixed = MIX_HEADS if MIX_HEADS in heads else next(iter(heads))
+    out[str(batch)] = dict(greedy_ms_per_token=greedy["seconds"] / n * 1e3, contenders=cells,
+                           mix=run_mix(model, heads[mixed], batch, settings, rng) | {
+                               "heads": mixed})
   return dict(new_tokens=n, prompt_len=settings.prompt_len,
               heads={family: dict(mimics=shipped[family][0], num_heads=h.config.num_heads,
                                   draft_vocab_size=h.config.draft_vocab_size,
                                   target_layers=list(h.config.target_layers))
                      for family, h in heads.items()}, batches=out)
+
+
+def copy_rows(rng: np.random.Generator, vocab: int, batch: int, length: int) -> np.ndarray:
+  """[1, batch, length] prompts that copy: per row, a random chunk `COPY_REPEATS` times."""
+  chunks = random_ids(rng, vocab, batch, length // COPY_REPEATS)  # [batch, length / repeats]
+  return np.tile(chunks, COPY_REPEATS)[None]
+
+
+def run_mix(model: mdjax.Model, heads: mdjax.Heads, batch: int, settings: Settings,
+            rng: np.random.Generator) -> dict:
+  """The mix (prompt lookup + `heads`, `tree_budget="auto"`) against greedy on copy-heavy
+  prompts: `summarize`'s cell, tokens per pass, tokens drafted and accepted per source,
+  auto's choice, and its predicted step cost beside the measured one (in t(1))."""
+  n = settings.head_new_tokens
+  rows = copy_rows(rng, model.config.vocab_size, batch, settings.prompt_len)
+  results = timed({"greedy": functools.partial(run_mdjax, model, rows, n, "greedy"),
+                   "mixed": functools.partial(run_mdjax, model, rows, n, "mixed", heads=heads,
+                                              **LOOKUP)},
+                  settings.repeats, f"mix batch {batch}")
+  mix, greedy = results["mixed"], results["greedy"]
+  cell = summarize(mix, greedy, n, 1)
+  cell["tokens_per_pass"] = tokens_per_pass(mix, n, 1)
+  cell["sources"] = {k: v for k, v in mix["stats"].items() if k.startswith(("drafted_",
+                                                                             "accepted_"))}
+  choice = mix["choices"][0] if mix["choices"] else {}
+  cell["choice"] = choice
+  if "expected_speedup" in choice:  # plain decoding chosen: predicted 1
+    passes = mix["stats"]["target_passes"] + 1  # the prefill counted as one
+    cell["step_cost"] = dict(
+        predicted=choice["expected_tokens_per_pass"] / choice["expected_speedup"],
+        measured=(mix["seconds"] / passes) / (greedy["seconds"] / n))
+  return cell
 
 
 # --- running, writing, drawing -----------------------------------------------------------
@@ -468,14 +510,15 @@ def plot_heads(ax, section) -> None:
   if panel_error(ax, section, "head strategies (random heads)"):
     return
   batches = list(section["batches"])
-  names = list(section["batches"][batches[0]]["contenders"])
+  names = list(section["batches"][batches[0]]["contenders"]) + ["mix@auto (copy)"]
   width = 0.8 / len(batches)
   for i, batch in enumerate(batches):
-    cells = section["batches"][batch]["contenders"]
+    cells = section["batches"][batch]["contenders"] | {
+        "mix@auto (copy)": section["batches"][batch]["mix"]}
     bars = ax.bar(np.arange(len(names)) + i * width,
                   [cells[n]["speedup_vs_greedy"] for n in names], width, label=f"batch {batch}")
     for bar, name in zip(bars, names):
-      bar.set_hatch("//" if name.endswith("@auto") else "")
+      bar.set_hatch("//" if "@auto" in name else "")
   ax.axhline(1, color="gray", lw=0.8)
   ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names, rotation=45, ha="right",
                 fontsize=7)

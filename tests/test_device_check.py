@@ -48,3 +48,11 @@ def test_device_check_quick(tmp_path):
       tokens = contender["tokens"]
       assert tokens["matching_tokens"] == tokens["total_tokens"] > 0, name  # float32 on CPU
       assert ("choice" in contender) == name.endswith("@auto"), name
+    mix = cell["mix"]  # lookup + EAGLE-3-shaped heads on prompts that copy
+    assert mix["heads"] == "eagle3" and mix["choice"]["tree_choice"] in ("mix", "plain")
+    assert mix["tokens"]["matching_tokens"] == mix["tokens"]["total_tokens"] > 0
+    assert mix["step_cost"]["predicted"] >= 1 and mix["step_cost"]["measured"] > 0
+    if mix["choice"]["tree_choice"] == "mix":  # a random target copies little: counts only
+      sources = mix["choice"]["sources"]
+      assert all(0 <= mix["sources"][f"accepted_{s}"] <= mix["sources"][f"drafted_{s}"]
+                 for s in sources), mix["sources"]

@@ -392,7 +392,7 @@ SOURCE_STATS = ("drafted_", "accepted_")
 RATE_STATS = ("mean_accepted_length", "acceptance_rate_at")
 # what `tree_budget="auto"` chose for a request (`out.stats`), kept per group
 CHOICE_STATS = ("tree_choice", "tree_budget", "tree_depth", "tree_top_k",
-                "expected_tokens_per_pass", "expected_speedup")
+                "expected_tokens_per_pass", "expected_speedup", "sources", "left_out")
 
 
 def run_mdjax(model, groups: np.ndarray, new_tokens: int, strategy: str, first_token: bool = True,
