@@ -1,6 +1,7 @@
 """EAGLE-3's head: the cached step against the cache-free training forward, and the
 training-time test's attention against drafting a chain over the cache."""
 
+import dataclasses
 import json
 
 import jax
@@ -13,8 +14,9 @@ import mdjax
 from mdjax.cache import KVCache
 from mdjax.errors import CheckpointError, MdjaxError
 from mdjax.heads import Heads, HeadsConfig, export_heads, formats, load_heads, store, vocab
-from mdjax.heads.eagle3 import (default_target_layers, eagle3_step, init_eagle3, layer_config,
-                                unrolled_logits)
+from mdjax.heads.eagle3 import (default_target_layers, eagle3_loss, eagle3_step, init_eagle3,
+                                layer_config, unrolled_logits)
+from mdjax.heads.objective import Objective
 from mdjax.models.model import Model
 from mdjax.models.transformer import forward_causal
 from mdjax.strategies.base import ModelFn
@@ -45,6 +47,44 @@ def cached_pass(model, params, cache, tokens, features, positions):
 
 def empty_cache(model, batch):
   return KVCache.create(layer_config(model.config), batch, 32)
+
+
+def test_soft_labels_are_the_targets_law_of_each_shifted_token(setup):
+  """Loss "kl" (SpecForge's soft labels): unrolled step j at index p learns the
+  target's law of x[p + 2 + j] over the draft vocabulary, softmax(teacher[p + 1 + j]
+  U_draft), where x[p + 2 + j] may be a target and its greedy guess has a draft column;
+  checked against an explicit loop over rows, indices and steps. Loss "ce" on the same
+  batch is the cross-entropy to those greedy guesses."""
+  model, params, tokens, _ = setup
+  c, n = model.config, T + 2
+  rng = np.random.default_rng(5)
+  draft_ids = jnp.asarray(vocab.choose(np.arange(c.vocab_size)[::-1], 40))
+  target = {"embed": model.params["embed"], "draft_ids": draft_ids}
+  target["draft_unembedding"] = vocab.unembedding_columns(target, draft_ids)
+  batch = {"tokens": rng.integers(0, c.vocab_size, (2, n)).astype(np.int32),
+           "ok": rng.random((2, n)) < 0.8,
+           "hidden": rng.normal(size=(2, n - 1, 3 * c.hidden_size)).astype(np.float32),
+           "greedy": rng.integers(0, c.vocab_size, (2, n - 1)).astype(np.int32),
+           "teacher": rng.normal(size=(2, n - 1, c.hidden_size)).astype(np.float32)}
+  objective = Objective(family="eagle3", model_config=c, depth=STEPS, num_layers=1,
+                        loss="kl", decay=0.8)
+  loss, _ = eagle3_loss(objective, params, batch, target, (1,))
+  logits = unrolled_logits(params, target, jnp.asarray(batch["tokens"][:, 1:-1]),
+                           jnp.asarray(batch["hidden"][:, :-1]), model_config=c, steps=STEPS)
+  column = {int(t): i for i, t in enumerate(np.asarray(draft_ids))}
+  law = np.asarray(jax.nn.log_softmax(batch["teacher"] @ np.asarray(
+      target["draft_unembedding"]), axis=-1))  # [2, n - 1, 40]
+  want = 0.0
+  for j, step_logits in enumerate(logits):
+    q = np.asarray(jax.nn.log_softmax(step_logits, axis=-1))  # [2, n - 2, 40]
+    terms = [np.sum(np.exp(law[b, p + 1 + j]) * (law[b, p + 1 + j] - q[b, p]))
+             for b in range(2) for p in range(n - 2)
+             if p + 1 + j < n - 1 and batch["ok"][b, p + 2 + j]
+             and int(batch["greedy"][b, p + 1 + j]) in column]
+    want += 0.8**j * np.mean(terms)
+  np.testing.assert_allclose(float(loss), want, rtol=1e-4)
+  ce, _ = eagle3_loss(dataclasses.replace(objective, loss="ce"), params, batch, target, (1,))
+  assert abs(float(ce) - want) > 0.1  # the two losses differ: the teacher was read
 
 
 def test_target_layers_follow_eagle3():

@@ -267,14 +267,18 @@ def test_eagle3_learns_the_cycle_over_a_draft_vocabulary_and_decodes_it(base, pr
                        tree_top_k=1, tree_budget=3, max_new_tokens=24, eos_token_id=[])
   assert out.sequences == greedy.sequences
   assert out.stats["accepted"] / out.stats["target_passes"] > 2.5
-  # continued (`init_from`) with a learning rate of 0: the same heads and vocabulary come out
+  # continued (`init_from`) with a learning rate of 0: the same heads and vocabulary come
+  # out; on the target's laws (soft labels, "kl"), whose final-norm states the cache keeps
   again = heads_lib.train(tiny_config(tmp_path / "again", prompts_file, family="eagle3",
                                       num_heads=1, eagle={"unroll": 3}, draft_vocab_size=20,
-                                      loss="ce", batch_size=4, steps=2, eval_every=2,
+                                      loss="kl", batch_size=4, steps=2, eval_every=2,
                                       init_from=str(run.export_dir), optim={"lr": 0.0}),
                           model=base, progress=False)
   continued = mdjax.load_heads(again.export_dir)
   jax.tree.map(np.testing.assert_array_equal, continued.params, heads.params)
+  assert again.data.train.teacher.shape == (*again.data.train.tokens.shape,
+                                            base.config.hidden_size)
+  assert min(again.heldout["heldout_top1"]) > 0.9
   with pytest.raises(mdjax.MdjaxError, match=re.escape("num_layers 1 (the run's: 2)")):
     heads_lib.train(tiny_config(tmp_path / "other", prompts_file, family="eagle3", num_heads=1,
                                 num_layers=2, draft_vocab_size=20, loss="ce",

@@ -52,7 +52,7 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from mdjax import programs
+from mdjax import losses, programs
 from mdjax.cache import KVCache
 from mdjax.heads import family, vocab
 from mdjax.heads.base import HeadsConfig
@@ -63,7 +63,7 @@ from mdjax.models.attention import masked_attention
 from mdjax.models.config import ModelConfig
 from mdjax.models.numerics import full_float32, linear
 from mdjax.models.random_init import init_params
-from mdjax.models.transformer import Params, decoder_layers, embed, forward, rms_norm
+from mdjax.models.transformer import Params, decoder_layers, embed, forward, lm_head, rms_norm
 from mdjax.topology import Topology
 
 FUSED_LAYERS = 3  # low, middle, high
@@ -232,31 +232,50 @@ def unrolled_logits(heads_params: Params, target_params: Params, tokens: Int[Arr
                                            model_config=model_config, steps=steps)
 
 
+def teacher_logits(batch: dict, target: Params, config: ModelConfig) -> Float[Array, "B T Vd"]:
+  """The target's logits of each next token over the heads' vocabulary, from the batch's
+  final-norm states (`batch["teacher"]` [B, T, D]), held fixed: lm_head's columns of
+  the draft vocabulary (`target["draft_unembedding"]`), else all of lm_head."""
+  hidden = jax.lax.stop_gradient(batch["teacher"].astype(jnp.float32))
+  if "draft_unembedding" in target:
+    return hidden @ target["draft_unembedding"].astype(jnp.float32)
+  return lm_head(target, hidden, config=config)
+
+
 def eagle3_loss(objective: Objective, params: Params, batch: dict, target: Params,
                 ks: tuple[int, ...]):
   """The training-time test over rows of n tokens (`unrolled_logits`, W = n - 2 indices
   p, each reading x[p + 1] and the target's layers at p): step j's cross-entropy to the
-  model's greedy guess of x[p + 2 + j] (`greedy[p + 1 + j]`), weighted decay^j, where
-  that token is in the draft vocabulary (`target["draft_ids"]`, when the heads have
-  one). Accuracies count every target, so a token outside it is a miss.
+  model's greedy guess of x[p + 2 + j] (`greedy[p + 1 + j]`; loss "ce" or "greedy"), or
+  its KL from the model's law of that token over the draft vocabulary,
+  softmax(lm_head(teacher[p + 1 + j])) restricted to it (loss "kl", SpecForge's soft
+  labels), weighted decay^j, where the greedy guess is in the draft vocabulary
+  (`target["draft_ids"]`, when the heads have one). Accuracies count every greedy
+  guess, so a token outside it is a miss.
 
       batch   tokens [B, n], ok [B, n], hidden [B, n - 1, 3D] (the target's layers),
-              greedy [B, n - 1]
-      target  the target's embedding (and draft_ids: the heads' draft vocabulary)
+              greedy [B, n - 1], teacher [B, n - 1, D] (the final-norm states: "kl")
+      target  the target's embedding (and draft_ids, draft_unembedding [D, Vd]: the
+              heads' draft vocabulary and its columns of the unembedding)
   """
   steps, config = objective.depth, objective.model_config
   tokens, layers = batch["tokens"][:, 1:-1], batch["hidden"][:, :-1].astype(jnp.float32)
   logits = unrolled_logits(params, target, tokens, layers, model_config=config, steps=steps)
   column = (vocab.column_of(target["draft_ids"], config.vocab_size) if "draft_ids" in target
             else jnp.arange(config.vocab_size, dtype=jnp.int32))
+  law = teacher_logits(batch, target, config) if objective.loss == "kl" else None  # [B, n-1, Vd]
   loss, hits, counts = 0.0, [], []
   for step, step_logits in enumerate(logits):  # [B, W, Vd]
-    pad = lambda x, value: jnp.pad(x[:, 1 + step:], ((0, 0), (0, step)), constant_values=value)
+    pad = lambda x, value: jnp.pad(x[:, 1 + step:], ((0, 0), (0, step)) + ((0, 0),) * (
+        x.ndim - 2), constant_values=value)
     wanted = column[pad(batch["greedy"], 0)]  # [B, W] the guess's column, or -1
     mask = pad(batch["ok"][:, 1:], False)  # [B, W] may x[p + 2 + step] be a target?
     inside = mask & (wanted >= 0)
     labels = jnp.maximum(wanted, 0)
-    token_loss = optax.softmax_cross_entropy_with_integer_labels(step_logits, labels)
+    if law is None:
+      token_loss = optax.softmax_cross_entropy_with_integer_labels(step_logits, labels)
+    else:
+      token_loss = losses.kl_to_teacher(step_logits, pad(law, 0.0), 1.0)
     loss += objective.decay**step * masked_mean(token_loss, inside)
     hits.append(top_k_hits(step_logits, labels, inside, ks))
     counts.append(jnp.sum(mask))

@@ -29,6 +29,8 @@ class Reader:
                                    prompt when `mask_prompt`, not padding)?
       hidden  [B, n - 1, D]        h[p], h[p + 1], ...
       greedy  int32 [B, n - 1]     the target's greedy guesses of x[p + 1], x[p + 2], ...
+      teacher [B, n - 1, D]        (where the split has them) the final-norm states at
+                                   p, p + 1, ...: lm_head of them, the target's law
   """
 
   def __init__(self, features: Features, window: int | None, mask_prompt: bool):
@@ -82,8 +84,11 @@ class Reader:
     if self.mask_prompt:
       ok &= index >= f.prompt_lengths[rows]
     index = np.minimum(index, f.tokens.shape[1] - 1)
-    return {"tokens": f.tokens[rows, index], "ok": ok, "hidden": f.hidden[rows, index[:, :-1]],
-            "greedy": f.greedy[rows, index[:, :-1]]}
+    batch = {"tokens": f.tokens[rows, index], "ok": ok, "hidden": f.hidden[rows, index[:, :-1]],
+             "greedy": f.greedy[rows, index[:, :-1]]}
+    if f.teacher is not None:
+      batch["teacher"] = f.teacher[rows, index[:, :-1]]
+    return batch
 
 
 def window_sources(features: Features, mask_prompt: bool) -> tuple[np.ndarray, np.ndarray]:

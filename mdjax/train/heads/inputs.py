@@ -4,6 +4,7 @@
       key.json                 everything that shapes the data; a rerun finds it and
       sequences.json           neither generates nor runs the target again
       features/{train,heldout}/   `features.Features`
+      features_teacher/...     the same with the final-norm states apart (`teacher`)
 
 Three sources (`config.data`): prompts (a file, or the built-in set of `mdjax.train.head_data.prompts`) the
 target answers (`mdjax.generate`, through its chat template), whose hidden states one
@@ -57,24 +58,27 @@ class RunData:
 
 def prepare_data(data: HeadsDataConfig, target: Model, run_dir: pathlib.Path, *, seed: int,
                  heldout_fraction: float, target_name: str, layers: tuple[int, ...] = (),
-                 progress: bool = True) -> RunData:
+                 teacher: bool = False, progress: bool = True) -> RunData:
   """The run's data from its cache, generating and computing what the cache lacks;
-  the features are the target's `layers` concatenated ((): its final-norm states).
-  `seed`, `heldout_fraction`: the split and the generation's; `target_name`: the
-  config's name of the target (a data set names the model that wrote it)."""
+  the features are the target's `layers` concatenated ((): its final-norm states), with
+  its final-norm states apart too where `teacher` (heads that read other layers and
+  learn the target's law). `seed`, `heldout_fraction`: the split and the generation's;
+  `target_name`: the config's name of the target (a data set names the model that
+  wrote it)."""
   if data.data_dir:
-    return data_set_features(data, target_name, target, run_dir, layers)
+    return data_set_features(data, target_name, target, run_dir, layers, teacher)
   source, rows = _source(data, target, seed, heldout_fraction)
   key = _cache_key(data, seed, target, rows, layers)
   cache_dir = run_dir / "cache" / hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
   sequences = _load_or_generate(data, seed, target, source, rows, cache_dir, key, progress)
-  features = cache_dir / "features"
+  features = cache_dir / ("features_teacher" if teacher else "features")
   if not features.is_dir():  # the same answer on every process: none writes before all ask
     main = distributed.is_main_process()
     with atomic_directory(features) if main else contextlib.nullcontext() as staging:
       for name in ("train", "heldout"):
         write_target_features(target, sequences[name], staging and staging / name,
-                              data.feature_dtype, data.feature_batch, progress, layers)
+                              data.feature_dtype, data.feature_batch, progress, layers,
+                              teacher)
   distributed.barrier("features")
   return RunData(train=Features.open(features / "train"),
                  heldout=Features.open(features / "heldout"),
@@ -83,11 +87,11 @@ def prepare_data(data: HeadsDataConfig, target: Model, run_dir: pathlib.Path, *,
 
 
 def data_set_features(data: HeadsDataConfig, model: str, target: Model, run_dir: pathlib.Path,
-                      layers: tuple[int, ...]) -> RunData:
+                      layers: tuple[int, ...], teacher: bool = False) -> RunData:
   """The run's data from `data.data_dir` (`mdjax.train.head_data.dataset`): its rows as the
   cache's `Features` (written once, by process 0), the features the stored states of
-  `layers` (or the final-norm ones), with the stored greedy guesses. `model`: the
-  config's name of the target."""
+  `layers` (or the final-norm ones), with the stored greedy guesses (and final-norm
+  states apart, where `teacher`). `model`: the config's name of the target."""
   data_set = HeadData(data.data_dir)
   if data_set.meta.get("model") not in (target.name, model):
     raise MdjaxError(f"the data set {data.data_dir!r} was written by the model "
@@ -100,13 +104,16 @@ def data_set_features(data: HeadsDataConfig, model: str, target: Model, run_dir:
   key = {"format": CACHE_FORMAT, "data_dir": str(pathlib.Path(data.data_dir).resolve()),
          "chunks": [c.name for c in data_set.chunks], "layers": list(layers),
          "feature_dtype": data.feature_dtype}
+  if teacher:
+    key["teacher"] = True
   cache_dir = run_dir / "cache" / hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
   features = cache_dir / "features"
   if not features.is_dir() and distributed.is_main_process():
     with atomic_directory(features) as staging:
       for name in ("train", "heldout"):
         write_stored_features(list(data_set.rows(name)), staging / name, data.feature_dtype,
-                              target.config.hidden_size, [stored.index(l) for l in layers])
+                              target.config.hidden_size, [stored.index(l) for l in layers],
+                              teacher)
     files.write_text(cache_dir / "key.json", json.dumps({"key": key}, indent=1) + "\n")
   distributed.barrier("features")
   heldout = [p["text"] for p in data_set.prompts if p["split"] == "heldout"]

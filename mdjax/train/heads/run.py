@@ -42,8 +42,10 @@ states, so that the target's own guess of x[p + 1] is lm_head(h[p])), each famil
                     heads' own features before p      x[p + 2] / lm_head(h[p + 1]) (weighted)
     mtp head k      reads h[0..p] (its attention)     as medusa head k
     eagle3          reads (x[p + 1], three of the     the model's greedy guesses of x[p + 2],
-                    target's layers at p), unrolled   x[p + 3], ... (the training-time test,
-                    on its own outputs                `mdjax.heads.eagle3`)
+                    target's layers at p), unrolled   x[p + 3], ... ("ce", "greedy"), or its
+                    on its own outputs                laws softmax(lm_head(h[p + 1])), ...
+                                                      over the draft vocabulary ("kl"; the
+                                                      training-time test, `mdjax.heads.eagle3`)
 
 A data set written by `experiments/make_head_data.py` (`config.data.data_dir`: the
 target's answers with their hidden states, `mdjax.train.head_data.dataset`) replaces the
@@ -202,7 +204,8 @@ def train(config: ml_collections.ConfigDict | HeadsTrainConfig, *, model: Model 
   continued = continued_heads(config, spec, family, target)
   run_data = prepare_data(config.data, target, run_dir, seed=config.seed,
                           heldout_fraction=config.heldout_fraction, target_name=config.model,
-                          layers=family.target_layers(spec), progress=progress)
+                          layers=family.target_layers(spec), progress=progress,
+                          teacher=config.loss == "kl" and bool(family.target_layers(spec)))
   if continued is not None and "draft_ids" in continued.params:
     draft_ids = np.asarray(continued.params["draft_ids"])  # the vocabulary they were trained on
   else:
