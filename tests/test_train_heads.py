@@ -279,6 +279,13 @@ def test_eagle3_learns_the_cycle_over_a_draft_vocabulary_and_decodes_it(base, pr
   assert again.data.train.teacher.shape == (*again.data.train.tokens.shape,
                                             base.config.hidden_size)
   assert min(again.heldout["heldout_top1"]) > 0.9
+  # its card's curve starts at the heads it continued (step 0) and ends at its own (lr 0)
+  records = {r["step"]: r for r in map(json.loads, (tmp_path / "again" / "metrics.jsonl")
+                                       .read_text().splitlines()) if "heldout_top1" in r}
+  assert sorted(records) == [0, 2]
+  np.testing.assert_allclose(records[0]["heldout_top1"], again.heldout["heldout_top1"])
+  assert "Held-out top-1 during training" in continued.card
+  assert "| 0 | 0 | " + " | ".join(f"{a:.3f}" for a in records[0]["heldout_top1"]) in continued.card
   with pytest.raises(mdjax.MdjaxError, match=re.escape("num_layers 1 (the run's: 2)")):
     heads_lib.train(tiny_config(tmp_path / "other", prompts_file, family="eagle3", num_heads=1,
                                 num_layers=2, draft_vocab_size=20, loss="ce",

@@ -26,8 +26,9 @@ HELDOUT_FILE = "heldout_prompts.json"
 
 def model_card(name: str, spec: HeadsConfig, family: HeadFamily, config: HeadsTrainConfig,
                run_data: RunData, heldout: dict, outcome: Outcome,
-               draft_ids: np.ndarray | None = None) -> str:
-  """README.md of an export: target model, data, training, held-out numbers, usage."""
+               draft_ids: np.ndarray | None = None, records: list[dict] = ()) -> str:
+  """README.md of an export: target model, data, training, held-out numbers (and their
+  curve over training, from the run's metric `records`), usage."""
   kind, label, strategy = family.describe(spec), family.step_label, family.strategy
   table = "\n".join(f"| {i + 1} | " + " | ".join(f"{a:.3f}" for a in (*acc[:5], acc[9])) + " |"
                     for i, acc in enumerate(heldout["heldout_topk"]))
@@ -57,6 +58,7 @@ held-out answers ({run_data.heldout.rows} rows), cumulative top-k:
 Simulated accepted length, 1 + sum_k prod_(i <= k) top-1_i:
 **{heldout["heldout_accepted_length"]:.3f}** tokens per base pass. Held-out loss
 {heldout["heldout_loss"]:.4f}.
+{_card_curve(records, label, config, run_data, family.window(spec.num_heads) is None)}
 
 ## Use
 
@@ -67,6 +69,33 @@ heads = mdjax.load_heads("path/to/{name}")
 out = mdjax.generate(model, prompts, strategy={strategy!r}, heads=heads)
 ```
 """
+
+
+def _card_curve(records: list[dict], label: str, config: HeadsTrainConfig,
+                run_data: RunData, whole_rows: bool) -> str:
+  """Held-out top-1 per drafted step (head) at every evaluation of the run, against the
+  training tokens seen by then (steps x units per step, a unit a position, or with
+  `whole_rows` a row of the training rows' mean answer tokens); step 0: the heads a
+  continued run (`init_from`) started from."""
+  evaluations = sorted({r["step"]: r for r in records if "heldout_top1" in r}.values(),
+                       key=lambda r: r["step"])
+  if len(evaluations) < 2:
+    return ""
+  train = run_data.train
+  per_unit = train.answer_tokens / max(train.rows, 1) if whole_rows else 1
+  depth = len(evaluations[-1]["heldout_top1"])
+  lines = [f"| step | answer tokens seen | " + " | ".join(f"{label} {k + 1}" for k in range(depth))
+           + " |", "|---|---|" + "---|" * depth]
+  for r in evaluations:
+    seen = r["step"] * config.batch_size * per_unit
+    lines.append(f"| {r['step']} | {seen:,.0f} | " + " | ".join(
+        f"{a:.3f}" for a in r["heldout_top1"]) + " |")
+  start = f" (step 0: the heads it continued, `{config.init_from}`)" if config.init_from else ""
+  return ("\n## Held-out top-1 during training\n\nAt each evaluation of this run" + start +
+          ", each " + label + "'s held-out top-1, against the answer tokens trained on by "
+          "then (steps x units per step" + (" x the mean answer tokens of a training row"
+                                            if whole_rows else "") +
+          "; every token trains every " + label + "):\n\n" + "\n".join(lines) + "\n")
 
 
 def _card_vocabulary(spec: HeadsConfig, run_data: RunData, draft_ids: np.ndarray | None) -> str:
@@ -109,7 +138,9 @@ def _card_training(config: HeadsTrainConfig, whole_rows: bool, outcome: Outcome)
   unit = "rows" if whole_rows else "positions"
   unrolled = f", unrolled {config.eagle.unroll} steps" if config.eagle.unroll > 1 else ""
   stopped = " (stopped by the time budget)" if outcome.stopped_early else ""
-  return "\n".join([
+  continued = ([f"- continued from the heads `{config.init_from}` (their weights and draft "
+                "vocabulary; a fresh optimizer)"] if config.init_from else [])
+  return "\n".join(continued + [
       f"- {outcome.step} steps{stopped} of "
       f"{config.batch_size} {unit}; AdamW, lr {config.optim.lr} (warmup "
       f"{config.optim.warmup_steps}, cosine); loss `{config.loss}`, weights "
@@ -120,13 +151,14 @@ def _card_training(config: HeadsTrainConfig, whole_rows: bool, outcome: Outcome)
 
 def export(heads: Heads, directory: pathlib.Path, *, family: HeadFamily,
            config: HeadsTrainConfig, run_data: RunData, heldout: dict,
-           outcome: Outcome) -> Heads:
+           outcome: Outcome, records: list[dict] = ()) -> Heads:
   """Writes the heads with their held-out accuracies (`HeadsConfig.top_accuracy`), the
-  model card and `heldout_prompts.json` into `directory`, replaced atomically (process 0
-  writes; every process returns the heads once they are written)."""
+  model card (with the held-out curve of the run's metric `records`) and
+  `heldout_prompts.json` into `directory`, replaced atomically (process 0 writes; every
+  process returns the heads once they are written)."""
   spec = dataclasses.replace(heads.config, top_accuracy=heldout["heldout_topk"])
   card = model_card(directory.name, spec, family, config, run_data, heldout, outcome,
-                    heads.params.get("draft_ids"))
+                    heads.params.get("draft_ids"), records)
   heads = Heads(config=spec, params=heads.params, card=card, name=str(directory))
   if distributed.is_main_process():
     with atomic_directory(directory) as staging:

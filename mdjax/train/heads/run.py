@@ -235,17 +235,20 @@ def train(config: ml_collections.ConfigDict | HeadsTrainConfig, *, model: Model 
                              loss_label="loss", accuracy_title="held-out",
                              accuracy_label="accuracy vs the model's greedy token"),
       fields=accuracies, summed=("loss", "hits", "count"))
+  if continued is not None:  # where continued heads start: the held-out curve's first point
+    with sharding.active(layout):
+      heldout_record(log, 0, trained_params(continued), evaluation)
   outcome = loop.run(config, hooks, state, start=start, end=config.steps, manager=manager,
                      log=log, layout=layout, name=run_dir.name, progress=progress,
                      max_minutes=config.max_minutes, session_start=session_start)
   with sharding.active(layout):
-    heldout = _final_evaluation(log, outcome.step, outcome.state["params"], evaluation)
+    heldout = heldout_record(log, outcome.step, outcome.state["params"], evaluation)
   directory = pathlib.Path(config.export_dir or run_dir / "export")
   params = outcome.state["params"]
   if draft_ids is not None:
     params = {**params, "draft_ids": jnp.asarray(draft_ids)}
   heads = export(Heads(config=spec, params=params), directory, family=family, config=config,
-                 run_data=run_data, heldout=heldout, outcome=outcome)
+                 run_data=run_data, heldout=heldout, outcome=outcome, records=log.records())
   return Run(heads=heads, step=outcome.step, heldout=heldout, export_dir=directory,
              data=run_data, stopped_early=outcome.stopped_early,
              train_seconds=outcome.train_seconds)
@@ -259,7 +262,7 @@ def _restore(seed: int, spec: HeadsConfig, family: HeadFamily, target: Model,
   seeded ones, and a fresh optimizer state. The params trained are the heads' floats: a
   draft vocabulary (`draft_ids`) stays out."""
   if continued is not None:
-    params = {name: value for name, value in continued.params.items() if name != "draft_ids"}
+    params = trained_params(continued)
   else:
     ids = np.arange(target.config.vocab_size) if draft_ids is None else draft_ids
     params = family.restrict(init_heads(spec, target.config, seed=seed).params, ids,
@@ -312,9 +315,14 @@ def on_mesh(model: Model, mesh) -> Model:
   return model
 
 
-def _final_evaluation(log: MetricsLog, step: int, params: Params, evaluation) -> dict:
+def trained_params(heads: Heads) -> Params:
+  """What a run trains of `heads`: their floats, the draft vocabulary (`draft_ids`) out."""
+  return {name: value for name, value in heads.params.items() if name != "draft_ids"}
+
+
+def heldout_record(log: MetricsLog, step: int, params: Params, evaluation) -> dict:
   """The held-out record at `step`: logged already (by `loop.run`, or by an earlier
-  session of a finished run), else measured now and logged."""
+  session of the run), else measured now and logged."""
   for record in log.records():
     if record["step"] == step and "heldout_topk" in record:
       return record
