@@ -109,15 +109,6 @@ def write_layer(cache: KVCache, layer: int, slot: Int[Array, "B T"], k: Float[Ar
                        v=cache.v.at[layer, rows, slot].set(v.astype(cache.v.dtype), mode="drop"))
 
 
-def write_layers(cache: KVCache, slot: Int[Array, "B T"], k: Float[Array, "L B T K H"],
-                 v: Float[Array, "L B T K H"]) -> KVCache:
-  """Writes every layer's new K/V at once into the slots `claim_slots` gave (a pass whose
-  layers attended to the new tokens beside the cache, not in it)."""
-  rows = jnp.arange(slot.shape[0])[:, None]  # [B, 1]
-  return cache.replace(k=cache.k.at[:, rows, slot].set(k.astype(cache.k.dtype), mode="drop"),
-                       v=cache.v.at[:, rows, slot].set(v.astype(cache.v.dtype), mode="drop"))
-
-
 @programs.jit
 def rollback(cache: KVCache, length: Int[Array, "B"]) -> KVCache:
   """Forgets every slot at or after `length` (e.g. rejected draft tokens)."""

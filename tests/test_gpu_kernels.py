@@ -28,41 +28,43 @@ KERNELS_PER_LAYER = 11.3  # today: 11.25 at batch 1, 10.9 at batch 8 (10 in each
 #                           15-20 per pass: masks, RoPE angles, the cache writes, the head)
 
 
-def _pass(rng, dtype, *, batch=2, slots=256, kv_heads=2, group=4, head_dim=64, tokens=3):
+def _pass(rng, dtype, *, batch=2, slots=256, kv_heads=2, group=4, head_dim=64, tokens=3,
+          parts=4):
   """A cache with rows of 100 and 200 tokens of segment 0, and a pass of `tokens`
-  tokens after them (the last token of row 1: padding)."""
+  tokens after them (the last token of row 1: padding), its q|k|v product in `parts`:
+  the kernel's arguments before the layer."""
   shape = (3, batch, slots, kv_heads, head_dim)
   cache_k, cache_v = (jnp.asarray(rng.normal(size=shape), dtype) for _ in "kv")
-  qkv = jnp.asarray(rng.normal(size=(batch, tokens, kv_heads * (group + 2), head_dim)), dtype)
+  qkv = jnp.asarray(rng.normal(size=(parts, batch * tokens, kv_heads * (group + 2), head_dim),
+                               scale=parts**-0.5), jnp.float32)  # their sum: ~N(0, 1)
   length = jnp.array([100, 200], jnp.int32)
   seg = jnp.where(jnp.arange(slots) < length[:, None], 0, -1).astype(jnp.int32)  # [B, S]
   pos = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (batch, slots))
   positions = length[:, None] + jnp.arange(tokens, dtype=jnp.int32)  # [B, T]
   segments = jnp.zeros((batch, tokens), jnp.int32).at[1, -1].set(-1)
   written = jnp.where(segments >= 0, positions, slots)  # [B, T]: slot of each token
-  rows = jnp.arange(batch)[:, None]
-  masks = decode_attention.pass_masks(
-      visibility_limits(Topology.causal(batch)), positions, segments, written,
-      seg.at[rows, written].set(segments, mode="drop"),
-      pos.at[rows, written].set(positions, mode="drop"), length, window=None)
-  angles = positions[..., None] * jnp.linspace(0.01, 1.0, head_dim // 2)  # [B, T, H/2]
-  return qkv, jnp.cos(angles), jnp.sin(angles), cache_k, cache_v, masks
+  mask = decode_attention.pass_mask(visibility_limits(Topology.causal(batch)), positions,
+                                    segments, written, seg, pos, window=None)
+  freqs = np.linspace(0.01, 1.0, head_dim // 2, dtype=np.float32)[None]  # [1, H/2]
+  return qkv, positions, freqs, written, length, mask, cache_k, cache_v
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
 @pytest.mark.parametrize("norm", [False, True])
 def test_the_kernel_gives_its_reference(dtype, tolerance, norm):
-  """Attention out, new keys and values; with `norm`, the projections scaled by the
-  norm of residual rows the kernel reads itself."""
+  """Attention out and the cache with the new keys and values written; with `norm`, the
+  projections scaled by the norm of residual rows the kernel reads itself."""
   rng = np.random.default_rng(0)
-  qkv, cos, sin, cache_k, cache_v, masks = _pass(rng, dtype)
-  rows = jnp.asarray(rng.normal(size=(*qkv.shape[:2], 96)), dtype) if norm else None
-  args = (qkv, rows, cos, sin, cache_k, cache_v, 1, masks)
+  qkv, positions, freqs, slot, length, mask, cache_k, cache_v = _pass(rng, dtype)
+  rows = jnp.asarray(rng.normal(size=(*positions.shape, 96)), dtype) if norm else None
+  args = (qkv, rows, positions, freqs, slot, length, 1, mask, cache_k, cache_v)
   got = decode_attention.decode_attention(*args, scale=0.125, eps=1e-6, interpret=True)
   expected = decode_attention.reference(*args, scale=0.125, eps=1e-6)
   for a, b in zip(got, expected):  # bfloat16: the kernel weighs the values in bfloat16,
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                atol=tolerance)  # the reference in float32
+  changed = np.asarray(expected[1] != cache_k).any(axis=(0, 3, 4))  # [B, S]: slots written
+  assert changed.sum() == 5 and changed[0, 100:103].all() and changed[1, 200:202].all()
 
 
 @pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
