@@ -79,9 +79,9 @@ def pass_mask(limit: Int[Array, "B G G"], positions: Int[Array, "B T"],
               segments: Int[Array, "B T"], slots: Int[Array, "B T"], seg: Int[Array, "B S"],
               pos: Int[Array, "B S"], *, window: int | None) -> Int[Array, "B T S+P"]:
   """What each of a pass's T tokens (`positions`, `segments`, going to `slots`: past the
-  end, dropped) sees: int8 `[B, T, S + P]`, the cache's S slots (`seg`, `pos`: before the
-  pass; the slots it writes, never), then the P new tokens (p < T; padding sees nothing).
-  The same for every layer of a pass (one per sliding window)."""
+  end, dropped) sees: int8 `[B, T, S + P]`, the cache's S slots (`seg`, `pos`, with this
+  pass's slots claimed; those, never), then the P new tokens (p < T; padding sees
+  nothing). The same for every layer of a pass (one per sliding window)."""
   t = segments.shape[1]
   num_slots = seg.shape[1]
   written = (slots[:, :, None] == jnp.arange(num_slots)).any(1)  # [B, S]
@@ -213,8 +213,8 @@ def decode_attention(qkv: Float[Array, "Q M N+2K H"], rows: Float[Array, "B T D"
   before RoPE; with `eps`, also before the RMSNorm's row scale, which the kernel takes
   from the residual `rows` (`mdjax.models.transformer._normed`). RoPE's angles are
   `positions` times `freqs[layer % F]` (F tables: one per layer of a period, as
-  `mdjax.models.transformer.layer_period`); `length`: the rows' lengths before the pass;
-  `mask`: `pass_mask`."""
+  `mdjax.models.transformer.layer_period`); `length`: the rows' lengths (the walk's end:
+  before the pass or after it, as the slots it writes are masked); `mask`: `pass_mask`."""
   b, t = positions.shape
   num_kv, h = cache_k.shape[3], cache_k.shape[4]
   num_q = qkv.shape[2] - 2 * num_kv

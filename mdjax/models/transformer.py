@@ -351,14 +351,13 @@ def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"] | None,
   out in one region per branch and every query sees only the shared part and its own.
   """
   attention_impl = attention_fn(attention, cache.num_slots, block_size, regions)
-  before = cache
   cache, slot = cache_ops.claim_slots(cache, positions, segments, slots)
   meta = dict(positions=positions, segments=segments, slots=slot,
               limit=visibility_limits(topology))
   x = embed(config, params, tokens) if inputs is None else inputs
   if attention == "fused" and regions is None and decode_attention.applies(config, cache,
                                                                            x.shape[1]):
-    hidden, aux, cache = _layers_beside_cache(config, params, x, cache, before, meta, aux_layers)
+    hidden, aux, cache = _layers_beside_cache(config, params, x, cache, meta, aux_layers)
     return (hidden, cache) if aux is None else (hidden, cache, aux)
 
   def attend(q, k, v, index, spec, cache):
@@ -372,13 +371,13 @@ def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"] | None,
 
 
 def _layers_beside_cache(config: ModelConfig, params: Params, x: Float[Array, "B T D"],
-                         cache: KVCache, before: KVCache, meta: dict,
-                         aux_layers: tuple[int, ...]):
+                         cache: KVCache, meta: dict, aux_layers: tuple[int, ...]):
   """The decoder layers of a few-token pass on a GPU (`mdjax.models.decode_attention`):
   each layer's attention, RoPE, the norm's row scale and the sum of the q|k|v product's
-  parts included, is one kernel over the cache as it was `before` the pass (`cache`:
-  with this pass's slots claimed) and the new tokens beside it, which writes their K/V
-  into the layer's slots in place. The mask is computed once per pass::
+  parts included, is one kernel over the cache as it was before the pass (`cache`,
+  with this pass's slots claimed: their K/V not written yet) and the new tokens beside
+  it, which writes their K/V into the layer's slots in place. The mask is computed once
+  per pass::
 
       before        mask (one per sliding window)
       layer 0..L-1  out, cache.k, cache.v = attention(q|k|v parts of the layer, cache)
@@ -386,14 +385,14 @@ def _layers_beside_cache(config: ModelConfig, params: Params, x: Float[Array, "B
   num_layers = count_layers(params)
   positions = meta["positions"]
   masks = {window: decode_attention.pass_mask(
-      meta["limit"], positions, meta["segments"], meta["slots"], before.seg, before.pos,
+      meta["limit"], positions, meta["segments"], meta["slots"], cache.seg, cache.pos,
       window=window) for window in {config.layer_window(i) for i in range(num_layers)}}
   period = layer_period(config, num_layers)
   freqs = np.stack([config.inv_freq(i) for i in range(period)])  # [P, H/2]
 
   def attend(qkv, index, spec, kv, norm_input=None):  # qkv: [Q, M, N + 2K, H], before RoPE
     out, *kv = decode_attention.attention(
-        qkv, norm_input, positions, freqs, meta["slots"], before.length, index,
+        qkv, norm_input, positions, freqs, meta["slots"], cache.length, index,
         masks[spec.sliding_window], *kv, scale=spec.scale, eps=config.rms_norm_eps)
     return out, tuple(kv)
 
