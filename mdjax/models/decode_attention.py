@@ -46,8 +46,9 @@ from mdjax.topology import visible
 MAX_TOKENS = 16  # tokens per pass up to which `decode_attention` replaces the fused product
 BLOCK = 128  # cache slots per step of the kernel's walk
 TILE = 16  # the smallest side of a Triton product
-PARTS = 4  # the q|k|v product's parts: XLA:GPU splits q|k|v-shaped products (F > D) of 2 to
-#            128 rows in 4 (compiled for an H200, Llama-3.2-1B's and 4k-8k widths)
+PARTS = 4  # the q|k|v product's parts: compiled for an H200, XLA:GPU splits q|k|v-shaped
+#            products (F > D) in K in 4, at widths 576 to 4,096 and 8 to 128 rows (from 2,048
+#            wide, 2 rows too)
 
 
 def fits(tokens: int, num_slots: int, head_dim: int) -> bool:
