@@ -31,6 +31,8 @@ from mdjax import platform, programs
 from mdjax.models.config import ModelConfig
 from mdjax.sharding import constrain_cache
 
+FEW_TOKENS = 16  # tokens per pass up to which a GPU claims slots by selects (`_set_few`)
+
 
 class CacheRegions(NamedTuple):
   """A cache laid out as `shared` slots every branch sees, then one region of `size`
@@ -85,8 +87,9 @@ def claim_slots(cache: KVCache, positions: Int[Array, "B T"], segments: Int[Arra
 
   Records their positions and segments and moves `length` past the last slot taken;
   returns the slot of every token (past the end for padding, which takes no slot).
-  Their K/V are written layer by layer with `write_layer`. Tokens that would
-  overflow the row are dropped, so callers size the cache (`mdjax.generate` does).
+  Their K/V are written layer by layer (`write_layer`, or the GPU's attention kernel:
+  `mdjax.models.decode_attention`). Tokens that would overflow the row are dropped, so
+  callers size the cache (`mdjax.generate` does).
   """
   valid = segments >= 0  # [B, T]
   if slots is None:
@@ -94,11 +97,29 @@ def claim_slots(cache: KVCache, positions: Int[Array, "B T"], segments: Int[Arra
   slot = jnp.where(valid, slots, cache.num_slots)  # [B, T]
   rows = jnp.arange(slot.shape[0])[:, None]  # [B, 1]
   end = jnp.where(valid, slot + 1, 0).max(axis=1, initial=0)  # [B]
+  if platform.current() == "gpu" and slot.shape[1] <= FEW_TOKENS:
+    pos, seg = _set_few(cache.pos, slot, positions), _set_few(cache.seg, slot, segments)
+  else:
+    pos = cache.pos.at[rows, slot].set(positions, mode="drop")
+    seg = cache.seg.at[rows, slot].set(segments, mode="drop")
   claimed = cache.replace(
-      pos=cache.pos.at[rows, slot].set(positions, mode="drop"),
-      seg=cache.seg.at[rows, slot].set(segments, mode="drop"),
+      pos=pos, seg=seg,
       length=jnp.minimum(jnp.maximum(cache.length, end), cache.num_slots))
   return claimed, slot
+
+
+def _set_few(row: Int[Array, "B S"], slot: Int[Array, "B T"],
+             values: Int[Array, "B T"]) -> Int[Array, "B S"]:
+  """`row.at[rows, slot].set(values, mode="drop")` for a few tokens, as T selects over
+  the whole row (negative slots counted from the end, as jnp's indexing reads them):
+  XLA:GPU runs the scatter of one token as a bounds check, then a read and an update
+  per array; the selects of both arrays, one or two kernels."""
+  num_slots = row.shape[1]
+  every = jnp.arange(num_slots)[None, :]  # [1, S]
+  slot = jnp.where(slot < 0, slot + num_slots, slot)  # [B, T]
+  for t in range(slot.shape[1]):
+    row = jnp.where(every == slot[:, t:t + 1], values[:, t:t + 1], row)  # [B, S]
+  return row
 
 
 def write_layer(cache: KVCache, layer: int, slot: Int[Array, "B T"], k: Float[Array, "B T K H"],
@@ -107,15 +128,6 @@ def write_layer(cache: KVCache, layer: int, slot: Int[Array, "B T"], k: Float[Ar
   rows = jnp.arange(slot.shape[0])[:, None]  # [B, 1]
   return cache.replace(k=cache.k.at[layer, rows, slot].set(k.astype(cache.k.dtype), mode="drop"),
                        v=cache.v.at[layer, rows, slot].set(v.astype(cache.v.dtype), mode="drop"))
-
-
-def write_layers(cache: KVCache, slot: Int[Array, "B T"], k: Float[Array, "L B T K H"],
-                 v: Float[Array, "L B T K H"]) -> KVCache:
-  """Writes every layer's new K/V at once into the slots `claim_slots` gave (a pass whose
-  layers attended to the new tokens beside the cache, not in it)."""
-  rows = jnp.arange(slot.shape[0])[:, None]  # [B, 1]
-  return cache.replace(k=cache.k.at[:, rows, slot].set(k.astype(cache.k.dtype), mode="drop"),
-                       v=cache.v.at[:, rows, slot].set(v.astype(cache.v.dtype), mode="drop"))
 
 
 @programs.jit

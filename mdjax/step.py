@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from mdjax import programs
+from mdjax import platform, programs
 from mdjax.cache import CacheRegions, KVCache
 from mdjax.models.attention import ATTENTION_BLOCK
 from mdjax.models.config import ModelConfig
@@ -52,6 +53,8 @@ def decode_step(params: Params, cache: KVCache, tokens: Int[Array, "B T"],
   hidden, cache, *aux = forward(params, cache, tokens, positions, segments, topology,
                                 config=config, attention=attention, block_size=block_size,
                                 slots=slots, regions=regions, aux_layers=aux_layers)
+  if platform.current() == "gpu":  # the head reads the hidden states returned: XLA:GPU
+    hidden = jax.lax.optimization_barrier(hidden)  # would compute the final norm twice
   picked = hidden if logits_at is None else jnp.take_along_axis(
       hidden, logits_at[..., None], axis=1)  # [B, R, D]
   return (lm_head(params, picked, config=config), hidden, cache, *aux)

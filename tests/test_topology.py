@@ -11,11 +11,13 @@ path over a cache laid out in one region per branch.
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from mdjax import cache as cache_ops
+from mdjax import platform
 from mdjax.cache import CacheRegions, KVCache
 from mdjax.models.config import ModelConfig
 from mdjax.models.random_init import init_params
@@ -307,3 +309,18 @@ def test_padding_tokens_take_no_slot_and_see_nothing():
   assert int(cache.length[0]) == 4
   np.testing.assert_allclose(logits[0, 1], alone(params, CONFIG, [1, 2, 3, 4])[-1], atol=ATOL)
   assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_a_gpu_claims_a_few_slots_as_the_cpu_does():
+  """Built for a GPU, `claim_slots` of a few tokens writes pos and seg by selects, not
+  a scatter: the same cache, the default slots (with padding) and slots given (one
+  negative, one past the end) alike."""
+  cache = KVCache.create(CONFIG, 2, 8).replace(length=jnp.array([3, 8], jnp.int32))
+  positions = jnp.array([[3, 4, 5], [8, 9, 10]], jnp.int32)
+  segments = jnp.array([[0, -1, 1], [0, 0, 0]], jnp.int32)
+  for slots in (None, jnp.array([[1, 2, -1], [7, 8, 0]], jnp.int32)):
+    expected = cache_ops.claim_slots(cache, positions, segments, slots)
+    with platform.building_for("gpu"):
+      got = cache_ops.claim_slots(cache, positions, segments, slots)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+      np.testing.assert_array_equal(a, b)

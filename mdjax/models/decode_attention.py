@@ -3,31 +3,33 @@ lowered to Triton), for passes of at most `MAX_TOKENS` tokens (a decoded token, 
 draft chain, a small tree) under the "fused" attention on a GPU: what a layer does
 between its q|k|v product and its output product is this one kernel.
 
-The cache is read as it was before the pass, and only up to each row's length; the T
-new tokens' K/V come in beside it (from the product, RoPE and the attention norm's
-row scale applied in the kernel) and go out for `mdjax.cache.write_layers`, which
-writes every layer's at once after the last layer::
+The kernel takes the q|k|v product as its partial sums over slices of D (`parts`,
+`mdjax.models.numerics.linear_parts`: what XLA:GPU's split-K product writes) and adds
+them itself, applies the attention norm's row scale and RoPE (angles from the tokens'
+positions), reads the cache as it was before the pass, and only up to each row's
+length, with the T new tokens beside it, and writes the new tokens' K/V into their
+slots of this layer in place (the cache arrays are its outputs, aliased)::
 
     program (row b, kv head k, new token t):
       q   [Rt, H]   t's R query heads of kv head k (rows past R masked), scaled, RoPE'd
       walk          cache blocks of `BLOCK` slots of layer l, 0 .. length[b]
-                    (masks.cache [b, t, block]: what the topology lets t see)
-      then          the T new keys of head k [P, H] (masks.new [b, t, :])
+                    (mask [b, t, block]: what the topology lets t see)
+      then          the T new keys of head k [P, H] (mask [b, t, S:])
       out           online softmax, [Rt, H] -> out[b, t, k R .. k R + R]
-    programs of t = 0: the T new keys and values of head k -> k_out, v_out [b, :, k]
+      write         t's key and value of head k -> cache k, v [l, b, slot[b, t], k]
 
-The masks (`PassMasks`) are computed once per pass; slots the pass writes are
-invisible in the cache part (the new tokens' block shows what lands there). Queries
-that see nothing give 0. Off a GPU, `reference` computes the same with jnp.
+The mask (`pass_mask`) is computed once per pass; slots the pass writes are invisible
+in the cache part (the new tokens' part shows what lands there), so a program that
+reads a slot another program writes ignores it. Queries that see nothing give 0. Off a
+GPU, `reference` computes the same with jnp.
 
 Einsum letters as in `mdjax.models.attention`: B batch, T new tokens (P: padded to a
 Triton tile), S slots, K kv heads, R query heads per kv head (N = K R; Rt: R padded),
-H head dim, L layers, D model width.
+H head dim, L layers, D model width, Q the product's parts, M its rows.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -38,27 +40,15 @@ from jaxtyping import Array, Float, Int
 
 from mdjax import platform
 from mdjax.models.attention import masked_attention
+from mdjax.models.rope import apply_rope
 from mdjax.topology import visible
 
 MAX_TOKENS = 16  # tokens per pass up to which `decode_attention` replaces the fused product
 BLOCK = 128  # cache slots per step of the kernel's walk
 TILE = 16  # the smallest side of a Triton product
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PassMasks:
-  """What every layer's kernel reads besides its projections: the same for all layers
-  of a pass (one per sliding window).
-
-  cache: int8[B, T, S]  token t sees cache slot s (the slots this pass writes: never)
-  new:   int8[B, T, P]  token t sees new token p (p < T; padding sees nothing)
-  blocks: int32[B]      cache blocks of `BLOCK` slots the row's walk visits
-  """
-
-  cache: Int[Array, "B T S"]
-  new: Int[Array, "B T P"]
-  blocks: Int[Array, "B"]
+PARTS = 4  # the q|k|v product's parts: compiled for an H200, XLA:GPU splits q|k|v-shaped
+#            products (F > D) in K in 4, at widths 576 to 4,096 and 8 to 128 rows (from 2,048
+#            wide, 2 rows too)
 
 
 def fits(tokens: int, num_slots: int, head_dim: int) -> bool:
@@ -69,28 +59,38 @@ def fits(tokens: int, num_slots: int, head_dim: int) -> bool:
           and head_dim >= 2 * TILE and head_dim & (head_dim - 1) == 0)
 
 
+def parts(width: int) -> int:
+  """How many parts (`PARTS`, or 1) the q|k|v product of a model `width` wide comes in."""
+  return PARTS if width % (PARTS * TILE) == 0 else 1
+
+
+def parts_of(q: Float[Array, "B T N H"], k: Float[Array, "B T K H"],
+             v: Float[Array, "B T K H"]) -> Float[Array, "1 M N+2K H"]:
+  """Projections computed apart, as the kernel takes a q|k|v product: one part, M = B T."""
+  qkv = jnp.concatenate([q, k, v], axis=2)  # [B, T, N + 2K, H]
+  return qkv.reshape(1, -1, *qkv.shape[2:])
+
+
 def _tile(n: int) -> int:
   """`n` rounded up to a power of two of at least `TILE`."""
   return max(TILE, 1 << (n - 1).bit_length())
 
 
-def pass_masks(limit: Int[Array, "B G G"], positions: Int[Array, "B T"],
-               segments: Int[Array, "B T"], slots: Int[Array, "B T"], seg: Int[Array, "B S"],
-               pos: Int[Array, "B S"], length: Int[Array, "B"], *,
-               window: int | None) -> PassMasks:
-  """The masks of a pass whose T tokens (`positions`, `segments`) go to `slots` (past
-  the end: dropped); `seg`, `pos` are the cache's slots with this pass's already
-  claimed, `length` the rows' lengths before it."""
+def pass_mask(limit: Int[Array, "B G G"], positions: Int[Array, "B T"],
+              segments: Int[Array, "B T"], slots: Int[Array, "B T"], seg: Int[Array, "B S"],
+              pos: Int[Array, "B S"], *, window: int | None) -> Int[Array, "B T S+P"]:
+  """What each of a pass's T tokens (`positions`, `segments`, going to `slots`: past the
+  end, dropped) sees: int8 `[B, T, S + P]`, the cache's S slots (`seg`, `pos`, with this
+  pass's slots claimed; those, never), then the P new tokens (p < T; padding sees
+  nothing). The same for every layer of a pass (one per sliding window)."""
   t = segments.shape[1]
   num_slots = seg.shape[1]
   written = (slots[:, :, None] == jnp.arange(num_slots)).any(1)  # [B, S]
   cache = visible(limit, segments, positions, seg, pos, window) & ~written[:, None]  # [B, T, S]
   kept = (segments >= 0) & (slots < num_slots)  # [B, T]: the new tokens the cache will hold
   new = visible(limit, segments, positions, segments, positions, window) & kept[:, None]
-  new = jnp.pad(new, ((0, 0), (0, 0), (0, _tile(t) - t)))  # [B, T, P]
-  block = min(BLOCK, num_slots)
-  return PassMasks(cache=cache.astype(jnp.int8), new=new.astype(jnp.int8),
-                   blocks=((length + block - 1) // block).astype(jnp.int32))
+  padding = jnp.zeros((*new.shape[:2], _tile(t) - t), jnp.bool_)
+  return jnp.concatenate([cache, new, padding], axis=2).astype(jnp.int8)  # [B, T, S + P]
 
 
 def _row_scales(rows_ref, b, tokens: int, size: int, eps: float | None):
@@ -109,37 +109,49 @@ def _row_scales(rows_ref, b, tokens: int, size: int, eps: float | None):
   return scales
 
 
-def _kernel(qkv_ref, rows_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, mask_new_ref, blocks_ref,
-            layer_ref, out_ref, k_out_ref, v_out_ref, *, tokens: int, group: int, block: int,
-            scale: float, eps: float | None, precision):
+def _kernel(qkv_ref, rows_ref, positions_ref, freqs_ref, slot_ref, length_ref, layer_ref,
+            mask_ref, k_ref, v_ref, out_ref, k_out_ref, v_out_ref, *, tokens: int, group: int,
+            block: int, scale: float, eps: float | None, precision):
   """One (row b, kv head k, token t) program: t's R query heads, a tile of rows [Rt, H]
   (rows past R masked), attend over the row's filled cache blocks of layer
   `layer_ref[0]`, then over the T new keys [P, H]; an online softmax. The projections
-  are multiplied by their token's norm scale (`_row_scales`) and rounded to the cache's
-  dtype, then RoPE'd by halves (rotate_half: x1 cos - x2 sin | x2 cos + x1 sin); the
-  programs of token 0 also write the new keys and values out, for the cache."""
+  are the sum of the product's parts, multiplied by their token's norm scale
+  (`_row_scales`) and rounded to the cache's dtype, then RoPE'd by halves as
+  `mdjax.models.rope.apply_rope` does; t's own key and value go to its slot (`k_out_ref`,
+  `v_out_ref`: the cache arrays, `k_ref`, `v_ref` aliased)."""
   b, head, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   layer = layer_ref[0]
   num_q = out_ref.shape[2]
   half = out_ref.shape[3] // 2
-  num_kv = k_ref.shape[3]
+  num_slots, num_kv = k_ref.shape[2], k_ref.shape[3]
   rows = _tile(group)
-  keys_new = mask_new_ref.shape[2]
+  keys_new = mask_ref.shape[2] - num_slots
   row_ok = (jnp.arange(rows) < group)[:, None]  # [Rt, 1]
-  token_ok = (jnp.arange(keys_new) < tokens)[:, None]  # [P, 1]
+  token_ok = jnp.arange(keys_new) < tokens  # [P]
   lo, hi, whole = pl.ds(0, half), pl.ds(half, half), pl.ds(0, 2 * half)
   dtype = k_ref.dtype
   by = _row_scales(rows_ref, b, tokens, keys_new, eps)  # [P]
+  mine = jnp.where(jnp.arange(keys_new) == t, by, 0).sum()  # this token's scale
+  freqs = freqs_ref[jax.lax.rem(layer, freqs_ref.shape[0]), :]  # [H/2]
 
-  def rotated(first, second, cos, sin):  # halves [X, H/2], as the cache holds them -> RoPE'd
+  def summed(at, mask=None):  # the parts' sum, float32: `at(part)` a view of qkv_ref
+    masked = {} if mask is None else dict(mask=mask, other=0)
+    load = lambda part: plgpu.load(at(jnp.int32(part)), **masked)
+    total = load(0).astype(jnp.float32)
+    for part in range(1, qkv_ref.shape[0]):
+      total = total + load(part).astype(jnp.float32)
+    return total
+
+  def rotated(first, second, angles):  # halves [..., H/2], as the cache holds them -> RoPE'd
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
     first, second = first.astype(jnp.float32), second.astype(jnp.float32)
     return (first * cos - second * sin).astype(dtype), (second * cos + first * sin).astype(dtype)
 
-  mine = jnp.where(jnp.arange(keys_new) == t, by, 0).sum()  # this token's scale
-  query = lambda part: (plgpu.load(qkv_ref.at[b, t, pl.ds(head * group, rows), part],
-                                   mask=row_ok, other=0).astype(jnp.float32) * mine).astype(dtype)
-  cos, sin = (table[b, t, :][None, :] for table in (cos_ref, sin_ref))  # [1, H/2]
-  q1, q2 = rotated(query(lo), query(hi), cos, sin)  # [Rt, H/2] x2
+  row = b * tokens + t  # t's row of the product
+  angles = positions_ref[b, t].astype(jnp.float32) * freqs  # [H/2]
+  query = lambda part: (summed(lambda p: qkv_ref.at[p, row, pl.ds(head * group, rows), part],
+                               row_ok) * mine).astype(dtype)  # [Rt, H/2]
+  q1, q2 = rotated(query(lo), query(hi), angles[None, :])  # [Rt, H/2] x2
 
   def absorb(carry, keys, values, mask):  # halves [X, H/2] x2, [X, H], [X]
     peak, total, acc = carry  # [Rt], [Rt], [Rt, H]
@@ -160,94 +172,108 @@ def _kernel(qkv_ref, rows_ref, cos_ref, sin_ref, k_ref, v_ref, mask_ref, mask_ne
 
   empty = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
            jnp.zeros((rows, 2 * half), jnp.float32))
-  carry = jax.lax.fori_loop(0, blocks_ref[b], visit, empty)
-  tokens_at = lambda ref, column, part: ref.at[b, pl.ds(0, keys_new), column, part]  # [P, X]
-  new = lambda column, part: (plgpu.load(tokens_at(qkv_ref, column, part), mask=token_ok,
-                                         other=0).astype(jnp.float32) * by[:, None]).astype(dtype)
-  angle = lambda table: plgpu.load(table.at[b, pl.ds(0, keys_new), :], mask=token_ok, other=0)
-  keys = rotated(new(num_q + head, lo), new(num_q + head, hi), angle(cos_ref), angle(sin_ref))
+  filled = jax.lax.div(length_ref[b] + block - 1, block)  # cache blocks the row has filled
+  carry = jax.lax.fori_loop(0, filled, visit, empty)
+  new = lambda column, part: (summed(
+      lambda p: qkv_ref.at[p, pl.ds(b * tokens, keys_new), column, part], token_ok[:, None])
+      * by[:, None]).astype(dtype)  # [P, X]
+  new_positions = plgpu.load(positions_ref.at[b, pl.ds(0, keys_new)], mask=token_ok, other=0)
+  keys = rotated(new(num_q + head, lo), new(num_q + head, hi),
+                 new_positions.astype(jnp.float32)[:, None] * freqs[None, :])  # [P, H/2] x2
   values = new(num_q + num_kv + head, whole)  # [P, H]
-  _, total, acc = absorb(carry, keys, values, mask_new_ref[b, t, :])
+  _, total, acc = absorb(carry, keys, values, mask_ref[b, t, pl.ds(num_slots, keys_new)])
   out = acc / jnp.where(total > 0, total, 1.0)[:, None]
   plgpu.store(out_ref.at[b, t, pl.ds(head * group, rows), :], out.astype(out_ref.dtype),
               mask=row_ok)
 
-  @pl.when(t == 0)
+  slot = slot_ref[b, t]
+  slot = jnp.where(slot < 0, slot + num_slots, slot)  # as jnp's indexing reads it
+
+  @pl.when((slot >= 0) & (slot < num_slots))  # else dropped: padding, or past the end
   def _():
-    for key, part in zip(keys, (lo, hi)):
-      plgpu.store(tokens_at(k_out_ref, head, part), key, mask=token_ok)
-    plgpu.store(tokens_at(v_out_ref, head, whole), values, mask=token_ok)
+    own = lambda column, part: (summed(lambda p: qkv_ref.at[p, row, column, part])
+                                * mine).astype(dtype)  # [X]
+    for key, part in zip(rotated(own(num_q + head, lo), own(num_q + head, hi), angles), (lo, hi)):
+      plgpu.store(k_out_ref.at[layer, b, slot, head, part], key)
+    plgpu.store(v_out_ref.at[layer, b, slot, head, whole], own(num_q + num_kv + head, whole))
 
 
-def decode_attention(qkv: Float[Array, "B T N+2K H"], rows: Float[Array, "B T D"] | None,
-                     cos: Float[Array, "B T H/2"], sin: Float[Array, "B T H/2"],
-                     cache_k: Float[Array, "L B S K H"], cache_v: Float[Array, "L B S K H"],
-                     layer, masks: PassMasks, *, scale: float, eps: float | None = None,
-                     interpret: bool = False):
+def decode_attention(qkv: Float[Array, "Q M N+2K H"], rows: Float[Array, "B T D"] | None,
+                     positions: Int[Array, "B T"], freqs: Float[Array, "F H/2"],
+                     slot: Int[Array, "B T"], length: Int[Array, "B"], layer,
+                     mask: Int[Array, "B T S+P"], cache_k: Float[Array, "L B S K H"],
+                     cache_v: Float[Array, "L B S K H"], *, scale: float,
+                     eps: float | None = None, interpret: bool = False):
   """The new tokens' attention over layer `layer` (an int, or a traced int32 scalar) of
-  the cache before this pass and over themselves: `(out [B, T, N, H], k, v [B, T, K, H])`,
-  `k` and `v` the new tokens' as the cache will hold them.
+  the cache before this pass and over themselves: `(out [B, T, N, H], cache_k, cache_v)`,
+  the cache with the new tokens' K/V written into layer `layer` at `slot` (in place:
+  donate the cache; a slot past the end writes nothing).
 
-  `qkv` holds each token's query heads, then its K keys, then its K values, before RoPE;
-  with `eps`, also before the RMSNorm's row scale, which the kernel takes from the
-  residual `rows` (`mdjax.models.transformer._normed`). `cos`, `sin` are the tokens'
-  RoPE angles (one half: rotate_half repeats them)."""
-  b, t, heads, h = qkv.shape
-  num_kv = cache_k.shape[3]
-  num_q = heads - 2 * num_kv
-  dtype = cache_k.dtype
-  precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+  `qkv`: Q parts of the q|k|v product (their sum is the product; row b T + t is token
+  t of row b), each row the token's query heads, then its K keys, then its K values,
+  before RoPE; with `eps`, also before the RMSNorm's row scale, which the kernel takes
+  from the residual `rows` (`mdjax.models.transformer._normed`). RoPE's angles are
+  `positions` times `freqs[layer % F]` (F tables: one per layer of a period, as
+  `mdjax.models.transformer.layer_period`); `length`: the rows' lengths (the walk's end:
+  before the pass or after it, as the slots it writes are masked); `mask`: `pass_mask`."""
+  b, t = positions.shape
+  num_kv, h = cache_k.shape[3], cache_k.shape[4]
+  num_q = qkv.shape[2] - 2 * num_kv
+  precision = jax.lax.Precision.HIGHEST if cache_k.dtype == jnp.float32 else None
   kernel = functools.partial(_kernel, tokens=t, group=num_q // num_kv,
                              block=min(BLOCK, cache_k.shape[2]), scale=scale,
                              eps=None if rows is None else eps, precision=precision)
   whole = pl.BlockSpec()  # the whole array: each program indexes its part
-  new = jax.ShapeDtypeStruct((b, t, num_kv, h), dtype)
   return pl.pallas_call(
       kernel, grid=(b, num_kv, t), in_specs=[whole] * 10, out_specs=[whole] * 3,
-      out_shape=[jax.ShapeDtypeStruct((b, t, num_q, h), dtype), new, new],
+      out_shape=[jax.ShapeDtypeStruct((b, t, num_q, h), cache_k.dtype),
+                 jax.ShapeDtypeStruct(cache_k.shape, cache_k.dtype),
+                 jax.ShapeDtypeStruct(cache_v.shape, cache_v.dtype)],
+      input_output_aliases={8: 1, 9: 2},
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret, name="mdjax_decode_attention",
-  )(qkv, jnp.zeros((b, t, 1), dtype) if rows is None else rows, cos, sin, cache_k, cache_v,
-    masks.cache, masks.new, masks.blocks, jnp.asarray(layer, jnp.int32).reshape(1))
+  )(qkv, jnp.zeros((b, t, 1), cache_k.dtype) if rows is None else rows, positions,
+    jnp.asarray(freqs, jnp.float32), slot, length, jnp.asarray(layer, jnp.int32).reshape(1),
+    mask, cache_k, cache_v)
 
 
-def rope(x: Float[Array, "... X H"], cos: Float[Array, "... H/2"],
-         sin: Float[Array, "... H/2"]) -> Float[Array, "... X H"]:
-  """RoPE by halves (the kernel's): `mdjax.models.transformer.apply_rope` up to rounding."""
-  first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  cos, sin = cos[..., None, :], sin[..., None, :]
-  return jnp.concatenate([first * cos - second * sin, second * cos + first * sin],
-                         axis=-1).astype(x.dtype)
-
-
-def reference(qkv: Float[Array, "B T N+2K H"], rows: Float[Array, "B T D"] | None,
-              cos: Float[Array, "B T H/2"], sin: Float[Array, "B T H/2"],
-              cache_k: Float[Array, "L B S K H"], cache_v: Float[Array, "L B S K H"], layer,
-              masks: PassMasks, *, scale: float, eps: float | None = None):
+def reference(qkv: Float[Array, "Q M N+2K H"], rows: Float[Array, "B T D"] | None,
+              positions: Int[Array, "B T"], freqs: Float[Array, "F H/2"],
+              slot: Int[Array, "B T"], length: Int[Array, "B"], layer,
+              mask: Int[Array, "B T S+P"], cache_k: Float[Array, "L B S K H"],
+              cache_v: Float[Array, "L B S K H"], *, scale: float, eps: float | None = None):
   """What `decode_attention` computes, as one masked softmax over the cache's slots
-  followed by the new tokens (any platform: the kernel's stand-in off a GPU)."""
-  t, num_kv = qkv.shape[1], cache_k.shape[3]
+  followed by the new tokens, and a scatter (any platform: the kernel's stand-in off a
+  GPU). `length` is not needed: slots past it are never visible."""
+  del length
+  b, t = positions.shape
+  num_slots, num_kv = cache_k.shape[2], cache_k.shape[3]
   dtype = cache_k.dtype
-  by = 1.0
+  qkv = jnp.sum(qkv.astype(jnp.float32), axis=0)[:b * t]  # [B T, N + 2K, H]
+  qkv = qkv.reshape(b, t, *qkv.shape[1:])  # --> [B, T, N + 2K, H]
   if rows is not None and eps is not None:
     rows32 = rows.astype(jnp.float32)
-    by = jax.lax.rsqrt(jnp.mean(rows32 * rows32, axis=-1) + eps)[..., None, None]  # [B, T, 1, 1]
-  qkv = (qkv.astype(jnp.float32) * by).astype(dtype)
-  q, k, v = jnp.split(qkv, [qkv.shape[2] - 2 * num_kv, qkv.shape[2] - num_kv], axis=2)
-  k = rope(k, cos, sin)
+    qkv = qkv * jax.lax.rsqrt(jnp.mean(rows32 * rows32, axis=-1) + eps)[..., None, None]
+  q, k, v = jnp.split(qkv.astype(dtype), [qkv.shape[2] - 2 * num_kv, qkv.shape[2] - num_kv],
+                      axis=2)
+  inv_freq = jnp.asarray(freqs, jnp.float32)[layer % len(freqs)]  # [H/2]
+  k = apply_rope(k, positions, inv_freq)
   keys = jnp.concatenate([cache_k[layer], k], axis=1)  # [B, S + T, K, H]
   values = jnp.concatenate([cache_v[layer], v], axis=1)
-  mask = jnp.concatenate([masks.cache, masks.new[..., :t]], axis=2) != 0  # [B, T, S + T]
-  return masked_attention(rope(q, cos, sin), keys, values, mask, scale=scale), k, v
+  seen = mask[..., :num_slots + t] != 0  # [B, T, S + T]
+  out = masked_attention(apply_rope(q, positions, inv_freq), keys, values, seen, scale=scale)
+  rows_ = jnp.arange(b)[:, None]  # [B, 1]
+  return (out, cache_k.at[layer, rows_, slot].set(k, mode="drop"),
+          cache_v.at[layer, rows_, slot].set(v, mode="drop"))
 
 
-def attention(qkv, rows, cos, sin, cache_k, cache_v, layer, masks: PassMasks, *, scale: float,
-              eps: float | None = None):
+def attention(qkv, rows, positions, freqs, slot, length, layer, mask, cache_k, cache_v, *,
+              scale: float, eps: float | None = None):
   """`decode_attention` where the program is lowered for an NVIDIA GPU, `reference`
   elsewhere (a program built for a GPU but run on this host: the tests)."""
   static = dict(scale=scale, eps=eps)
   return jax.lax.platform_dependent(
-      qkv, rows, cos, sin, cache_k, cache_v, layer, masks,
+      qkv, rows, positions, freqs, slot, length, layer, mask, cache_k, cache_v,
       cuda=functools.partial(decode_attention, **static),
       default=functools.partial(reference, **static))
 

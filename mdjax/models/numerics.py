@@ -60,12 +60,34 @@ def linear(x: jax.Array, weight: jax.Array, out_dtype=None, *,
   bfloat16, 5.5 ms in float32, against 3.3 ms). GPUs and TPUs accumulate bfloat16
   products in float32 anyway: the result is `x @ weight` up to summation order."""
   out_dtype = x.dtype if out_dtype is None else out_dtype
-  rows = x.reshape(-1, x.shape[-1])  # [M, D]
-  single = (weight.dtype == jnp.bfloat16 and rows.shape[0] == 1)
-  if single:
-    rows = jnp.broadcast_to(rows, (2, rows.shape[1]))  # [2, D]
+  rows, single = _rows(x, weight)  # [M, D]
   contract = (((1,), (1 if transposed else 0,)), ((), ()))
   out = jax.lax.dot_general(rows.astype(weight.dtype), weight, contract,
                             preferred_element_type=jnp.float32)  # [M, F]
   out = out[:1] if single else out
   return out.reshape(*x.shape[:-1], out.shape[-1]).astype(out_dtype)
+
+
+def _rows(x: jax.Array, weight: jax.Array) -> tuple[jax.Array, bool]:
+  """`x`'s rows `[M, D]` as `linear` multiplies them, and whether they are one bfloat16
+  row computed as two (see `linear`)."""
+  rows = x.reshape(-1, x.shape[-1])  # [M, D]
+  single = (weight.dtype == jnp.bfloat16 and rows.shape[0] == 1)
+  if single:
+    rows = jnp.broadcast_to(rows, (2, rows.shape[1]))  # [2, D]
+  return rows, single
+
+
+def linear_parts(x: jax.Array, weight: jax.Array, parts: int) -> jax.Array:
+  """`linear(x, weight, jnp.float32)` as `parts` partial products over consecutive
+  slices of D, not summed yet: `[parts, M, F]` float32 for `x`'s rows `[M, D]` (its
+  leading axes flattened; one bfloat16 row: M = 2, the row twice, as `linear`
+  computes it). XLA:GPU computes a few-row product split in K like this and adds the
+  parts in the kernel that reads them; a Pallas kernel that reads them can add them
+  itself (`mdjax.models.decode_attention`), and the sum is one kernel fewer."""
+  rows, _ = _rows(x, weight)
+  m, d = rows.shape
+  contract = (((2,), (1,)), ((1,), (0,)))  # MPd,PdF->PMF
+  return jax.lax.dot_general(rows.reshape(m, parts, d // parts).astype(weight.dtype),
+                             weight.reshape(parts, d // parts, weight.shape[-1]), contract,
+                             preferred_element_type=jnp.float32)  # [P, M, F]

@@ -41,9 +41,9 @@ layers mix sliding-window and full attention, each kind with its own RoPE
 compile time flat in depth; on CPU slower per token, so "unrolled" is CPU's default).
 Both run each layer through `_layer`. The KV cache is stacked `[L, ...]` either way:
 each layer writes its new K/V into its slots in place, then attends over the cache.
-On a GPU a pass of a few tokens under the fused attention does not write layer by
-layer: each layer's attention is one kernel over the cache as it was and the new
-tokens beside it, and the pass writes every layer's K/V after the last
+On a GPU a pass of a few tokens under the fused attention does not write before it
+attends: each layer's attention is one kernel that reads the cache as it was, with
+the new tokens beside it, and writes their K/V into the layer in place
 (`_layers_beside_cache`, `mdjax.models.decode_attention`). There an RMSNorm before a
 product is also split: its weight into the product's operand, its row scale after it
 (`_normed`).
@@ -70,7 +70,8 @@ from mdjax.models.attention import (ATTENTION_BLOCK, LayerAttention, Queries, at
                                     masked_attention)
 from mdjax.models.config import ModelConfig
 from mdjax.models.layer_loop import count_layers, layer_loop_of
-from mdjax.models.numerics import full_float32, linear
+from mdjax.models.numerics import full_float32, linear, linear_parts
+from mdjax.models.rope import apply_rope
 from mdjax.sharding import constrain, constrain_cache
 from mdjax.topology import Topology, visibility_limits, visible
 
@@ -115,16 +116,6 @@ def _product(h: Float[Array, "B T D"], scale: Float[Array, "B T 1"] | None,
   if scale is None:
     return linear(h, weight)
   return (linear(h, weight, jnp.float32) * scale).astype(h.dtype)
-
-
-def apply_rope(x: Float[Array, "B T N H"], positions: Int[Array, "B T"],
-               inv_freq: Float[Array, "H/2"]) -> Float[Array, "B T N H"]:
-  """Rotary embedding in Hugging Face's half-split layout (rotate_half)."""
-  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
-  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, H]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  rotated = jnp.concatenate([-x2, x1], axis=-1)
-  return (x * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
 
 
 def _attention_scales(config: ModelConfig, lp: Params, scale) -> bool:
@@ -195,10 +186,11 @@ def decoder_layers(config: ModelConfig, params: Params, x: Float[Array, "B T D"]
   layer's index (an int, or a traced int32 scalar under scan), `spec` its static
   `LayerAttention`. Returns the final-norm hidden states `[B, T, D]`, the residual
   stream after each layer of `aux_layers` `[B, T, A, D]` (None when A = 0) and the
-  last carry. With `rope_in_attention`, q and k reach `attend` before RoPE, which it
-  applies itself (`mdjax.models.decode_attention`); where a layer can
-  (`_attention_scales`), q, k and v also come before the attention norm's row scale, in
-  float32, and `attend` gets the residual rows it is computed from as `norm_input`.
+  last carry. With `rope_in_attention`, `attend(qkv, layer, spec, carry)` takes the
+  q|k|v product as the parts `mdjax.models.decode_attention` reads, before RoPE, which
+  it applies itself; where a layer can (`_attention_scales`), that is the product's
+  float32 partial sums (`linear_parts`) before the attention norm's row scale, and
+  `attend` gets the residual rows the scale is computed from as `norm_input`.
   """
   aux = _aux_buffer(count_layers(params), x, aux_layers)
   if layer_loop_of(params) == "scan":
@@ -249,11 +241,16 @@ def _layer(config: ModelConfig, lp: Params, x: Float[Array, "B T D"],
   # (EAGLE-1's first layer has no attn_norm)
   h, scale = _normed(config, x, lp["attn_norm"]) if "attn_norm" in lp else (x, None)
   spec = layer_attention(config, like)
-  if rope_in_attention and _attention_scales(config, lp, scale):
-    q, k, v = _split_heads(config, linear(h, lp["wqkv"], jnp.float32))  # no row scale yet
-    out, carry = attend(q, k, v, layer, spec, carry, norm_input=x)  # [B, T, N, H]
+  if rope_in_attention and _attention_scales(config, lp, scale):  # no row scale yet
+    qkv = linear_parts(h, lp["wqkv"], decode_attention.parts(h.shape[-1]))  # [Q, M, (N + 2K) H]
+    qkv = qkv.reshape(*qkv.shape[:2], -1, config.head_dim)  # --> [Q, M, N + 2K, H]
+    out, carry = attend(qkv, layer, spec, carry, norm_input=x)  # [B, T, N, H]
+  elif rope_in_attention:
+    qkv = decode_attention.parts_of(*_project_qkv(config, lp, h, scale, positions, like,
+                                                     rope=False))
+    out, carry = attend(qkv, layer, spec, carry)  # [B, T, N, H]
   else:
-    q, k, v = _project_qkv(config, lp, h, scale, positions, like, rope=not rope_in_attention)
+    q, k, v = _project_qkv(config, lp, h, scale, positions, like)
     out, carry = attend(q, k, v, layer, spec, carry)  # [B, T, N, H]
   out = linear(out.reshape(*out.shape[:2], -1), lp["wo"])  # --> [B, T, D]
   if config.o_bias:
@@ -354,14 +351,13 @@ def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"] | None,
   out in one region per branch and every query sees only the shared part and its own.
   """
   attention_impl = attention_fn(attention, cache.num_slots, block_size, regions)
-  length = cache.length
   cache, slot = cache_ops.claim_slots(cache, positions, segments, slots)
   meta = dict(positions=positions, segments=segments, slots=slot,
               limit=visibility_limits(topology))
   x = embed(config, params, tokens) if inputs is None else inputs
   if attention == "fused" and regions is None and decode_attention.applies(config, cache,
                                                                            x.shape[1]):
-    hidden, aux, cache = _layers_beside_cache(config, params, x, cache, length, meta, aux_layers)
+    hidden, aux, cache = _layers_beside_cache(config, params, x, cache, meta, aux_layers)
     return (hidden, cache) if aux is None else (hidden, cache, aux)
 
   def attend(q, k, v, index, spec, cache):
@@ -375,47 +371,34 @@ def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"] | None,
 
 
 def _layers_beside_cache(config: ModelConfig, params: Params, x: Float[Array, "B T D"],
-                         cache: KVCache, length: Int[Array, "B"], meta: dict,
-                         aux_layers: tuple[int, ...]):
+                         cache: KVCache, meta: dict, aux_layers: tuple[int, ...]):
   """The decoder layers of a few-token pass on a GPU (`mdjax.models.decode_attention`):
-  each layer's attention, RoPE and the norm's row scale included, is one kernel over
-  the cache as it was and the new tokens beside it, and returns their K/V; every layer's
-  are written once, after the last layer. Masks and RoPE angles are computed once per
-  pass::
+  each layer's attention, RoPE, the norm's row scale and the sum of the q|k|v product's
+  parts included, is one kernel over the cache as it was before the pass (`cache`,
+  with this pass's slots claimed: their K/V not written yet) and the new tokens beside
+  it, which writes their K/V into the layer's slots in place. The mask is computed once
+  per pass::
 
-      before        masks (one per sliding window), cos/sin (one per RoPE table)
-      layer 0..L-1  out, k, v = attention(q|k|v of the layer, cache before the pass)
-      after         cache.k[:, rows, slot] = k of every layer [L, B, T, K, H]  (and v)
+      before        mask (one per sliding window)
+      layer 0..L-1  out, cache.k, cache.v = attention(q|k|v parts of the layer, cache)
   """
   num_layers = count_layers(params)
   positions = meta["positions"]
-  masks = {window: decode_attention.pass_masks(
-      meta["limit"], positions, meta["segments"], meta["slots"], cache.seg, cache.pos, length,
+  masks = {window: decode_attention.pass_mask(
+      meta["limit"], positions, meta["segments"], meta["slots"], cache.seg, cache.pos,
       window=window) for window in {config.layer_window(i) for i in range(num_layers)}}
   period = layer_period(config, num_layers)
   freqs = np.stack([config.inv_freq(i) for i in range(period)])  # [P, H/2]
-  angles = positions.astype(jnp.float32)[None, :, :, None] * freqs[:, None, None]  # [P, B, T, H/2]
-  cos, sin = jnp.cos(angles), jnp.sin(angles)
 
-  def attend(q, k, v, index, spec, written, norm_input=None):  # q, k before RoPE
-    qkv = jnp.concatenate([q, k, v], axis=2)  # [B, T, N + 2K, H]
-    out, k, v = decode_attention.attention(
-        qkv, norm_input, cos[index % period], sin[index % period], cache.k, cache.v, index,
-        masks[spec.sliding_window], scale=spec.scale, eps=config.rms_norm_eps)
-    if isinstance(written, tuple):  # unrolled: every layer's (k, v) so far
-      return out, written + ((k, v),)
-    return out, {"k": written["k"].at[index].set(k), "v": written["v"].at[index].set(v)}
+  def attend(qkv, index, spec, kv, norm_input=None):  # qkv: [Q, M, N + 2K, H], before RoPE
+    out, *kv = decode_attention.attention(
+        qkv, norm_input, positions, freqs, meta["slots"], cache.length, index,
+        masks[spec.sliding_window], *kv, scale=spec.scale, eps=config.rms_norm_eps)
+    return out, tuple(kv)
 
-  if layer_loop_of(params) == "scan":
-    shape = (num_layers, *x.shape[:2], config.num_kv_heads, config.head_dim)
-    written = {name: jnp.zeros(shape, cache.k.dtype) for name in "kv"}  # [L, B, T, K, H]
-  else:
-    written = ()
-  hidden, aux, written = decoder_layers(config, params, x, positions, attend, written,
-                                        aux_layers, rope_in_attention=True)
-  if isinstance(written, tuple):
-    written = {name: jnp.stack([kv[i] for kv in written]) for i, name in enumerate("kv")}
-  return hidden, aux, cache_ops.write_layers(cache, meta["slots"], written["k"], written["v"])
+  hidden, aux, (k, v) = decoder_layers(config, params, x, positions, attend, (cache.k, cache.v),
+                                       aux_layers, rope_in_attention=True)
+  return hidden, aux, cache.replace(k=k, v=v)
 
 
 @full_float32
