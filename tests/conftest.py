@@ -47,9 +47,9 @@ REAL_MODEL_FIXTURES = {"smollm2", "gemma3_270m"}
 # spends in one process (docs/testing.md). They start first, so that the two workers
 # (`--dist loadfile`) end together rather than one running the 8-device subprocess
 # alone at the end; the two multi-process files (three processes each, on heartbeat
-# timeouts) are four files apart, so that they do not run at the same time.
-SLOW_FILES = ("test_notebooks.py", "test_bench_smoke.py", "test_sharding.py",
-              "test_distributed.py", "test_gguf.py", "test_cli_configs.py", "test_speculative.py",
+# timeouts) are five files apart, so that they do not run at the same time.
+SLOW_FILES = ("test_bench_smoke.py", "test_sharding.py", "test_distributed.py", "test_gguf.py",
+              "test_cli_configs.py", "test_speculative.py", "test_notebooks.py",
               "test_distributed_train.py")
 
 
