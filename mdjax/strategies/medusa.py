@@ -97,7 +97,6 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, Int
 
 from mdjax.cache import KVCache
@@ -235,13 +234,10 @@ class Medusa(Sampled):
     rows, branches = prompt.branch_segment.shape
     cost = pass_cost(self.model, params["target"], rows)
     # a tree of depth d runs the first d heads (a draft vocabulary's columns among them)
-    reads_unembedding = not (self.heads.own_unembedding or "draft_unembedding" in params["heads"])
-    # the heads' shapes as numpy views of one byte: cutting heads off them runs nothing
-    shapes = jax.tree.map(lambda x: np.broadcast_to(np.int8(0), x.shape), params["heads"])
-    fractions = tuple(tree_choice.draft_fraction(self.family.first_heads(shapes, depth),
-                                                 params["target"],
-                                                 reads_unembedding=reads_unembedding)
-                      for depth in range(1, self.used_heads + 1))
+    fractions = tree_choice.first_heads_fractions(
+        self.family, params["heads"], params["target"], self.used_heads,
+        reads_unembedding=not (self.heads.own_unembedding
+                               or "draft_unembedding" in params["heads"]))
     choice = tree_choice.chosen_static_tree(
         tree_choice.hashable(self.accuracy), cost, fractions, branches,
         tree_choice.Batch(rows=rows * branches, new_tokens=capacity),

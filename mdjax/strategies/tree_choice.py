@@ -67,6 +67,7 @@ import statistics
 from typing import Callable, Sequence
 
 import jax
+import numpy as np
 
 from mdjax.errors import MdjaxError
 from mdjax.heads.tree import build_tree, default_accuracy, node_value, rank_accuracy
@@ -140,6 +141,17 @@ def draft_fraction(drafter, target, *, reads_unembedding: bool) -> float:
   size = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
   unembedding = target["lm_head"] if "lm_head" in target else target["embed"]
   return (size(drafter) + (size(unembedding) if reads_unembedding else 0)) / size(target)
+
+
+def first_heads_fractions(family, heads_params, target_params, count: int, *,
+                          reads_unembedding: bool) -> tuple[float, ...]:
+  """Per depth d = 1 .. `count`, the `draft_fraction` of parallel heads' first d heads
+  (a tree d deep runs those only). The heads' shapes are numpy views of one byte:
+  cutting heads off them runs nothing."""
+  shapes = jax.tree.map(lambda x: np.broadcast_to(np.int8(0), x.shape), heads_params)
+  return tuple(draft_fraction(family.first_heads(shapes, depth), target_params,
+                              reads_unembedding=reads_unembedding)
+               for depth in range(1, count + 1))
 
 
 def batch_tokens_per_pass(reach: Sequence[float], batch: Batch) -> float:
