@@ -287,17 +287,15 @@ class Mixed(Sampled):
 
   def _auto_heads_tree(self, params, cost, batch: tree_choice.Batch) -> tree_choice.Choice:
     """The tree the heads' own strategy's `auto` chooses for this request (`medusa`'s
-    static tree, `eagle`'s dynamic one, the latter's catch-up as wide as the mix's)."""
+    static tree, `eagle`'s dynamic one), by the same rule and inputs."""
     if self.sequential:
       own = self.heads.own_unembedding or "lm_head" in params["heads"]
       fraction = tree_choice.draft_fraction(params["heads"], params["target"],
                                             reads_unembedding=not own)
-      others = max([self.prompt_lookup_num_tokens * ("prompt_lookup" in self.sources),
-                    self.num_draft_tokens * ("draft" in self.sources)])
       depths = range(1, tree_choice.MAX_DEPTH + 1)
       return tree_choice.chosen_dynamic_tree(
           tree_choice.hashable(self.heads.top_accuracy or tree_choice.DRAFT_ACCURACY), cost,
-          fraction, tuple(1 + max(d, others) for d in depths),
+          fraction, tuple(1 + d for d in depths),
           (self.num_heads,) if self.num_heads else tuple(depths),
           tuple(range(1, min(tree_choice.MAX_TOP_K, self.model.vocab_size) + 1)), batch, True)
     fractions = tree_choice.first_heads_fractions(
