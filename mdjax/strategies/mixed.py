@@ -289,9 +289,8 @@ class Mixed(Sampled):
     """The tree the heads' own strategy's `auto` chooses for this request (`medusa`'s
     static tree, `eagle`'s dynamic one), by the same rule and inputs."""
     if self.sequential:
-      own = self.heads.own_unembedding or "lm_head" in params["heads"]
       fraction = tree_choice.draft_fraction(params["heads"], params["target"],
-                                            reads_unembedding=not own)
+                                            reads_unembedding=not self.heads.own_unembedding)
       depths = range(1, tree_choice.MAX_DEPTH + 1)
       return tree_choice.chosen_dynamic_tree(
           tree_choice.hashable(self.heads.top_accuracy or tree_choice.DRAFT_ACCURACY), cost,
