@@ -12,21 +12,32 @@ from mdjax.sampling import greedy_accept
 from mdjax.step import decode_step
 from mdjax.strategies.base import ModelFn, chain_widths, decode_chains
 from mdjax.topology import Topology
-from mdjax.strategies.lookup import latest_ngram_continuation, propose_by_lookup
+from mdjax.strategies.lookup import lookup_matches, propose_by_lookup
 
 
-def test_latest_ngram_continuation_by_hand():
+def test_lookup_matches_by_hand():
   history = jnp.asarray([[5, 6, 7, 5, 6, 9, 5, 6, 0, 0],    # "5 6" occurs at 0 and 3: latest 3
                          [1, 2, 3, 4, 0, 0, 0, 0, 0, 0],    # "4" never occurred before
                          [8, 8, 8, 0, 0, 0, 0, 0, 0, 0]])   # "8" at 1 (latest earlier), then 8
   length = jnp.asarray([8, 4, 3])
-  proposal, count = latest_ngram_continuation(history, length, ngram=2, num_tokens=3)
-  assert count.tolist() == [3, 0, 1]
-  assert proposal[0].tolist() == [9, 5, 6]
-  assert proposal[2, 0] == 8
-  proposal, count = latest_ngram_continuation(history, length, ngram=1, num_tokens=4)
-  assert count.tolist() == [3, 0, 1]  # row 0: "6" last seen at 4; only 3 tokens follow it
-  assert proposal[0].tolist()[:3] == [9, 5, 6]
+  proposal, count = lookup_matches(history, length, max_ngram_size=2, num_tokens=3)
+  assert count[:, 0].tolist() == [3, 0, 1]
+  assert proposal[0, 0].tolist() == [9, 5, 6]
+  assert proposal[2, 0, 0] == 8
+  proposal, count = lookup_matches(history, length, max_ngram_size=1, num_tokens=4)
+  assert count[:, 0].tolist() == [3, 0, 1]  # row 0: "6" last seen at 4; only 3 tokens follow it
+  assert proposal[0, 0].tolist()[:3] == [9, 5, 6]
+
+
+def test_several_matches_are_distinct_longest_then_latest():
+  """Row 0: "5 6" is followed by `9 5 6` (latest), then `7 5 6`; "6" alone by `1 5 6`.
+  Row 1: both occurrences of "5 6" continue `9 5 6`: one match."""
+  history = jnp.asarray([[6, 1, 5, 6, 7, 5, 6, 9, 5, 6], [5, 6, 9, 5, 6, 9, 5, 6, 0, 0]])
+  proposal, count = lookup_matches(history, jnp.asarray([10, 8]), max_ngram_size=2,
+                                   num_tokens=3, num_matches=4)
+  assert count.tolist() == [[3, 3, 3, 0], [3, 0, 0, 0]]
+  assert proposal[0, :3].tolist() == [[9, 5, 6], [7, 5, 6], [1, 5, 6]]
+  assert proposal[1, 0].tolist() == [9, 5, 6]
 
 
 def test_proposal_never_reaches_past_the_text():

@@ -214,6 +214,33 @@ def test_return_metadata_keeps_a_tree(tiny, greedy, requests, monkeypatch):
   assert stats["tree_choice"] == "tree" and stats["expected_speedup"] < 1
 
 
+@pytest.mark.parametrize("strategy", ["medusa", "eagle", "speculative_tree"])
+def test_the_choice_is_remembered_by_its_inputs_not_its_strategy(tiny, requests, strategy,
+                                                               monkeypatch):
+  """Two strategies asking the same question share one search; neither is kept alive by
+  the memo (an `lru_cache` on the method kept up to 256 of them)."""
+  import gc
+  import weakref
+  from mdjax import strategies
+  from mdjax.strategies.prompt_layouts import Plain
+
+  monkeypatch.setenv(PIN_VARIABLE, FLAT)
+  chosen = (tree_choice.chosen_static_tree if strategy == "medusa"
+            else tree_choice.chosen_dynamic_tree)
+  prompt = Plain().lay_out(tiny, PROMPTS, None, NEW).prompt
+  before, kept = chosen.cache_info(), []
+  for _ in range(2):
+    decoder, params = strategies.get(strategy).build(tiny, dict(requests[strategy]))
+    chose = decoder.for_request(params, prompt, 16)
+    assert chose.tree_budget > 0
+    kept.append(weakref.ref(decoder))
+    del decoder, chose, params
+  after = chosen.cache_info()
+  assert after.hits - before.hits >= 1 and after.misses - before.misses <= 1
+  gc.collect()
+  assert [ref() for ref in kept] == [None, None]
+
+
 # ------------------------------------------------------------------ measuring and the cache
 
 

@@ -39,29 +39,6 @@ from mdjax.strategies.registry import register
 from mdjax.topology import Topology
 
 
-def latest_ngram_continuation(history: Int[Array, "B H"], length: Int[Array, "B"], ngram: int,
-                              num_tokens: int) -> tuple[Int[Array, "B D"], Int[Array, "B"]]:
-  """The tokens after the latest earlier occurrence of each row's last `ngram` tokens.
-
-  Returns the proposal `[B, num_tokens]` and how many of its tokens are real (0 when
-  the n-gram does not occur earlier, or the row is shorter than `ngram + 1`).
-  """
-  width = history.shape[1]
-  suffix = jnp.take_along_axis(
-      history, jnp.clip(length[:, None] - ngram + jnp.arange(ngram), 0, width - 1), axis=1)
-  padded = jnp.pad(history, ((0, 0), (0, ngram)), constant_values=-1)  # [B, H + n]
-  match = jnp.ones(history.shape, jnp.bool_)
-  for k in range(ngram):
-    match &= padded[:, k:k + width] == suffix[:, k:k + 1]  # [B, H]: window j matches at k
-  start = jnp.arange(width)[None, :]  # window start j
-  match &= start < length[:, None] - ngram  # earlier than the suffix itself, with a follower
-  latest = jnp.max(jnp.where(match, start, -1), axis=1)  # [B]
-  follow = latest + ngram  # [B] first proposed index
-  index = jnp.clip(follow[:, None] + jnp.arange(num_tokens), 0, width - 1)
-  count = jnp.where(latest >= 0, jnp.minimum(num_tokens, length - follow), 0)
-  return jnp.take_along_axis(history, index, axis=1), count.astype(jnp.int32)
-
-
 def branch_histories(prompt: Prompt, extra: int) -> tuple[Int[Array, "R H"], Int[Array, "R"]]:
   """Per branch (R = B * N rows), the tokens it sees — the context, then its own
   question — left-aligned in `[R, P + extra]`, and how many there are."""
@@ -84,15 +61,51 @@ def _kill_fed(cache: KVCache, cached: Int[Array, "B"], active: Bool[Array, "R F"
   return cache.replace(seg=cache.seg.at[jnp.arange(batch)[:, None], slot].set(-1, mode="drop"))
 
 
+def lookup_matches(history: Int[Array, "B H"], length: Int[Array, "B"], max_ngram_size: int,
+                   num_tokens: int, num_matches: int = 1
+                   ) -> tuple[Int[Array, "B M D"], Int[Array, "B M"]]:
+  """Up to `num_matches` proposals per row: the `num_tokens` tokens after an earlier
+  occurrence of the row's last n tokens, the longest n (`max_ngram_size` ... 1) first,
+  the latest occurrence first among equal n, each continuation distinct from those
+  before it (a continuation cut short by the end of the text compares as its tokens
+  only). Returns the proposals `[B, M, D]` and how many tokens of each are real (0: no
+  such match)::
+
+      history   a b c a b d . . a b      (length 10, last bigram `a b`)
+      follower  .  .  c  .  .  d         followers 2 and 5 follow `a b`
+      proposals d . . a b |  c a b d .    (latest first; D = 5)
+  """
+  rows, width = history.shape
+  follow = jnp.arange(width)[None, :]  # [1, H] the index a proposal starts at
+  last = lambda k: jnp.take_along_axis(history, jnp.maximum(length - k, 0)[:, None], axis=1)
+  matched = jnp.ones((rows, width), jnp.bool_)
+  ngram = jnp.zeros((rows, width), jnp.int32)  # [B, H] the longest n-gram ending before f
+  for k in range(1, max_ngram_size + 1):
+    before = jnp.pad(history, ((0, 0), (k, 0)), constant_values=-1)[:, :width]  # [B, H] h[f-k]
+    matched &= (before == last(k)) & (follow >= k) & (length[:, None] >= k)
+    ngram += matched
+  ngram = jnp.where(follow < length[:, None], ngram, 0)  # the suffix itself has no follower
+  index = jnp.clip(follow[..., None] + jnp.arange(num_tokens), 0, width - 1)  # [1, H, D]
+  count = jnp.clip(length[:, None] - follow, 0, num_tokens)  # [B, H]
+  continuation = jnp.where(jnp.arange(num_tokens) < count[..., None],
+                           history[jnp.arange(rows)[:, None, None], index], -1)  # [B, H, D]
+  priority = jnp.where(ngram > 0, ngram * width + follow, -1)  # [B, H]
+  proposals, counts = [], []
+  for _ in range(num_matches):
+    best = jnp.argmax(priority, axis=1)  # [B]
+    found = jnp.take_along_axis(priority, best[:, None], axis=1)[:, 0] >= 0
+    chosen = jnp.take_along_axis(continuation, best[:, None, None], axis=1)  # [B, 1, D]
+    proposals.append(jnp.maximum(chosen[:, 0], 0))
+    counts.append(jnp.where(found, jnp.take_along_axis(count, best[:, None], axis=1)[:, 0], 0))
+    priority = jnp.where((continuation == chosen).all(axis=-1), -1, priority)
+  return jnp.stack(proposals, axis=1), jnp.stack(counts, axis=1).astype(jnp.int32)
+
+
 def propose_by_lookup(history, length, max_ngram_size: int, num_tokens: int):
-  """The longest n-gram (max_ngram_size ... 1) that occurs earlier decides the proposal."""
-  proposal = jnp.zeros((history.shape[0], num_tokens), jnp.int32)
-  count = jnp.zeros((history.shape[0],), jnp.int32)
-  for ngram in range(1, max_ngram_size + 1):  # longer n-grams override shorter ones
-    found, found_count = latest_ngram_continuation(history, length, ngram, num_tokens)
-    proposal = jnp.where((found_count > 0)[:, None], found, proposal)
-    count = jnp.where(found_count > 0, found_count, count)
-  return proposal, count
+  """The proposal after the latest earlier occurrence of the longest n-gram
+  (`lookup_matches`' first)."""
+  proposals, counts = lookup_matches(history, length, max_ngram_size, num_tokens)
+  return proposals[:, 0], counts[:, 0]
 
 
 @jax.tree_util.register_dataclass

@@ -97,7 +97,6 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, Int
 
 from mdjax.cache import KVCache
@@ -111,7 +110,7 @@ from mdjax.strategies import drafting, prompt_layouts, tree_choice, trees
 from mdjax.strategies.base import (Limits, ModelFn, Prompt, Sampled, internal,
                                    prefill_with_hidden)
 from mdjax.strategies.drafting import DraftState
-from mdjax.strategies.pass_cost import PassCost, pass_cost
+from mdjax.strategies.pass_cost import pass_cost
 from mdjax.strategies.registry import register
 from mdjax.strategies.speculative_tree import SLOT_MULTIPLE
 from mdjax.strategies.trees import Tree, Verified
@@ -235,29 +234,18 @@ class Medusa(Sampled):
     rows, branches = prompt.branch_segment.shape
     cost = pass_cost(self.model, params["target"], rows)
     # a tree of depth d runs the first d heads (a draft vocabulary's columns among them)
-    reads_unembedding = not (self.heads.own_unembedding or "draft_unembedding" in params["heads"])
-    # the heads' shapes as numpy views of one byte: cutting heads off them runs nothing
-    shapes = jax.tree.map(lambda x: np.broadcast_to(np.int8(0), x.shape), params["heads"])
-    fractions = tuple(tree_choice.draft_fraction(self.family.first_heads(shapes, depth),
-                                                 params["target"],
-                                                 reads_unembedding=reads_unembedding)
-                      for depth in range(1, self.used_heads + 1))
-    choice = self._choose(cost, fractions, branches,
-                          tree_choice.Batch(rows=rows * branches, new_tokens=capacity))
+    fractions = tree_choice.first_heads_fractions(
+        self.family, params["heads"], params["target"], self.used_heads,
+        reads_unembedding=not (self.heads.own_unembedding
+                               or "draft_unembedding" in params["heads"]))
+    choice = tree_choice.chosen_static_tree(
+        tree_choice.hashable(self.accuracy), cost, fractions, branches,
+        tree_choice.Batch(rows=rows * branches, new_tokens=capacity),
+        allow_plain=not self.return_metadata)
     if choice.plain:
       return tree_choice.plain_decoding(self, params, prompt, capacity, choice)
     return dataclasses.replace(self, tree_budget=choice.budget,
                                request_stats=choice.stats(self.sampling.greedy))
-
-  @functools.lru_cache(maxsize=256)
-  def _choose(self, cost: PassCost, fractions: tuple[float, ...], branches: int,
-              batch: tree_choice.Batch) -> tree_choice.Choice:
-    """`auto`'s tree for a request shape, a tree of depth d drafting for `fractions[d - 1]`
-    passes; remembered, because the search costs a request tens of milliseconds on a CPU
-    and plain decoding, when it wins, must cost what greedy costs."""
-    return tree_choice.static_tree(
-        self.accuracy, cost, lambda depth: fractions[depth - 1] * cost(branches * depth),
-        branches=branches, allow_plain=not self.return_metadata, batch=batch)
 
   @property
   def accuracy(self) -> tuple[tuple[float, ...], ...]:

@@ -1,47 +1,56 @@
-r"""How many nodes each draft source of `mixed` contributes: per request (which sources
-run at all, or plain decoding) and per step and row (how long each source's chain is).
+r"""How many nodes each draft source of `mixed` gives the trie: per request (which
+sources run at all, or plain decoding) and per step and row.
 
-A source s proposes a chain; its token d is right, given the tokens before it were,
-with probability a[s, d], so the chain reaches depth k with probability
-r[s, k] = a[s, 1] ... a[s, k]. The chains are merged into one trie
-(`trees.merge_chains`) and the target accepts the longest right path, so with chain
-lengths n = (n_1, ..., n_S), taking the sources as independent::
+A source proposes its nodes in its own order, parents first, best first: a chain
+(a draft model's) token by token; prompt lookup its matches one after the other; heads
+their tree (`mdjax.heads.tree` / EAGLE-2's), the best node first. It gives the trie its
+first n. Its *reach table* V[n, k] is the chance that its first n nodes hold the
+right token at depth k with every one above it (the target would accept k of them).
+The trees are merged into one trie (`trees.merge_trees`: a path two sources propose is
+one path) and the target accepts the longest right path, so with node counts
+n = (n_1, ..., n_S), taking the sources as independent::
 
-    P(A >= k)   = 1 - prod_s (1 - r[s, k] [k <= n_s])     A: tokens accepted
+    P(A >= k)   = 1 - prod_s (1 - V_s[n_s, k])             A: tokens accepted
     E(n)        = 1 + sum_k P(A >= k)                      tokens per pass
     cost(n)     = t(1 + sum_s n_s) + fixed + sum_s c_s n_s
     rate(n)     = E(n) / cost(n)
 
 t is the target's pass cost (`mdjax.strategies.pass_cost`; a trie of fewer nodes is
 a pass that many columns wide), `fixed` what drafting costs every step whatever the
-lengths (a draft model's or a sequential head's catch-up pass, parallel heads' one
-pass), c_s what each further drafted token costs (one pass of a draft model or of a
-sequential head; nothing for prompt lookup or parallel heads), all as passes of the
-drafter's weights (`tree_choice.draft_fraction`), in units of t(1).
+counts (a draft model's or a sequential head's passes, parallel heads' one pass),
+c_s what each further node costs (one pass of a draft model; nothing for prompt lookup
+or heads, whose whole tree is drafted every step), all as passes of the drafter's
+weights (`tree_choice.draft_fraction`), in units of t(1).
 
-**Per step and row** (`choose_lengths`, in the compiled step), the estimate of
-a[s, d] is the source's prior updated by what this row has seen so far in this
-request: (w prior + accepted) / (w + tried), with w = `PRIOR_WEIGHT` pseudo-counts,
-where `tried` counts the steps in which depth d of the source's chain was verified
-with the depths before it right, `accepted` those in which it was right too. Every
-length vector with sum_s n_s <= the tree's width is scored (`length_grid`; a prompt
-lookup chain is never longer than the match found) and the best rate wins (ties: the
-fewer nodes); lengths all 0 is plain decoding for that step and row.
+The tables (`chain_table`, `matches_table`, `tree_table`): a chain whose token d is
+right with probability a_d when the ones before are has V[n, k] = a_1 ... a_k for
+k <= n; prompt lookup's match m (m = 0, 1, ...) is such a chain right
+`LOOKUP_FURTHER`^m as often as the first (a stated default, not a measurement), the
+matches independent; a tree's V[n, k] is the summed value (`mdjax.heads.tree.node_value`,
+or EAGLE-2's scores as `tree_choice.drafted_values` gives them) of its depth-k nodes
+among its first n.
 
-**Per request** (`request_choice`): the same rate with the priors, at the request's
-batch (`tree_choice.batch_tokens_per_pass`: the batch waits for its slowest row).
-When no lengths promise `tree_choice.MIN_GAIN` more than plain decoding (1 / t(1), no
-drafting at all), the request runs plain decoding. A source that costs passes and whose
-best lengths on its own promise less than that is left out (its passes saved; `out.stats`
-says so): the priors are rough (prompt lookup's above all), so a source that pays
-alone stays, and each step gives it the nodes its own acceptance earns.
+**Per step and row** (`choose_counts`, in the compiled step), each table is scaled by
+what the row has seen in this request: per source and depth d, `expected` sums the
+table's chance that depth d is right when d - 1 was (V[n, d] / V[n, d - 1] at the
+count n used), over the steps in which the source had a node at depth d in the trie
+and the accepted path ran through its nodes down to d - 1, and `hits` counts those in
+which it was right at d too. The row's factor at d is (w + hits) / (w + expected),
+w = `PRIOR_WEIGHT` pseudo-counts, and its reach at k is V[n, k] times the factors at
+depths 1 .. k (at most 0.999). Every count vector of `count_grid` (per source the
+counts of `COUNTS` its tree holds, at most the trie's width in all) is scored and the
+best rate wins (ties: the fewer nodes); all 0 is plain decoding for that step and row.
 
-The priors (per depth, the chance a chain's token d is right when the ones before are):
-heads, their `top_accuracy` top-1 per head (parallel) or per unrolled step
-(sequential), else `tree_choice.DRAFT_ACCURACY`; a draft model, `DRAFT_ACCURACY`
-(0.6 at every depth); prompt lookup, `LOOKUP_ACCURACY` (a stated default, not a
-measurement: a match's first token is right half the time, each further one 0.8 when
-the ones before were: copied text goes on being copied).
+**Per request** (`request_choice`): the same rate with the tables as they are, at the
+request's batch (`tree_choice.batch_tokens_per_pass`: the batch waits for its slowest
+row). When no counts promise `tree_choice.MIN_GAIN` more than plain decoding (1 / t(1),
+no drafting at all), the request runs plain decoding.
+
+The priors: heads, their `top_accuracy` (parallel heads: per head and rank; a sequential
+head: per unrolled step and rank), else `tree_choice`'s defaults; a draft model,
+`tree_choice.DRAFT_ACCURACY` (0.6 at every depth); prompt lookup, `LOOKUP_ACCURACY` (a
+stated default, not a measurement: a match's first token is right half the time, each
+further one 0.8 when the ones before were: copied text goes on being copied).
 """
 
 from __future__ import annotations
@@ -59,15 +68,18 @@ from mdjax.strategies import tree_choice
 from mdjax.strategies.pass_cost import WIDTHS, PassCost
 
 LOOKUP_ACCURACY = (0.5,) + (0.8,) * (tree_choice.MAX_DEPTH - 1)  # conditional, per depth
+LOOKUP_FURTHER = 0.3  # how often a further lookup match is right, against the one before
 PRIOR_WEIGHT = 4.0  # pseudo-counts of a source's prior against this request's own counts
 MAX_NODES = WIDTHS[-1] - 1  # the widest trie: c and its nodes within the measured profile
+COUNTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, MAX_NODES)
+MAX_REACH = 0.999
 
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
   """What a step costs, in units of t(1), as static numbers: `width[w]` the target's
   pass over w columns (w = 0 .. 1 + the trie's nodes; `width[0]` unused), `fixed` the
-  drafting every step pays, `per_token[s]` each further token source s drafts."""
+  drafting every step pays, `per_token[s]` each further node source s drafts."""
 
   width: tuple[float, ...]
   fixed: float
@@ -90,76 +102,116 @@ def conditional(reach: Sequence[float], depth: int) -> tuple[float, ...]:
   return tuple(min(max(float(v), 1e-3), 0.999) for v in values)
 
 
-def length_grid(caps: Sequence[int], nodes: int) -> np.ndarray:
-  """Every length vector `[C, S]` with n_s <= caps[s] and sum n_s <= `nodes`, fewest
-  nodes first (so a tie goes to the smaller trie)."""
-  grid = [n for n in itertools.product(*(range(c + 1) for c in caps)) if sum(n) <= nodes]
-  return np.asarray(sorted(grid, key=sum), np.int32).reshape(len(grid), len(caps))
+def chain_table(accuracy: Sequence[float], size: int, depth: int) -> np.ndarray:
+  """`[size + 1, depth]` V[n, k] of a chain of `size` tokens whose token d is right
+  with probability `accuracy[d - 1]` when the ones before are."""
+  reach = np.cumprod(np.asarray(conditional(accuracy, depth), np.float64))  # [D]
+  return np.where(np.arange(1, depth + 1) <= np.arange(size + 1)[:, None], reach, 0.0)
 
 
-def expected_tokens(accuracy: Float[Array, "... S D"], lengths: Int[Array, "... C S"]
-                    ) -> Float[Array, "... C"]:
-  """E(n) (module docstring) of each length vector, from per-depth conditional
-  accuracies (the reach is their running product)."""
-  reach = jnp.cumprod(accuracy, axis=-1)[..., None, :, :]  # [..., 1, S, D]
-  depth = jnp.arange(1, accuracy.shape[-1] + 1)
-  offered = depth <= lengths[..., None]  # [..., C, S, D]
-  missed = jnp.prod(1 - jnp.where(offered, reach, 0.0), axis=-2)  # [..., C, D]
-  return 1 + (1 - missed).sum(axis=-1)
+def matches_table(matches: int, length: int, depth: int) -> np.ndarray:
+  """`[matches x length + 1, depth]` V[n, k] of prompt lookup's `matches` chains of
+  `length` tokens, one after the other (module docstring)."""
+  chain = np.cumprod(np.asarray(conditional(LOOKUP_ACCURACY, depth), np.float64))  # [D]
+  n = np.arange(matches * length + 1)[:, None, None]  # [N, 1, 1]
+  m, k = np.arange(matches)[:, None], np.arange(1, depth + 1)  # [M, 1], [D]
+  offered = (k <= length) & (m * length + k <= n)  # [N, M, D]
+  right = LOOKUP_FURTHER ** m * chain  # [M, D]
+  return 1 - np.prod(1 - np.where(offered, right, 0.0), axis=1)
 
 
-def step_rate(accuracy: Float[Array, "... S D"], lengths: Int[Array, "... C S"],
+def tree_table(values: Sequence[tuple[float, int]], depth: int) -> np.ndarray:
+  """`[len(values) + 1, depth]` V[n, k] of a tree whose nodes, in the order it gives
+  them, are `(value, depth)`: the summed values of the depth-k nodes among the first n."""
+  table = np.zeros((len(values) + 1, depth))
+  for n, (value, level) in enumerate(values, start=1):
+    table[n] = table[n - 1]
+    table[n, level - 1] += value
+  return np.minimum(table, MAX_REACH)
+
+
+def step_conditional(table: np.ndarray) -> np.ndarray:
+  """`[N + 1, D]` V[n, d] / V[n, d - 1] (V[n, 0] = 1): the chance depth d is right
+  when d - 1 was, with the first n nodes."""
+  above = np.pad(table, ((0, 0), (1, 0)), constant_values=1.0)[:, :-1]
+  return np.divide(table, above, out=np.zeros_like(table), where=above > 0)
+
+
+def stacked(tables: Sequence[np.ndarray]) -> np.ndarray:
+  """`[S, N + 1, D]` the tables, each padded with its last row to the largest."""
+  rows = max(t.shape[0] for t in tables)
+  return np.stack([np.pad(t, ((0, rows - t.shape[0]), (0, 0)), mode="edge") for t in tables]
+                  ).astype(np.float32)
+
+
+def count_grid(sizes: Sequence[int], nodes: int) -> np.ndarray:
+  """Every count vector `[C, S]` with n_s among `COUNTS` (or its whole tree) up to
+  sizes[s], and sum n_s <= `nodes`, fewest nodes first (so a tie goes to the smaller
+  trie)."""
+  options = [sorted({c for c in COUNTS if c <= size} | {size}) for size in sizes]
+  grid = [n for n in itertools.product(*options) if sum(n) <= nodes]
+  return np.asarray(sorted(grid, key=sum), np.int32).reshape(len(grid), len(sizes))
+
+
+def factor(expected: Float[Array, "R S D"], hits: Int[Array, "R S D"]) -> Float[Array, "R S D"]:
+  """Each row's correction of the tables per source and depth (module docstring)."""
+  return (PRIOR_WEIGHT + hits) / (PRIOR_WEIGHT + expected)
+
+
+def expected_tokens(reach: Float[Array, "... S D"]) -> Float[Array, "..."]:
+  """E(n) (module docstring) from each source's reach per depth."""
+  return 1 + (1 - jnp.prod(1 - reach, axis=-2)).sum(axis=-1)
+
+
+def step_rate(reach: Float[Array, "... C S D"], counts: Int[Array, "... C S"],
               cost: StepCost) -> Float[Array, "... C"]:
-  """rate(n) (module docstring) per length vector, in tokens per t(1)."""
-  width = jnp.asarray(cost.width)[1 + lengths.sum(axis=-1)]
-  drafting = cost.fixed + (lengths * jnp.asarray(cost.per_token)).sum(axis=-1)
-  return expected_tokens(accuracy, lengths) / (width + drafting)
+  """rate(n) (module docstring) per count vector, in tokens per t(1)."""
+  width = jnp.asarray(cost.width)[1 + counts.sum(axis=-1)]
+  drafting = cost.fixed + (counts * jnp.asarray(cost.per_token)).sum(axis=-1)
+  return expected_tokens(reach) / (width + drafting)
 
 
-def estimate(prior: Float[Array, "S D"], tried: Int[Array, "R S D"],
-             accepted: Int[Array, "R S D"]) -> Float[Array, "R S D"]:
-  """Each row's accuracy per source and depth: the prior updated by its own counts."""
-  return (PRIOR_WEIGHT * prior + accepted) / (PRIOR_WEIGHT + tried)
-
-
-def choose_lengths(accuracy: Float[Array, "R S D"], available: Int[Array, "R S"],
-                   grid: np.ndarray, cost: StepCost) -> Int[Array, "R S"]:
-  """Each row's chain lengths of the best rate (at most what each source has)."""
-  lengths = jnp.minimum(jnp.asarray(grid)[None], available[:, None, :])  # [R, C, S]
-  best = jnp.argmax(step_rate(accuracy, lengths, cost), axis=1)  # [R]
-  return jnp.take_along_axis(lengths, best[:, None, None], axis=1)[:, 0]
+def choose_counts(tables: np.ndarray, correction: Float[Array, "R S D"],
+                  available: Int[Array, "R S"], grid: np.ndarray, cost: StepCost
+                  ) -> Int[Array, "R S"]:
+  """Each row's node counts of the best rate (at most what each source has), from the
+  `stacked` tables `[S, N + 1, D]` and the rows' `factor`s."""
+  counts = jnp.minimum(jnp.asarray(grid)[None], available[:, None, :])  # [R, C, S]
+  sources = jnp.arange(tables.shape[0])
+  reach = jnp.asarray(tables)[sources, counts]  # [R, C, S, D]
+  reach = jnp.minimum(reach * jnp.cumprod(correction, axis=-1)[:, None], MAX_REACH)
+  best = jnp.argmax(step_rate(reach, counts, cost), axis=1)  # [R]
+  return jnp.take_along_axis(counts, best[:, None, None], axis=1)[:, 0]
 
 
 @dataclasses.dataclass(frozen=True)
 class RequestChoice:
-  """What `auto` chose for a request: the `lengths` of the best rate with the priors
+  """What `auto` chose for a request: the `counts` of the best rate with the tables
   (all 0: plain decoding), its expected tokens per pass and speedup over plain decoding."""
 
-  lengths: tuple[int, ...]
+  counts: tuple[int, ...]
   tokens_per_pass: float
   speedup: float
 
   @property
   def plain(self) -> bool:
-    return not any(self.lengths)
+    return not any(self.counts)
 
 
-def request_choice(prior: np.ndarray, caps: Sequence[int], nodes: int, cost: StepCost,
+def request_choice(tables: Sequence[np.ndarray], grid: np.ndarray, cost: StepCost,
                    batch: tree_choice.Batch, allow_plain: bool = True) -> RequestChoice:
-  """The lengths of the best rate (module docstring) with the `prior` accuracies
-  `[S, D]` at `batch`, against plain decoding (rate 1, no drafting) with its margin."""
-  grid = length_grid(caps, nodes)
-  reach = np.cumprod(np.asarray(prior, np.float64), axis=-1)  # [S, D]
-  best, best_rate = RequestChoice(lengths=(0,) * len(caps), tokens_per_pass=1.0, speedup=1.0), (
+  """The counts of the best rate (module docstring) with the `tables` at `batch`,
+  against plain decoding (rate 1, no drafting) with its margin."""
+  best, best_rate = RequestChoice(counts=(0,) * len(tables), tokens_per_pass=1.0, speedup=1.0), (
       tree_choice.MIN_GAIN if allow_plain else 0.0)
-  for lengths in grid[1:]:
-    offered = np.arange(1, reach.shape[1] + 1) <= lengths[:, None]
-    at_least = 1 - np.prod(1 - np.where(offered, reach, 0.0), axis=0)  # [D] P(A >= k)
+  for counts in grid[1:]:
+    reach = np.stack([table[n] for table, n in zip(tables, counts)])  # [S, D]
+    at_least = 1 - np.prod(1 - reach, axis=0)  # [D] P(A >= k)
     tokens = tree_choice.batch_tokens_per_pass(at_least, batch)
-    rate = tokens / (cost.width[1 + int(lengths.sum())] + cost.fixed
-                     + float(np.dot(lengths, cost.per_token)))
+    rate = tokens / (cost.width[1 + int(counts.sum())] + cost.fixed
+                     + float(np.dot(counts, cost.per_token)))
     if rate > best_rate and math.isfinite(rate):
       best_rate = rate
-      best = RequestChoice(lengths=tuple(int(n) for n in lengths), tokens_per_pass=tokens,
+      best = RequestChoice(counts=tuple(int(n) for n in counts), tokens_per_pass=tokens,
                            speedup=rate)
   return best

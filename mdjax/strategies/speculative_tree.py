@@ -39,7 +39,6 @@ draft pass (`DraftPass`), so `eagle` drafts the same trees with its head.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, ClassVar
 
 import jax
@@ -55,7 +54,7 @@ from mdjax.sampling import process_logits
 from mdjax.strategies import drafting, prompt_layouts, tree_choice, trees
 from mdjax.strategies.base import Limits, ModelFn, Prompt, Sampled
 from mdjax.strategies.drafting import DraftModelState, DraftState
-from mdjax.strategies.pass_cost import PassCost, pass_cost
+from mdjax.strategies.pass_cost import pass_cost
 from mdjax.strategies.registry import register
 from mdjax.strategies.trees import Tree, Verified
 from mdjax.topology import Topology
@@ -141,28 +140,18 @@ class TreeDrafter(Sampled):
       return self
     rows = prompt.tokens.shape[0]
     cost = pass_cost(self.model, params["target"], rows)
-    choice = self._choose(cost, self.draft_fraction(params),
-                          tree_choice.Batch(rows=rows, new_tokens=capacity))
+    choice = tree_choice.chosen_dynamic_tree(
+        tree_choice.hashable(self.acceptance), cost, self.draft_fraction(params),
+        tuple(self.catch_up_width(depth) for depth in range(1, tree_choice.MAX_DEPTH + 1)),
+        (self.tree_depth,) if self.tree_depth else tuple(range(1, tree_choice.MAX_DEPTH + 1)),
+        ((self.tree_top_k,) if self.tree_top_k
+         else tuple(range(1, min(tree_choice.MAX_TOP_K, self.model.vocab_size) + 1))),
+        tree_choice.Batch(rows=rows, new_tokens=capacity), allow_plain=not self.return_metadata)
     if choice.plain:
       return tree_choice.plain_decoding(self, params, prompt, capacity, choice)
     return dataclasses.replace(self, tree_depth=choice.depth, tree_top_k=choice.top_k,
                                tree_budget=choice.budget,
                                request_stats=choice.stats(self.sampling.greedy))
-
-  @functools.lru_cache(maxsize=256)
-  def _choose(self, cost: PassCost, fraction: float,
-              batch: tree_choice.Batch) -> tree_choice.Choice:
-    """`auto`'s tree for a request shape, the drafter's pass costing `fraction` of the
-    target's; remembered, because the search costs a request tens of milliseconds on a
-    CPU and plain decoding, when it wins, must cost what greedy costs."""
-    return tree_choice.dynamic_tree(
-        self.acceptance, cost,
-        lambda depth, top_k: fraction * (cost(self.catch_up_width(depth))
-                                         + (depth - 1) * cost(top_k)),
-        depths=(self.tree_depth,) if self.tree_depth else range(1, tree_choice.MAX_DEPTH + 1),
-        top_ks=((self.tree_top_k,) if self.tree_top_k
-                else range(1, min(tree_choice.MAX_TOP_K, self.model.vocab_size) + 1)),
-        batch=batch, allow_plain=not self.return_metadata)
 
   @property
   def acceptance(self) -> tuple[tuple[float, ...], ...]:

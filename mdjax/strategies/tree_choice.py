@@ -67,6 +67,7 @@ import statistics
 from typing import Callable, Sequence
 
 import jax
+import numpy as np
 
 from mdjax.errors import MdjaxError
 from mdjax.heads.tree import build_tree, default_accuracy, node_value, rank_accuracy
@@ -142,6 +143,17 @@ def draft_fraction(drafter, target, *, reads_unembedding: bool) -> float:
   return (size(drafter) + (size(unembedding) if reads_unembedding else 0)) / size(target)
 
 
+def first_heads_fractions(family, heads_params, target_params, count: int, *,
+                          reads_unembedding: bool) -> tuple[float, ...]:
+  """Per depth d = 1 .. `count`, the `draft_fraction` of parallel heads' first d heads
+  (a tree d deep runs those only). The heads' shapes are numpy views of one byte:
+  cutting heads off them runs nothing."""
+  shapes = jax.tree.map(lambda x: np.broadcast_to(np.int8(0), x.shape), heads_params)
+  return tuple(draft_fraction(family.first_heads(shapes, depth), target_params,
+                              reads_unembedding=reads_unembedding)
+               for depth in range(1, count + 1))
+
+
 def batch_tokens_per_pass(reach: Sequence[float], batch: Batch) -> float:
   """The expected tokens per pass of `batch` (module docstring) when each row accepts
   at least k drafted tokens with probability `reach[k - 1]`."""
@@ -167,7 +179,7 @@ def static_tree(accuracy, cost: PassCost, draft_s: Callable[[int], float], *,
   plain = 1 / cost(branches)
   best, best_rate = _plain(cost), plain * MIN_GAIN if allow_plain else 0.0
   for budget in range(1, min(_max_nodes(branches), available) + 1):
-    tree = best_static_tree(_hashable(accuracy), budget)
+    tree = best_static_tree(hashable(accuracy), budget)
     depth = max(map(len, tree))
     reach = [sum(node_value(node, per_rank) for node in tree if len(node) == d)
              for d in range(1, depth + 1)]
@@ -189,7 +201,7 @@ def dynamic_tree(accuracy, cost: PassCost, draft_s: Callable[[int, int], float],
   best, best_rate = _plain(cost), plain * MIN_GAIN if allow_plain else 0.0
   for depth in depths:
     for top_k in top_ks:
-      nodes = drafted_values(_hashable(accuracy), depth, top_k)
+      nodes = drafted_values(hashable(accuracy), depth, top_k)
       draft, reach = draft_s(depth, top_k), [0.0] * depth
       for budget, (value, level) in enumerate(nodes[:_max_nodes(1)], start=1):
         reach[level - 1] += value
@@ -200,6 +212,30 @@ def dynamic_tree(accuracy, cost: PassCost, draft_s: Callable[[int, int], float],
           best = Choice(budget=budget, depth=depth, top_k=top_k, tokens_per_pass=length,
                         speedup=rate / plain, cost=cost)
   return best
+
+
+@functools.lru_cache(maxsize=256)
+def chosen_static_tree(accuracy: tuple, cost: PassCost, fractions: tuple[float, ...],
+                       branches: int, batch: Batch, allow_plain: bool) -> Choice:
+  """`static_tree` for a request shape (Medusa's `auto`), a tree of depth d drafting for
+  `fractions[d - 1]` passes of its branches x d rows. Remembered, keyed on these inputs
+  alone (no strategy is kept alive): the search costs a request tens of milliseconds on
+  a CPU, and plain decoding, when it wins, must cost what greedy costs."""
+  return static_tree(accuracy, cost, lambda depth: fractions[depth - 1] * cost(branches * depth),
+                     branches=branches, batch=batch, allow_plain=allow_plain)
+
+
+@functools.lru_cache(maxsize=256)
+def chosen_dynamic_tree(accuracy: tuple, cost: PassCost, fraction: float,
+                        catch_up_widths: tuple[int, ...], depths: tuple[int, ...],
+                        top_ks: tuple[int, ...], batch: Batch, allow_plain: bool) -> Choice:
+  """`dynamic_tree` for a request shape (`eagle`'s and `speculative_tree`'s `auto`): the
+  drafter's pass costs `fraction` of the target's, its first pass of a tree d deep is
+  `catch_up_widths[d - 1]` columns wide. Remembered as `chosen_static_tree` is."""
+  return dynamic_tree(
+      accuracy, cost,
+      lambda depth, top_k: fraction * (cost(catch_up_widths[depth - 1]) + (depth - 1) * cost(top_k)),
+      depths=depths, top_ks=top_ks, batch=batch, allow_plain=allow_plain)
 
 
 def plain_decoding(strategy: Sampled, params, prompt: Prompt, capacity: int,
@@ -237,7 +273,7 @@ def drafted_values(accuracy: tuple, depth: int, top_k: int) -> tuple[tuple[float
                       key=lambda pair: -pair[0]))
 
 
-def _hashable(accuracy) -> tuple[tuple[float, ...], ...]:
+def hashable(accuracy) -> tuple[tuple[float, ...], ...]:
   return tuple(tuple(float(a) for a in row) for row in accuracy)
 
 

@@ -60,7 +60,7 @@ class Tree:
   """Drafted nodes, parents before children: `tokens`, `parent` (node index, -1 for a
   child of the last emitted token), `depth` (1 for those children): int32[B, N]. A
   padding node has depth 0 and parent `PAD`: it is not fed and never accepted (a tree
-  of fewer nodes than its static width, `merge_chains`)."""
+  of fewer nodes than its static width, `merge_trees`)."""
 
   tokens: Int[Array, "B N"]
   parent: Int[Array, "B N"]
@@ -200,54 +200,65 @@ def path_metadata(tree: Tree, verified: Verified, sampling: SamplingParams):
                            proposal, accepted + child.any(axis=1), accepted)
 
 
-def merge_chains(chains: Sequence[tuple[Int[Array, "B L"], Int[Array, "B"]]], budget: int
-                 ) -> tuple[Tree, Int[Array, "B S D"]]:
-  """One trie of several drafters' chains (`tokens [B, L_s]`, the first `count [B]` of
-  them real), at most `budget` nodes, padding last. A path two chains share is one
-  path: chain s's token d joins the node of the first chain whose tokens 0 .. d equal
-  its own. Nodes come chain by chain (parents before children), so cutting the tree
-  at `budget` nodes keeps the first chains' longest. Three chains, `budget` 5::
+def chain(tokens: Int[Array, "B L"], count: Int[Array, "B"]) -> Tree:
+  """A chain as a tree: token d under token d - 1, the first `count` real (the rest
+  padding)."""
+  live = jnp.arange(tokens.shape[1])[None, :] < count[:, None]
+  return Tree(tokens=tokens, parent=jnp.where(live, jnp.arange(tokens.shape[1]) - 1, PAD),
+              depth=jnp.where(live, jnp.arange(1, tokens.shape[1] + 1), 0))
 
-      chain 0   a b c            trie     c ── a ── b ── c
-      chain 1   a b d                               └── d
-      chain 2   e f              nodes    a b c d e   (f cut: over the budget)
 
-  Returns the tree and `node_of [B, S, D]`: the node holding chain s's token d (-1:
-  not in the tree), so a chain's accepted length is how many of its first nodes the
-  accepted path runs through (a shared node counts for every chain holding it).
-  """
-  depth = max(tokens.shape[1] for tokens, _ in chains)
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, depth - x.shape[1])))
-  tokens = [pad(t) for t, _ in chains]  # S x [B, D]
-  live = [jnp.arange(depth)[None, :] < count[:, None] for _, count in chains]  # S x [B, D]
-  offset = np.cumsum([0] + [t.shape[1] for t, _ in chains])  # first flat node of each chain
-  flat_of = []  # S x [B, D]: the flat node holding chain s's token d (-1: none)
-  for s in range(len(chains)):
-    node = jnp.where(live[s], offset[s] + jnp.arange(depth), -1)
-    for t in reversed(range(s)):  # the first chain sharing the prefix wins
-      same = jnp.cumprod(tokens[s] == tokens[t], axis=1).astype(jnp.bool_) & live[s] & live[t]
-      node = jnp.where(same, offset[t] + jnp.arange(depth), node)
-    flat_of.append(node)
-  own = jnp.concatenate([(flat_of[s] == offset[s] + jnp.arange(depth))[:, :t.shape[1]]
-                         for s, (t, _) in enumerate(chains)], axis=1)  # [B, N] a trie node
-  parent = jnp.concatenate([jnp.pad(flat_of[s], ((0, 0), (1, 0)), constant_values=-1)
-                            [:, :t.shape[1]] for s, (t, _) in enumerate(chains)], axis=1)
-  level = np.concatenate([np.arange(1, t.shape[1] + 1) for t, _ in chains])  # [N]
-  flat_tokens = jnp.concatenate([t for t, _ in chains], axis=1)  # [B, N]
+def merge_trees(proposals: Sequence[Tree], used: Sequence[Bool[Array, "B N"]], budget: int,
+                depth: int) -> tuple[Tree, list[Int[Array, "B N"]]]:
+  """One trie of several drafters' trees (each parents before children; `used[s]` its
+  nodes that join, a set closed under parents), at most `budget` nodes, at most `depth`
+  levels, padding last. A path two nodes share is one node: a node joins the first node,
+  source by source and node by node, that holds the same tokens from the root down
+  (within one source too). Nodes come source by source, in each source's order, so
+  cutting the trie at `budget` nodes keeps the first sources' and each source's first
+  nodes. Three sources (a chain, a tree, a chain), `budget` 5::
+
+      source 0   a b c              trie     c ── a ── b ── c
+      source 1   a b d  +  a e                     │    └── d
+      source 2   e f                               └── e          (a e: source 1)
+                                             nodes    a b c d e   (source 2's e f cut)
+
+  Returns the trie and, per source, `node_of [B, N_s]`: the trie node holding its node
+  (-1: not in the trie), so a source is credited with the accepted path's nodes it
+  holds."""
+  sizes = [tree.tokens.shape[1] for tree in proposals]
+  offset = np.cumsum([0] + sizes)
+  tokens = jnp.concatenate([tree.tokens for tree in proposals], axis=1)  # [B, N]
+  live = jnp.concatenate([u & (tree.depth > 0) for tree, u in zip(proposals, used)], axis=1)
+  parent = jnp.concatenate([jnp.where(tree.parent >= 0, tree.parent + offset[s], -1)
+                            for s, tree in enumerate(proposals)], axis=1)  # [B, N] flat
+  level = jnp.concatenate([tree.depth for tree in proposals], axis=1)
+  rows, width = tokens.shape
+  # path[b, n, d]: the token at depth d + 1 on node n's path (-1 below n)
+  path = jnp.full((rows, width, depth), -1, jnp.int32)
+  at = jnp.broadcast_to(jnp.arange(width), (rows, width))  # [B, N] each node's ancestor
+  for _ in range(depth):
+    safe = jnp.maximum(at, 0)
+    here = (at >= 0)[..., None] & (jnp.take_along_axis(level, safe, axis=1)[..., None]
+                                   == jnp.arange(1, depth + 1))  # [B, N, D]
+    path = jnp.where(here, jnp.take_along_axis(tokens, safe, axis=1)[..., None], path)
+    at = jnp.where(at >= 0, jnp.take_along_axis(parent, safe, axis=1), -1)
+  same = ((path[:, :, None] == path[:, None, :]).all(axis=-1) & live[:, :, None]
+          & live[:, None, :])  # [B, N, N]
+  first = jnp.argmax(same, axis=2)  # [B, N] the first node of the same path
+  own = live & (first == jnp.arange(width))  # [B, N] a trie node
   order = jnp.argsort(~own, axis=1, stable=True)  # [B, N] trie nodes first, in flat order
   index = jnp.argsort(order, axis=1)  # [B, N] flat -> packed
   order = order[:, :budget]
-  index = jnp.where(own & (index < budget), index, -1)
+  index = jnp.where(own & (index < budget), index, -1)  # [B, N] packed node of a trie node
   take = lambda x: jnp.take_along_axis(x, order, axis=1)
-  kept = take(own & (index >= 0))
-  new_parent = jnp.where(take(parent) >= 0, jnp.take_along_axis(index, jnp.maximum(take(parent),
-                                                                                  0), axis=1), -1)
-  tree = Tree(tokens=take(flat_tokens), parent=jnp.where(kept, new_parent, PAD),
-              depth=jnp.where(kept, take(jnp.broadcast_to(jnp.asarray(level, jnp.int32),
-                                                          own.shape)), 0))
-  node_of = jnp.stack([jnp.where(f >= 0, jnp.take_along_axis(index, jnp.maximum(f, 0), axis=1),
-                                 -1) for f in flat_of], axis=1)  # [B, S, D]
-  return tree, node_of
+  kept = take(index >= 0)
+  parent_node = jnp.take_along_axis(first, jnp.maximum(parent, 0), axis=1)  # its trie node
+  new_parent = jnp.where(parent >= 0, jnp.take_along_axis(index, parent_node, axis=1), -1)
+  tree = Tree(tokens=take(tokens), parent=jnp.where(kept, take(new_parent), PAD),
+              depth=jnp.where(kept, take(level), 0))
+  node_of = jnp.where(live, jnp.take_along_axis(index, first, axis=1), -1)  # [B, N]
+  return tree, [node_of[:, offset[s]:offset[s + 1]] for s in range(len(proposals))]
 
 
 def keep_segments(cache: KVCache, keep: Bool[Array, "B N"]) -> KVCache:
