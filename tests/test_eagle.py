@@ -216,7 +216,7 @@ def test_drafted_nodes_read_their_parents_predicted_feature(targets):
 
   state = types.SimpleNamespace(buffer=types.SimpleNamespace(done=jnp.zeros((1,), bool)),
                                 next_pos=jnp.asarray([4]))
-  tree, _ = strategy._draft_tree(stand_in, state, -jnp.abs(jnp.arange(vocab) - 30.0)[None],
+  tree, _ = strategy.draft_tree(stand_in, state, -jnp.abs(jnp.arange(vocab) - 30.0)[None],
                                  jnp.zeros(()), jnp.full((1, k, 1), float(c0)))
   tokens, parent, depth = (np.asarray(x)[0] for x in (tree.tokens, tree.parent, tree.depth))
   for n in np.flatnonzero(depth > 1):

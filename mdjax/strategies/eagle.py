@@ -139,7 +139,7 @@ class Eagle(TreeDrafter):
   def catch_up_width(self, depth: int) -> int:
     return 1 + depth  # `HeadState.pending`
 
-  def _head_pass(self, params) -> DraftPass:
+  def head_pass_of(self, params) -> DraftPass:
     """The head as a draft pass: features in, (logits, predicted features, cache) out."""
     kind = get_family(self.heads.family)
 
@@ -164,7 +164,7 @@ class Eagle(TreeDrafter):
     head_config = get_family(self.heads.family).cache_config(self.heads, self.model.config)
     head_cache = KVCache.create(head_config, batch, target_cache.num_slots, target_cache.k.dtype)
     shifted = jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))  # [B, P, H] h_{t-1}, 0 at t = 0
-    _, _, head_cache = self._head_pass(params)(
+    _, _, head_cache = self.head_pass_of(params)(
         head_cache, prompt.tokens, prompt.positions, prompt.segments, topology, shifted,
         logits_at=jnp.zeros((batch, 0), jnp.int32))  # no logits: only the cache is wanted
     last_hidden = jnp.take_along_axis(hidden, prompt.branch_last[:, :1, None], axis=1)  # [B, 1, H]
@@ -174,8 +174,8 @@ class Eagle(TreeDrafter):
         features=jnp.zeros((*width, hidden.shape[-1]), hidden.dtype).at[:, :1].set(last_hidden),
         pending_count=jnp.ones((batch,), jnp.int32)))
 
-  def _catch_up(self, head_pass: DraftPass, state: DraftState
-                ) -> tuple[Float[Array, "B V"], Float[Array, "B H"], KVCache]:
+  def catch_up_head(self, head_pass: DraftPass, state: DraftState
+                    ) -> tuple[Float[Array, "B V"], Float[Array, "B H"], KVCache]:
     """One head pass over the pending tokens: its logits after the last emitted token
     `c`, the feature it predicts there (level 1's), and its cache holding everything
     emitted so far."""
@@ -188,8 +188,8 @@ class Eagle(TreeDrafter):
     return logits[:, 0], jnp.take_along_axis(features, last[..., None], axis=1)[:, 0], cache
 
   def step(self, params, state: DraftState) -> DraftState:
-    head_pass = self._head_pass(params)
-    logits, feature, head_cache = self._catch_up(head_pass, state)
+    head_pass = self.head_pass_of(params)
+    logits, feature, head_cache = self.catch_up_head(head_pass, state)
     front_features = jnp.broadcast_to(feature[:, None], (feature.shape[0], self.tree_top_k,
                                                           feature.shape[1]))  # [B, K, H]
     state, verified, drafted, _ = self._tree_step(params["target"], state, head_pass, logits,

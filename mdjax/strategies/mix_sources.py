@@ -256,7 +256,7 @@ class SequentialHead(HeadsSource):
     config = get_family(self.heads.family).cache_config(self.heads, self.target.config)
     head_cache = KVCache.create(config, batch, cache.num_slots, cache.k.dtype)
     shifted = jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))  # [B, P, H] h_{t-1}
-    head_pass = self.drafter._head_pass(params)
+    head_pass = self.drafter.head_pass_of(params)
     _, _, head_cache = head_pass(head_cache, prompt.tokens, prompt.positions, prompt.segments,
                                  topology, shifted, logits_at=jnp.zeros((batch, 0), jnp.int32))
     last = jnp.take_along_axis(hidden, prompt.branch_last[:, :1, None], axis=1)  # [B, 1, H]
@@ -267,13 +267,13 @@ class SequentialHead(HeadsSource):
 
   def propose(self, params, state, count, keys):
     """The catch-up pass (level 1 from its logits at `c`), then a pass per further level
-    (`TreeDrafter._draft_tree`); the drafted nodes best score first, the first `size`.
+    (`TreeDrafter.draft_tree`); the drafted nodes best score first, the first `size`.
     Scratch: the caught-up cache length, and the cache holding the fed nodes."""
-    drafter, head_pass = self.drafter, self.drafter._head_pass(params)
+    drafter, head_pass = self.drafter, self.drafter.head_pass_of(params)
     as_draft = dataclasses.replace(state, draft=state.read)
-    logits, feature, cache = drafter._catch_up(head_pass, as_draft)
+    logits, feature, cache = drafter.catch_up_head(head_pass, as_draft)
     front = jnp.broadcast_to(feature[:, None], (feature.shape[0], self.top_k, feature.shape[1]))
-    drafted, carry = drafter._draft_tree(head_pass, as_draft, logits, cache, front,
+    drafted, carry = drafter.draft_tree(head_pass, as_draft, logits, cache, front,
                                          draft_ids=params["heads"].get("draft_ids"))
     rows = logits.shape[0]
     best = jnp.argsort(-carry.score, axis=1, stable=True)[:, :self.size]  # [R, M] parents first

@@ -183,7 +183,7 @@ class TreeDrafter(Sampled):
   def _log_probs(self, logits: Float[Array, "... V"]) -> Float[Array, "... V"]:
     return jax.nn.log_softmax(process_logits(logits, self.sampling), axis=-1)
 
-  def _draft_tree(self, draft_pass: DraftPass, state: DraftState, logits: Float[Array, "B V"],
+  def draft_tree(self, draft_pass: DraftPass, state: DraftState, logits: Float[Array, "B V"],
                   draft_cache: KVCache, front_context: Any,
                   draft_ids: Int[Array, "Vd"] | None = None) -> tuple[Tree, TreeDraft]:
     """Every drafted node (`Tree`, N = num_drafted, by level then rank), and the loop's
@@ -262,7 +262,7 @@ class TreeDrafter(Sampled):
     tree, the drafting loop's last carry, and the drafted index of each accepted node
     (-1 past them)."""
     keys = drafting.step_keys(state)
-    drafted, carry = self._draft_tree(draft_pass, state, logits, draft_cache, front_context,
+    drafted, carry = self.draft_tree(draft_pass, state, logits, draft_cache, front_context,
                                       draft_ids)
     tree, kept = self._keep(drafted, carry.score)
     verified = trees.verify(self.model, target_params, state, tree, self.tree_depth, keys,
