@@ -124,8 +124,29 @@ def _set_few(row: Int[Array, "B S"], slot: Int[Array, "B T"],
 
 def write_layer(cache: KVCache, layer: int, slot: Int[Array, "B T"], k: Float[Array, "B T K H"],
                 v: Float[Array, "B T K H"]) -> KVCache:
-  """Writes one layer's new K/V into the slots `claim_slots` gave (in place under jit)."""
+  """Writes one layer's new K/V into the slots `claim_slots` gave (in place under jit).
+
+  A TPU writes them by T selects over the layer's slice, not by a scatter: XLA:TPU
+  keeps the cache slots-minor (`{2,4,3,1,0}`; a head_dim of 64 minor would be padded to
+  128 lanes) but scatters only head_dim-minor, so for a scatter it copied K and V into
+  that layout before the layer loop and back after it (twice the cache per pass from
+  8 rows; at 32 rows of 64 tokens, a whole K or V 4 times in every layer). The selects
+  read and write the layer's slice where it lies, in one pass over it; the token each
+  slot takes (`src`, a scatter of ints `[B, S]`) follows the scatter's own rule
+  (docs/results/programs/, "The KV cache is copied")."""
   rows = jnp.arange(slot.shape[0])[:, None]  # [B, 1]
+  if platform.current() == "tpu":
+    tokens = jnp.broadcast_to(jnp.arange(slot.shape[1], dtype=jnp.int32), slot.shape)  # [B, T]
+    src = jnp.full(cache.seg.shape, -1, jnp.int32).at[rows, slot].set(tokens, mode="drop")
+
+    def put(stack, new):  # [L, B, S, K, H], [B, T, K, H]
+      written = jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)  # [B, S, K, H]
+      for t in range(slot.shape[1]):
+        written = jnp.where((src == t)[:, :, None, None], new[:, t, None].astype(stack.dtype),
+                            written)
+      return jax.lax.dynamic_update_index_in_dim(stack, written, layer, 0)
+
+    return cache.replace(k=put(cache.k, k), v=put(cache.v, v))
   return cache.replace(k=cache.k.at[layer, rows, slot].set(k.astype(cache.k.dtype), mode="drop"),
                        v=cache.v.at[layer, rows, slot].set(v.astype(cache.v.dtype), mode="drop"))
 

@@ -324,3 +324,24 @@ def test_a_gpu_claims_a_few_slots_as_the_cpu_does():
       got = cache_ops.claim_slots(cache, positions, segments, slots)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
       np.testing.assert_array_equal(a, b)
+
+
+def test_a_tpu_writes_a_layer_as_the_cpu_does():
+  """Built for a TPU, `write_layer` writes a layer's K/V by selects over its slice, not
+  a scatter into the stacked cache (XLA:TPU copied the whole cache for the scatter):
+  the same cache, every other layer untouched, for slots that claim_slots gives (with
+  padding past the end) and slots given (one negative, one past the end)."""
+  rng = np.random.default_rng(0)
+  shape = (CONFIG.num_layers, 2, 8, CONFIG.num_kv_heads, CONFIG.head_dim)
+  cache = KVCache.create(CONFIG, 2, 8).replace(
+      k=jnp.asarray(rng.standard_normal(shape), jnp.float32),
+      v=jnp.asarray(rng.standard_normal(shape), jnp.float32))
+  new = jnp.asarray(rng.standard_normal((2, 3, *shape[3:])), jnp.bfloat16)  # [B, T, K, H]
+  for slots in (jnp.array([[3, 4, 8], [5, 6, 7]], jnp.int32),
+                jnp.array([[1, 2, -1], [7, 8, 0]], jnp.int32)):
+    expected = cache_ops.write_layer(cache, 1, slots, new, -new)
+    with platform.building_for("tpu"):
+      got = jax.jit(cache_ops.write_layer, static_argnums=1)(cache, 1, slots, new, -new)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+      np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(expected.k, cache.k)  # the test writes something

@@ -8,10 +8,10 @@ by requirements-dev.txt; no skip without it) by `mdjax.hlo_report` and
   block-sparse walk of data-dependent length, a check every step), and waits for no host;
 - `decode_step` of a 1B llama (Llama-3.2-1B's shape, bfloat16, 8 rows of 2 tokens: the
   several-row products for which XLA:GPU copies a scanned layer's weights) copies no
-  weights, waits for no host and fits a v5e; it copies its KV cache at most twice
-  (today's count, a regression guard: XLA:TPU lays the cache out differently inside the
-  layer loop, so K and V are copied in before it and out after it; the goal is none:
-  docs/results/programs/);
+  weights, waits for no host, fits a v5e and copies no part of its KV cache (a TPU
+  writes a layer's new K/V by selects where the layer lies, `mdjax.cache.write_layer`:
+  a scatter made XLA:TPU copy K and V into another layout before the layer loop and
+  back after it, twice the cache per pass: docs/results/programs/);
 - a float32 step computes every product in float32 (`mdjax.models.numerics`).
 
 Shapes are the smallest that show each property; one 1B compile (~15 s) per run."""
@@ -53,14 +53,16 @@ def test_a_1b_step_copies_no_weights_and_waits_for_no_host(one_b):
   assert report["loop_copy_bytes"] == 0  # into device memory: a layer's K/V goes to VMEM
 
 
-def test_a_1b_step_fits_a_v5e_with_its_cache_copied_at_most_twice(one_b):
+def test_a_1b_step_fits_a_v5e_and_copies_no_cache(one_b):
   report, weights, kv = one_b
   memory = report["memory"]
   assert weights + kv <= memory["argument"] <= weights + kv + MiB  # and a few int tables
   assert memory["alias"] >= kv  # the donated cache is updated in its own buffers
   assert memory["output"] - memory["alias"] <= 4 * MiB  # logits and hidden states
-  assert report["copy_bytes"] <= 2 * kv + 4 * MiB, report["copy_shapes"]
-  assert memory["temp"] <= 2 * kv + 4 * MiB
+  # 2.1 MiB: the float32 logits (2 MiB), the hidden states, pos and seg, less than one
+  # layer's K (8 MiB); with a scatter writing the cache, 2 * kv
+  assert report["copy_bytes"] <= 3 * MiB, report["copy_shapes"]
+  assert memory["temp"] <= 2 * MiB  # 1.1 MiB; with a scatter, 2 * kv
   assert memory["total"] <= compile_targets.get(TARGET).memory_bytes
 
 
