@@ -13,11 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import mdjax
 from mdjax import compile_targets, platform, program_report
 from mdjax.cache import KVCache
 from mdjax.models import decode_attention
 from mdjax.models.config import ModelConfig
 from mdjax.models.layer_loop import default_layer_loop, with_layer_loop
+from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
 from mdjax.models.registry import RANDOM_MODELS
 from mdjax.step import decode_step
@@ -117,6 +119,25 @@ def test_a_pass_built_for_a_gpu_gives_the_cpus_logits_and_cache(model, layer_loo
   np.testing.assert_allclose(cache.v, expected_cache.v, atol=atol)
   for name in ("pos", "seg", "length"):
     np.testing.assert_array_equal(getattr(cache, name), getattr(expected_cache, name))
+
+
+@pytest.mark.parametrize("strategy, options", [
+    ("multi_question", dict(questions=[[20, 21], [22], [23, 24, 25]])),
+    ("parallel_sample", dict(num_samples=3, temperature=0.9, top_k=20, top_p=0.8))])
+def test_branches_in_cache_regions_built_for_a_gpu_give_the_cpus_tokens(strategy, options):
+  """Branches in cache regions (`mdjax.cache.CacheRegions`): built for a GPU, each pass
+  runs the attention kernel over every filled slot under the mask (the reference run
+  here), top-k and top-p by the GPU's sort; on the CPU, the cascade and the bisection."""
+  config = CONFIGS["llama"]
+
+  def run(target: str):
+    with platform.building_for(target):
+      params = with_layer_loop(init_params(config, 0, jnp.float32), default_layer_loop())
+      out = mdjax.generate(Model(config=config, params=params), [list(range(5, 17))], strategy,
+                           max_new_tokens=12, eos_token_id=[], **options)
+    return out.sequences
+
+  assert run("gpu") == run("cpu")
 
 
 @functools.cache
