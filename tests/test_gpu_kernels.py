@@ -70,6 +70,12 @@ def test_the_kernel_gives_its_reference(dtype, tolerance, norm):
   assert changed.sum() == 5 and changed[0, 100:103].all() and changed[1, 200:202].all()
 
 
+def test_the_kernel_takes_caches_in_blocks_of_a_power_of_two():
+  assert decode_attention.fits(1, 128, 64) and decode_attention.fits(16, 1152, 64)
+  assert not decode_attention.fits(1, 96, 64)  # one block of 96: Triton cannot lower it
+  assert not decode_attention.fits(17, 128, 64) and not decode_attention.fits(1, 128, 48)
+
+
 # the kernel's smallest head (32); gemma3's layers: q/k norms (its projections come to the
 # kernel apart, not as a product's parts), a sliding window and two RoPE tables
 CONFIGS = {
