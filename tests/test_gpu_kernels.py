@@ -70,10 +70,23 @@ def test_the_kernel_gives_its_reference(dtype, tolerance, norm):
   assert changed.sum() == 5 and changed[0, 100:103].all() and changed[1, 200:202].all()
 
 
+def test_the_kernel_gives_its_reference_past_16_tokens():
+  """24 tokens (lookahead's pass; a tree of 16 nodes and its root: 17), past a tile of 16."""
+  rng = np.random.default_rng(0)
+  qkv, positions, freqs, slot, length, mask, cache_k, cache_v = _pass(rng, jnp.float32, tokens=24)
+  rows = jnp.asarray(rng.normal(size=(*positions.shape, 96)), jnp.float32)
+  args = (qkv, rows, positions, freqs, slot, length, 1, mask, cache_k, cache_v)
+  got = decode_attention.decode_attention(*args, scale=0.125, eps=1e-6, interpret=True)
+  expected = decode_attention.reference(*args, scale=0.125, eps=1e-6)
+  for a, b in zip(got, expected):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+  assert (np.asarray(expected[1] != cache_k).any(axis=(0, 3, 4)).sum()) == 2 * 24 - 1
+
+
 def test_the_kernel_takes_caches_in_blocks_of_a_power_of_two():
   assert decode_attention.fits(1, 128, 64) and decode_attention.fits(16, 1152, 64)
   assert not decode_attention.fits(1, 96, 64)  # one block of 96: Triton cannot lower it
-  assert not decode_attention.fits(17, 128, 64) and not decode_attention.fits(1, 128, 48)
+  assert not decode_attention.fits(33, 128, 64) and not decode_attention.fits(1, 128, 48)
 
 
 # the kernel's smallest head (32); gemma3's layers: q/k norms (its projections come to the
