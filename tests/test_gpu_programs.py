@@ -11,8 +11,9 @@ installed by requirements-dev.txt; no skip without it) by `mdjax.hlo_report`:
   (shape-independent, so checked on random-llama-tiny's shape);
 - a step of the whole-generation program of the strategies that feed one pass of a few
   tokens (one per branch, a tree, a lookahead window) launches at most today's kernels,
-  on the 1B shape cut to 2 layers (9 kernels a layer; the rest is the pass's own, the choice of tokens and the
-  state's bookkeeping: the 16-layer counts are docs/results/programs/'s)."""
+  on the 1B shape cut to 2 layers (9 kernels a layer; the rest is the pass's own, the
+  choice of tokens and the state's bookkeeping: the 16-layer counts are
+  docs/results/programs/'s)."""
 
 import dataclasses
 
