@@ -31,7 +31,7 @@ from mdjax import platform, programs
 from mdjax.models.config import ModelConfig
 from mdjax.sharding import constrain_cache
 
-FEW_TOKENS = 16  # tokens per pass up to which a GPU claims slots by selects (`_set_few`)
+FEW_TOKENS = 16  # tokens per pass up to which a GPU claims slots by selects (`set_few`)
 
 
 class CacheRegions(NamedTuple):
@@ -98,7 +98,7 @@ def claim_slots(cache: KVCache, positions: Int[Array, "B T"], segments: Int[Arra
   rows = jnp.arange(slot.shape[0])[:, None]  # [B, 1]
   end = jnp.where(valid, slot + 1, 0).max(axis=1, initial=0)  # [B]
   if platform.current() == "gpu" and slot.shape[1] <= FEW_TOKENS:
-    pos, seg = _set_few(cache.pos, slot, positions), _set_few(cache.seg, slot, segments)
+    pos, seg = set_few(cache.pos, slot, positions), set_few(cache.seg, slot, segments)
   else:
     pos = cache.pos.at[rows, slot].set(positions, mode="drop")
     seg = cache.seg.at[rows, slot].set(segments, mode="drop")
@@ -108,12 +108,13 @@ def claim_slots(cache: KVCache, positions: Int[Array, "B T"], segments: Int[Arra
   return claimed, slot
 
 
-def _set_few(row: Int[Array, "B S"], slot: Int[Array, "B T"],
-             values: Int[Array, "B T"]) -> Int[Array, "B S"]:
+def set_few(row: Int[Array, "B S"], slot: Int[Array, "B T"],
+            values: Int[Array, "B T"]) -> Int[Array, "B S"]:
   """`row.at[rows, slot].set(values, mode="drop")` for a few tokens, as T selects over
-  the whole row (negative slots counted from the end, as jnp's indexing reads them):
-  XLA:GPU runs the scatter of one token as a bounds check, then a read and an update
-  per array; the selects of both arrays, one or two kernels."""
+  the whole row (negative slots counted from the end, as jnp's indexing reads them;
+  distinct slots): XLA:GPU runs the scatter of one token as a bounds check, then a read
+  and an update per array; the selects of both arrays, one or two kernels. (Also a
+  strategy's output buffer: `mdjax.strategies.base.emit`.)"""
   num_slots = row.shape[1]
   every = jnp.arange(num_slots)[None, :]  # [1, S]
   slot = jnp.where(slot < 0, slot + num_slots, slot)  # [B, T]

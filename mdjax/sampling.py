@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from mdjax import platform
 from mdjax.errors import MdjaxError, check_count, check_real
 
 
@@ -61,13 +62,18 @@ def process_logits(logits: Float[Array, "... V"], params: SamplingParams) -> Flo
 
 
 def kth_largest(x: Float[Array, "... V"], k: int) -> Float[Array, "... 1"]:
-  """The k-th largest value of each row of float32 `x`, exactly, by 32 bisection steps
-  over float32's order-preserving integer keys: 32 compare-and-count passes over the
-  row. `jax.lax.top_k(x, k)[0][..., -1:]` gives the same; inside a decode program
-  XLA:CPU's top_k with k = 64 over a 49k vocabulary costs more than the model's whole
-  pass at batch 64 (10 ms a row; these passes: well under 1)."""
-  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-  keys = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int32, increasing with x
+  """The k-th largest value of each row of float32 `x` (duplicates counted), exactly.
+
+  Built for a GPU: `jax.lax.top_k(x, k)[0][..., -1:]`, one or two kernels. Elsewhere by
+  32 bisection steps over float32's order-preserving integer keys: 32 compare-and-count
+  passes over the row; inside a decode program XLA:CPU's top_k with k = 64 over a 49k
+  vocabulary costs more than the model's whole pass at batch 64 (10 ms a row; these
+  passes: well under 1), while on a GPU the 32 steps are ~7 kernels each (224 of a
+  sampled step's 397 at the 1B shape). Both give the same threshold for `x < kth`: they
+  differ only where the k-th value is a zero (-0.0 against 0.0), which compare equal."""
+  if platform.current() == "gpu":
+    return jax.lax.top_k(x.astype(jnp.float32), k)[0][..., -1:]
+  keys = _order_keys(x)
   low = jnp.full((*x.shape[:-1], 1), jnp.iinfo(jnp.int32).min, jnp.int32)  # count >= k
   high = jnp.full((*x.shape[:-1], 1), jnp.iinfo(jnp.int32).max, jnp.int32)
 
@@ -81,14 +87,41 @@ def kth_largest(x: Float[Array, "... V"], k: int) -> Float[Array, "... 1"]:
   return jax.lax.bitcast_convert_type(jnp.where(kth < 0, kth ^ 0x7FFFFFFF, kth), jnp.float32)
 
 
+def _order_keys(x: Float[Array, "..."]) -> Int[Array, "..."]:
+  """float32's order-preserving int32 keys of `x` (-0.0 below 0.0): the order `jnp.sort`
+  sorts floats in."""
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int32, increasing with x
+
+
 def _top_p(logits: Float[Array, "... V"], top_p: float) -> Float[Array, "... V"]:
-  """Keeps the smallest most-likely set whose probability reaches top_p (at least one)."""
+  """Keeps the smallest most-likely set whose probability reaches top_p (at least one).
+  Tokens are ranked by logit, ties by index (the lower first): at a tie across the
+  boundary the lower indices are kept."""
+  if platform.current() == "gpu":
+    return _top_p_sorted_once(logits, top_p)
   order = jnp.argsort(-logits, axis=-1)  # [..., V] most likely first
   sorted_probs = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), order, axis=-1)
   mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs  # exclusive cumsum
   keep_sorted = mass_before < top_p  # the most likely token always: 0 < top_p
   keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1,
                             inplace=False)
+  return jnp.where(keep, logits, -jnp.inf)
+
+
+def _top_p_sorted_once(logits: Float[Array, "... V"], top_p: float) -> Float[Array, "... V"]:
+  """`_top_p`'s set by one sort and no scatter (a GPU's way): the kept tokens are a
+  prefix of the ranking, so they are those ranked no lower than the last kept one,
+  compared by (logit's order key, index) as `jnp.argsort`'s stable ranking orders them."""
+  down = ~_order_keys(logits)  # [..., V] int32, decreasing with the logit (no overflow)
+  index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  ranked_down, ranked_index, sorted_probs = jax.lax.sort(
+      (down, index, jax.nn.softmax(logits, axis=-1)), dimension=logits.ndim - 1, num_keys=2)
+  mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs  # exclusive cumsum
+  last = (mass_before < top_p).sum(axis=-1, keepdims=True) - 1  # [..., 1] >= 0: 0 < top_p
+  last_down = jnp.take_along_axis(ranked_down, last, axis=-1)
+  last_index = jnp.take_along_axis(ranked_index, last, axis=-1)
+  keep = (down < last_down) | ((down == last_down) & (index <= last_index))
   return jnp.where(keep, logits, -jnp.inf)
 
 

@@ -13,11 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import mdjax
 from mdjax import compile_targets, platform, program_report
 from mdjax.cache import KVCache
 from mdjax.models import decode_attention
 from mdjax.models.config import ModelConfig
 from mdjax.models.layer_loop import default_layer_loop, with_layer_loop
+from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
 from mdjax.models.registry import RANDOM_MODELS
 from mdjax.step import decode_step
@@ -66,6 +68,25 @@ def test_the_kernel_gives_its_reference(dtype, tolerance, norm):
                                atol=tolerance)  # the reference in float32
   changed = np.asarray(expected[1] != cache_k).any(axis=(0, 3, 4))  # [B, S]: slots written
   assert changed.sum() == 5 and changed[0, 100:103].all() and changed[1, 200:202].all()
+
+
+def test_the_kernel_gives_its_reference_past_16_tokens():
+  """24 tokens (lookahead's pass; a tree of 16 nodes and its root: 17), past a tile of 16."""
+  rng = np.random.default_rng(0)
+  qkv, positions, freqs, slot, length, mask, cache_k, cache_v = _pass(rng, jnp.float32, tokens=24)
+  rows = jnp.asarray(rng.normal(size=(*positions.shape, 96)), jnp.float32)
+  args = (qkv, rows, positions, freqs, slot, length, 1, mask, cache_k, cache_v)
+  got = decode_attention.decode_attention(*args, scale=0.125, eps=1e-6, interpret=True)
+  expected = decode_attention.reference(*args, scale=0.125, eps=1e-6)
+  for a, b in zip(got, expected):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+  assert (np.asarray(expected[1] != cache_k).any(axis=(0, 3, 4)).sum()) == 2 * 24 - 1
+
+
+def test_the_kernel_takes_caches_in_blocks_of_a_power_of_two():
+  assert decode_attention.fits(1, 128, 64) and decode_attention.fits(16, 1152, 64)
+  assert not decode_attention.fits(1, 96, 64)  # one block of 96: Triton cannot lower it
+  assert not decode_attention.fits(33, 128, 64) and not decode_attention.fits(1, 128, 48)
 
 
 # the kernel's smallest head (32); gemma3's layers: q/k norms (its projections come to the
@@ -117,6 +138,25 @@ def test_a_pass_built_for_a_gpu_gives_the_cpus_logits_and_cache(model, layer_loo
   np.testing.assert_allclose(cache.v, expected_cache.v, atol=atol)
   for name in ("pos", "seg", "length"):
     np.testing.assert_array_equal(getattr(cache, name), getattr(expected_cache, name))
+
+
+@pytest.mark.parametrize("strategy, options", [
+    ("multi_question", dict(questions=[[20, 21], [22], [23, 24, 25]])),
+    ("parallel_sample", dict(num_samples=3, temperature=0.9, top_k=20, top_p=0.8))])
+def test_branches_in_cache_regions_built_for_a_gpu_give_the_cpus_tokens(strategy, options):
+  """Branches in cache regions (`mdjax.cache.CacheRegions`): built for a GPU, each pass
+  runs the attention kernel over every filled slot under the mask (the reference run
+  here), top-k and top-p by the GPU's sort; on the CPU, the cascade and the bisection."""
+  config = CONFIGS["llama"]
+
+  def run(target: str):
+    with platform.building_for(target):
+      params = with_layer_loop(init_params(config, 0, jnp.float32), default_layer_loop())
+      out = mdjax.generate(Model(config=config, params=params), [list(range(5, 17))], strategy,
+                           max_new_tokens=12, eos_token_id=[], **options)
+    return out.sequences
+
+  assert run("gpu") == run("cpu")
 
 
 @functools.cache

@@ -43,7 +43,9 @@ from mdjax.models.attention import masked_attention
 from mdjax.models.rope import apply_rope
 from mdjax.topology import visible
 
-MAX_TOKENS = 16  # tokens per pass up to which `decode_attention` replaces the fused product
+MAX_TOKENS = 32  # tokens per pass up to which `decode_attention` replaces the fused product
+#                 (a tree of 16 nodes and its root, lookahead's 24; checked against its
+#                 reference at 24 tokens, and compiled for an H200, not timed on one)
 BLOCK = 128  # cache slots per step of the kernel's walk
 TILE = 16  # the smallest side of a Triton product
 PARTS = 4  # the q|k|v product's parts: compiled for an H200, XLA:GPU splits q|k|v-shaped
@@ -53,10 +55,12 @@ PARTS = 4  # the q|k|v product's parts: compiled for an H200, XLA:GPU splits q|k
 
 def fits(tokens: int, num_slots: int, head_dim: int) -> bool:
   """Whether a pass of `tokens` over `num_slots` slots can run the kernel: few tokens,
-  slots in whole blocks, a head dim Triton tiles (a power of two of at least 32: each
-  RoPE half is a product's side)."""
-  return (tokens <= MAX_TOKENS and num_slots >= TILE and num_slots % min(BLOCK, num_slots) == 0
-          and head_dim >= 2 * TILE and head_dim & (head_dim - 1) == 0)
+  slots in whole blocks of a power of two (Triton's tiles: a cache of 96 slots is one
+  block of 96, which Triton cannot lower), a head dim Triton tiles (a power of two of at
+  least 32: each RoPE half is a product's side)."""
+  block = min(BLOCK, num_slots)
+  return (tokens <= MAX_TOKENS and num_slots >= TILE and num_slots % block == 0
+          and block & (block - 1) == 0 and head_dim >= 2 * TILE and head_dim & (head_dim - 1) == 0)
 
 
 def parts(width: int) -> int:

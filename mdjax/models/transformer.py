@@ -348,15 +348,16 @@ def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"] | None,
   Tokens with segment -1 are padding: they see nothing, are seen by nothing and
   take no cache slot. The others take the next free slots, or `slots` when given;
   `regions` (see `mdjax.models.attention.cascade_attention`) says the cache is laid
-  out in one region per branch and every query sees only the shared part and its own.
+  out in one region per branch and every query sees only the shared part and its own
+  (a pass that runs the GPU's few-token kernel, `mdjax.models.decode_attention`, reads
+  every filled slot under the mask instead: the same attention, one kernel a layer).
   """
   attention_impl = attention_fn(attention, cache.num_slots, block_size, regions)
   cache, slot = cache_ops.claim_slots(cache, positions, segments, slots)
   meta = dict(positions=positions, segments=segments, slots=slot,
               limit=visibility_limits(topology))
   x = embed(config, params, tokens) if inputs is None else inputs
-  if attention == "fused" and regions is None and decode_attention.applies(config, cache,
-                                                                           x.shape[1]):
+  if attention == "fused" and decode_attention.applies(config, cache, x.shape[1]):
     hidden, aux, cache = _layers_beside_cache(config, params, x, cache, meta, aux_layers)
     return (hidden, cache) if aux is None else (hidden, cache, aux)
 

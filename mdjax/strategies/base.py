@@ -43,7 +43,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from mdjax import platform
-from mdjax.cache import CacheRegions, KVCache
+from mdjax.cache import FEW_TOKENS, CacheRegions, KVCache, set_few
 from mdjax.models.attention import check_attention, default_attention
 from mdjax.models.config import ModelConfig
 from mdjax.sampling import SAMPLING_OPTIONS, SamplingParams
@@ -260,9 +260,11 @@ def emit(buffer: OutputBuffer, new: Int[Array, "R A"], num_new: Int[Array, "R"],
   eos_before = (jnp.cumsum(is_eos, axis=1) - is_eos) > 0
   index = buffer.count[:, None] + jnp.arange(new.shape[1])[None, :]  # [R, A]
   taken = offered & ~eos_before & (index < limits.max_new_tokens) & ~buffer.done[:, None]
-  rows = jnp.arange(new.shape[0])[:, None]
-  tokens = buffer.tokens.at[rows, jnp.where(taken, index, buffer.tokens.shape[1])].set(
-      new, mode="drop")
+  at = jnp.where(taken, index, buffer.tokens.shape[1])  # [R, A] past the end: dropped
+  if platform.current() == "gpu" and new.shape[1] <= FEW_TOKENS:  # selects, not a scatter
+    tokens = set_few(buffer.tokens, at, new)
+  else:
+    tokens = buffer.tokens.at[jnp.arange(new.shape[0])[:, None], at].set(new, mode="drop")
   count = buffer.count + taken.sum(axis=1, dtype=jnp.int32)
   done = buffer.done | (taken & is_eos).any(axis=1) | (count >= limits.max_new_tokens)
   return OutputBuffer(tokens=tokens, count=count, done=done), taken
