@@ -144,7 +144,7 @@ class Settings:
 QUICK = dict(preset="tiny", tests_k="float32_greedy", test_workers=0, batches=(1, 4),
              prompt_len=16, new_tokens=8, repeats=1, bandwidth_mib=64, pass_ns=(1, 2, 4, 8),
              pass_prefix=32, pass_repeats=3, contexts=(64,), questions=2, question_len=4,
-             context_len=64, head_batches=(1, 2), head_trees=(Tree(4, 2, 2),), head_new_tokens=8)
+             context_len=64, head_batches=(2,), head_trees=(Tree(4, 2, 2),), head_new_tokens=8)
 
 
 def device_kind() -> str:

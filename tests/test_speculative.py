@@ -41,7 +41,7 @@ def test_draft_equal_to_target_accepts_every_token(targets):
     assert out.sequences == greedy
 
 
-@pytest.mark.parametrize("gamma", [1, 2, 5])
+@pytest.mark.parametrize("gamma", [1, 5])  # the shortest and a long chain (3: above)
 def test_speculative_equals_target_greedy(targets, draft, gamma):
   rng = np.random.default_rng(gamma)
   for target in targets:
