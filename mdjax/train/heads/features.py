@@ -119,18 +119,22 @@ class FeatureWriter:
         array.flush()
 
 
-@functools.partial(programs.jit, static_argnames=("config", "layers"))
+@functools.partial(programs.jit, static_argnames=("config", "layers", "teacher"))
 def target_features(params: Params, tokens: Int[Array, "B T"], *, config: ModelConfig,
-                    layers: tuple[int, ...] = ()
-                    ) -> tuple[Float[Array, "B T F"], Int[Array, "B T"], Float[Array, "B T D"]]:
+                    layers: tuple[int, ...] = (), teacher: bool = False
+                    ) -> tuple[Float[Array, "B T F"], Int[Array, "B T"],
+                               Float[Array, "B T D"] | None]:
   """What heads read, the target's final-norm hidden states (F = D) or the residual
   stream after `layers` concatenated (F = A D); its greedy guess of each next token; and
-  its final-norm hidden states (the law's, `FeatureWriter`'s teacher)."""
+  where `teacher`, its final-norm hidden states apart (the law's, `FeatureWriter`'s
+  teacher; else None, so that nothing unused comes to the host)."""
   if not layers:
     hidden = forward_causal(params, tokens, config=config)
-    return hidden, greedy_guesses(params, hidden, config=config), hidden
-  hidden, aux = forward_causal(params, tokens, config=config, aux_layers=layers)  # aux [B, T, A, D]
-  return aux.reshape(*aux.shape[:2], -1), greedy_guesses(params, hidden, config=config), hidden
+    features = hidden
+  else:
+    hidden, aux = forward_causal(params, tokens, config=config, aux_layers=layers)  # [B, T, A, D]
+    features = aux.reshape(*aux.shape[:2], -1)
+  return features, greedy_guesses(params, hidden, config=config), hidden if teacher else None
 
 
 def greedy_guesses(params: Params, hidden: Float[Array, "B T D"], *,
@@ -156,8 +160,9 @@ def write_target_features(target: Model, rows: list[list[list[int]]],
     padded[:len(chunk)] = chunk
     with sharding.active(target.layout):
       h, g, t = distributed.to_host(target_features(target.params, jnp.asarray(padded),
-                                                    config=target.config, layers=layers))
-    writer.put(start, h[:len(chunk)], g[:len(chunk)], t[:len(chunk)])
+                                                    config=target.config, layers=layers,
+                                                    teacher=teacher))
+    writer.put(start, h[:len(chunk)], g[:len(chunk)], None if t is None else t[:len(chunk)])
   writer.close()
 
 
