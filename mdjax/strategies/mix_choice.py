@@ -17,8 +17,9 @@ n = (n_1, ..., n_S), taking the sources as independent::
 
 t is the target's pass cost (`mdjax.strategies.pass_cost`) at the columns the verify
 runs: the narrowest of `trees.tree_widths` that holds c and the nodes on the CPU
-(`trees.verify_width`), the trie's whole width elsewhere; `fixed` what drafting costs every step whatever the
-counts (a draft model's or a sequential head's passes, parallel heads' one pass),
+(`trees.verify_width`), the trie's whole width elsewhere; `fixed` what drafting costs
+every step whatever the counts (a draft model's or a sequential head's passes,
+parallel heads' one pass),
 c_s what each further node costs (one pass of a draft model; nothing for prompt lookup
 or heads, whose whole tree is drafted every step), all as passes of the drafter's
 weights (`tree_choice.draft_fraction`), in units of t(1).

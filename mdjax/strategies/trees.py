@@ -283,10 +283,11 @@ def tree_widths(width: int) -> tuple[int, ...]:
   """The columns a narrow verify of `width` columns may run on, widest first: `width`
   and the `LADDER` below it. From 8 columns up each rung is at most 1.5x the one before,
   so a pass runs at most half again its fed columns: on a 2-core CPU a further column
-  of SmolLM2-135M costs ~3% of a pass (6 fed columns run at 15: 1.4x the pass at 8).
-  Below 8 a pass costs about what one column does (its matmuls stream the weights:
-  t(8) = 1.09 t(1) there), so no rung lies between 1 and 8. Each width is one more
-  compiled pass (the whole model, unrolled on the CPU: ~9 s of compile each there)."""
+  of SmolLM2-135M in bfloat16 costs ~3% of a pass (a pass of 15 columns: 1.4x one of
+  6). Below 8 a pass costs little more than one column does (its matmuls stream the
+  weights: its measured t(8) is 1.09 t(1)), and a rung at 6 gained ~2% of a step with
+  6 fed columns, so none lies between 1 and 8. Each width is one more compiled pass
+  (the whole model, unrolled on the CPU: ~9 s of compile each for SmolLM2-135M)."""
   return (width,) + tuple(w for w in reversed(LADDER) if w < width)
 
 
