@@ -147,15 +147,18 @@ def test_greedy_output_equals_the_target_greedy(tiny, heads_family, options):
 
 def test_heads_that_know_the_future_get_every_token_credited(permutation):
   """Heads always right: every pass accepts their 3 tokens (a lookup chain agreeing with
-  them shares their nodes), then an EOS inside the third pass's accepted block."""
+  them shares their nodes), each marked drafted in the metadata, then an EOS inside the
+  third pass's accepted block."""
   model, heads = permutation
   prompts = [[4, 5, 6, 7], [9, 10]]
   greedy = mdjax.generate(model, prompts, max_new_tokens=NEW, eos_token_id=[]).sequences
   options = dict(heads=heads, tree_budget=16, prompt_lookup_num_tokens=3)
   out = mdjax.generate(model, prompts, strategy="mixed", max_new_tokens=NEW, eos_token_id=[],
-                       **options)
+                       return_metadata=True, **options)
   assert out.sequences == greedy
   assert out.stats["accepted_heads"] == out.stats["accepted"] == out.stats["accepted_at"][0] * 3
+  # metadata keeps the verify's logits (greedy without it reads only their argmax)
+  assert sum(sum(m["drafted"]) for m in out.metadata) == out.stats["accepted"]
   assert out.stats["target_passes"] == -(-(NEW - 1) // 4)
   eos = greedy[0][2]  # the second node of the first block (its permutation cycle is short)
   assert eos not in greedy[0][:2]

@@ -338,6 +338,14 @@ def run_narrowest(widths: tuple[int, ...], need, pass_at, carry, *operands):
   return carry, jnp.asarray(widths, jnp.int32)[level]
 
 
+def narrowest_width(widths: tuple[int, ...], need: int) -> int:
+  """(host) The columns `run_narrowest` runs with `widths` when `need` columns are fed:
+  the narrowest that holds them on the CPU, the widest elsewhere."""
+  if not platform.is_cpu():
+    return widths[0]
+  return min(w for w in widths if w >= need)
+
+
 def switch_in_place(index, branches, carry, *operands):
   """`branches[index](carry, *operands)` for a traced `index`, each branch returning
   a tree shaped like `carry` (e.g. `(logits, cache)`): what `lax.switch` gives, run

@@ -15,9 +15,11 @@ n = (n_1, ..., n_S), taking the sources as independent::
     cost(n)     = t(1 + sum_s n_s) + fixed + sum_s c_s n_s
     rate(n)     = E(n) / cost(n)
 
-t is the target's pass cost (`mdjax.strategies.pass_cost`; a trie of fewer nodes is
-a pass that many columns wide), `fixed` what drafting costs every step whatever the
-counts (a draft model's or a sequential head's passes, parallel heads' one pass),
+t is the target's pass cost (`mdjax.strategies.pass_cost`) at the columns the verify
+runs: the narrowest of `trees.tree_widths` that holds c and the nodes on the CPU
+(`trees.verify_width`), the trie's whole width elsewhere; `fixed` what drafting costs
+every step whatever the counts (a draft model's or a sequential head's passes,
+parallel heads' one pass),
 c_s what each further node costs (one pass of a draft model; nothing for prompt lookup
 or heads, whose whole tree is drafted every step), all as passes of the drafter's
 weights (`tree_choice.draft_fraction`), in units of t(1).
@@ -64,7 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from mdjax.strategies import tree_choice
+from mdjax.strategies import tree_choice, trees
 from mdjax.strategies.pass_cost import WIDTHS, PassCost
 
 LOOKUP_ACCURACY = (0.5,) + (0.8,) * (tree_choice.MAX_DEPTH - 1)  # conditional, per depth
@@ -78,8 +80,8 @@ MAX_REACH = 0.999
 @dataclasses.dataclass(frozen=True)
 class StepCost:
   """What a step costs, in units of t(1), as static numbers: `width[w]` the target's
-  pass over w columns (w = 0 .. 1 + the trie's nodes; `width[0]` unused), `fixed` the
-  drafting every step pays, `per_token[s]` each further node source s drafts."""
+  pass when w columns are fed (w = 0 .. 1 + the trie's nodes; `width[0]` unused), `fixed`
+  the drafting every step pays, `per_token[s]` each further node source s drafts."""
 
   width: tuple[float, ...]
   fixed: float
@@ -88,9 +90,11 @@ class StepCost:
   @classmethod
   def of(cls, cost: PassCost, nodes: int, fixed_s: float, per_token_s: Sequence[float]
          ) -> "StepCost":
-    """From t(n) (`cost`) and drafting costs in seconds."""
+    """From t(n) (`cost`) and drafting costs in seconds. A trie of `nodes` is verified
+    by the narrow pass (`trees.verify`): w fed columns run `trees.verify_width` columns."""
     one = cost(1)
-    return cls(width=tuple(cost(max(w, 1)) / one for w in range(nodes + 2)),
+    return cls(width=tuple(cost(trees.verify_width(nodes + 1, max(w, 1))) / one
+                           for w in range(nodes + 2)),
                fixed=fixed_s / one, per_token=tuple(c / one for c in per_token_s))
 
 

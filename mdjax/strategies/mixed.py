@@ -417,7 +417,7 @@ class Mixed(Sampled):
     tree, node_of = trees.merge_trees([tree for tree, _, _ in proposed], used, self.tree_budget,
                                       self.depth)
     verified = trees.verify(self.model, params["target"], state, tree, self.depth, keys,
-                            self.sampling, narrow=True)
+                            self.sampling, narrow=True, keep_logits=self.return_metadata)
     depth = jnp.arange(self.depth)
     trie_nodes = jnp.arange(self.tree_budget)
     # holds[r, s, m]: trie node m holds a node of source s; at[r, s, d]: one at depth d + 1

@@ -46,12 +46,13 @@ from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
 from mdjax.sampling import SamplingParams, greedy_tree_accept, tree_accept
 from mdjax.strategies import drafting, metadata
-from mdjax.strategies.base import ModelFn, chain_widths, run_narrowest
+from mdjax.strategies.base import ModelFn, narrowest_width, run_narrowest
 from mdjax.strategies.drafting import DraftState, State
 from mdjax.topology import Topology
 
 
 PAD = -2  # the parent of a padding node: no walk from the root ever reaches it
+LADDER = (1, 8, 12, 16, 24, 32, 48, 64)  # narrow verify widths (`tree_widths`)
 
 
 @jax.tree_util.register_dataclass
@@ -81,7 +82,8 @@ class Verified:
     accepted    int32[B]            accepted nodes
     next_token  int32[B]            the target's own token after them
     emitted     int32[B, 1 + D]     the accepted tokens, then `next_token`
-    logits      float32[B, 1+M, V]  the target's, after `c` and after each node
+    logits      float32[B, 1+M, V]  the target's, after `c` and after each node (None
+                                    where `verify` read only their argmax)
     hidden      float[B, 1 + M, D]  the target's final-norm hidden states there
     cache       KVCache             the target's cache with `c` and the accepted nodes
                                     compacted after the committed text
@@ -91,7 +93,7 @@ class Verified:
   accepted: Int[Array, "B"]
   next_token: Int[Array, "B"]
   emitted: Int[Array, "B D+1"]
-  logits: Float[Array, "B M+1 V"]
+  logits: Float[Array, "B M+1 V"] | None
   hidden: Float[Array, "B M+1 D"]
   cache: KVCache
 
@@ -110,7 +112,8 @@ class Verified:
 
 def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, keys: jax.Array,
            sampling: SamplingParams, accept=tree_accept,
-           branch_segment: Int[Array, "R"] | None = None, narrow: bool = False) -> Verified:
+           branch_segment: Int[Array, "R"] | None = None, narrow: bool = False,
+           keep_logits: bool = True) -> Verified:
   """One target pass over every row's last emitted token and its `tree` (at most
   `depth` levels deep), accepted with the target's distributions by `accept`
   (`tree_accept`'s signature; by default the exact rule), or when greedy by
@@ -124,7 +127,11 @@ def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, ke
   branch's segment. None: one branch per cache row, in segment 0 (the drawing).
 
   `narrow` (one branch per row, padding nodes last): the pass runs only as wide as
-  the row with the most real nodes needs (`base.run_narrowest`), as chains do.
+  the row with the most real nodes needs, on the narrowest of `tree_widths`
+  (`base.run_narrowest`). Greedy without `keep_logits` then takes the argmax of each
+  fed column inside the pass and pads that, not the logits (`Verified.logits` None):
+  padding `[B, 1 + M, V]` logits and reducing them over the vocabulary costs what a
+  few more fed columns do (SmolLM2's 49k tokens, 30 columns: ~5 ms on a 2-core CPU).
   """
   rows, budget = tree.tokens.shape
   batch = state.cache.length.shape[0]
@@ -143,17 +150,21 @@ def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, ke
   fed = per_row(jnp.where(state.buffer.done[:, None], -1, fed))
   tokens = per_row(jnp.concatenate([state.last[:, None], tree.tokens], axis=1))
   positions = per_row(state.next_pos[:, None] + jnp.pad(tree.depth, ((0, 0), (1, 0))))
+  argmax_only = narrow and sampling.greedy and not keep_logits
   if narrow:
     logits, hidden, cache = _narrowest_pass(model, params, state.cache, tokens, positions, fed,
-                                            topology)
+                                            topology, argmax_only)
   else:
     logits, hidden, cache = model(params, state.cache, tokens, positions, fed,
                                   topology)  # [B, N (1 + M), V]
-  logits = logits.reshape(rows, budget + 1, -1)  # [R, 1 + M, V]
   hidden = hidden.reshape(rows, budget + 1, -1)
+  if argmax_only:
+    chosen, logits = logits.reshape(rows, budget + 1), None  # [R, 1 + M]
+  else:
+    logits = logits.reshape(rows, budget + 1, -1)  # [R, 1 + M, V]
+    chosen = jnp.argmax(logits, axis=-1) if sampling.greedy else None
   if sampling.greedy:  # `accept`'s result on a one-hot p, with no draw over the vocabulary
-    path, next_token = greedy_tree_accept(tree.tokens, tree.parent,
-                                          jnp.argmax(logits, axis=-1), depth)  # [R, D], [R]
+    path, next_token = greedy_tree_accept(tree.tokens, tree.parent, chosen, depth)  # [R, D], [R]
   else:
     path, next_token = accept(drafting.fold_in(keys, drafting.ACCEPT_KEY), tree.tokens,
                               tree.parent, drafting.probs(logits, sampling), depth)
@@ -268,23 +279,43 @@ def keep_segments(cache: KVCache, keep: Bool[Array, "B N"]) -> KVCache:
   return cache_ops.remap_segments(cache, jnp.pad(mapping, ((0, 0), (1, 0))))
 
 
+def tree_widths(width: int) -> tuple[int, ...]:
+  """The columns a narrow verify of `width` columns may run on, widest first: `width`
+  and the `LADDER` below it. From 8 columns up each rung is at most 1.5x the one before,
+  so a pass runs at most half again its fed columns: on a 2-core CPU a further column
+  of SmolLM2-135M in bfloat16 costs ~3% of a pass (a pass of 15 columns: 1.4x one of
+  6). Below 8 a pass costs little more than one column does (its matmuls stream the
+  weights: its measured t(8) is 1.09 t(1)), and a rung at 6 gained ~2% of a step with
+  6 fed columns, so none lies between 1 and 8. Each width is one more compiled pass
+  (the whole model, unrolled on the CPU: ~9 s of compile each for SmolLM2-135M)."""
+  return (width,) + tuple(w for w in reversed(LADDER) if w < width)
+
+
+def verify_width(width: int, fed: int) -> int:
+  """(host) The columns a narrow verify of `width` columns runs with `fed` fed."""
+  return narrowest_width(tree_widths(width), fed)
+
+
 def _narrowest_pass(model: ModelFn, params, cache: KVCache, tokens: Int[Array, "B W"],
                     positions: Int[Array, "B W"], segments: Int[Array, "B W"],
-                    topology: Topology):
+                    topology: Topology, argmax_only: bool):
   """`model` over the first columns of `tokens` that hold every row's fed ones (segment
-  >= 0 first, then padding), the logits and hidden states of the columns not fed zeros."""
+  >= 0 first, then padding): the logits `[B, W, V]` (with `argmax_only`, their argmax
+  `[B, W]`) and hidden states, zeros at the columns not fed."""
   width = tokens.shape[1]
 
   def at(fed: int):
     def feed(carry):
       logits, hidden, cache = model(params, carry[2], tokens[:, :fed], positions[:, :fed],
                                     segments[:, :fed], topology)
-      pad = lambda x: jnp.pad(x, ((0, 0), (0, width - fed), (0, 0)))
+      if argmax_only:
+        logits = jnp.argmax(logits, axis=-1)  # [B, fed]
+      pad = lambda x: jnp.pad(x, ((0, 0), (0, width - fed)) + ((0, 0),) * (x.ndim - 2))
       return pad(logits), pad(hidden), cache
     return feed
 
   shapes = jax.eval_shape(at(width), (None, None, cache))
   unfed = tuple(jnp.zeros(x.shape, x.dtype) for x in shapes[:2])
-  carry, _ = run_narrowest(chain_widths(width), (segments >= 0).sum(axis=1).max(), at,
+  carry, _ = run_narrowest(tree_widths(width), (segments >= 0).sum(axis=1).max(), at,
                            (*unfed, cache))
   return carry
