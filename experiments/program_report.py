@@ -23,8 +23,10 @@ compiler made of the program, which `experiments.device_check` times on a real d
 
 The strategies run one prompt of `--prompt_tokens` tokens for `--new_tokens` tokens on
 weights that are shapes only: heads shaped like the shipped ones for the model's width
-and vocabulary, a draft of random-llama-tiny's shape with the model's vocabulary, fixed
-tree budgets (`tree_budget="auto"` times passes on real weights).
+and vocabulary, a draft of SmolLM2-135M's shape (`--draft_layers` of its 30 layers) with
+the model's vocabulary (`mdjax.program_report.draft_config`: a draft a user pairs with a 1B
+llama, whose passes run the GPU's attention kernel), fixed tree budgets
+(`tree_budget="auto"` times passes on real weights).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from absl import app, flags
 from mdjax import compile_targets, files, platform, strategies
 from mdjax.models.registry import RANDOM_MODELS
 from mdjax.hlo_products import LOSSLESS
-from mdjax.program_report import (abstract_model, decode_step_report, generation_counts,
-                                  strategy_requests)
+from mdjax.program_report import (DRAFT_LAYERS, abstract_model, decode_step_report,
+                                  generation_counts, strategy_requests)
 from experiments.cli import check_argv, one_line_errors
 
 _TARGET = flags.DEFINE_enum("target", "h200", list(compile_targets.TARGETS),
@@ -55,6 +57,8 @@ _STRATEGIES = flags.DEFINE_list("strategies", list(strategies.registry.STRATEGIE
                                 "Strategies whose whole-generation programs are compiled.")
 _PROMPT_TOKENS = flags.DEFINE_integer("prompt_tokens", 64, "Prompt tokens of a request.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "max_new_tokens of a request.")
+_DRAFT_LAYERS = flags.DEFINE_integer("draft_layers", DRAFT_LAYERS,
+                                     "Layers of the draft (SmolLM2-135M's shape).")
 _OUT_DIR = flags.DEFINE_string("out_dir", "docs/results/programs", "Where the JSON goes.")
 
 
@@ -119,7 +123,8 @@ def write(rows: list[dict], generation: list[dict]) -> pathlib.Path:
                                         context=_CONTEXT.value, jax=jax.__version__,
                                         decode_step=rows, generation=generation,
                                         prompt_tokens=_PROMPT_TOKENS.value,
-                                        new_tokens=_NEW_TOKENS.value), indent=1) + "\n")
+                                        new_tokens=_NEW_TOKENS.value,
+                                        draft_layers=_DRAFT_LAYERS.value), indent=1) + "\n")
   return out
 
 
@@ -139,7 +144,7 @@ def main(argv):
         print(table(rows[-1:]).splitlines()[-1], flush=True)
   with platform.building_for(compile_targets.get(_TARGET.value).platform):
     model = abstract_model(config, _MODEL.value)
-    requests = strategy_requests(model, _PROMPT_TOKENS.value)
+    requests = strategy_requests(model, _PROMPT_TOKENS.value, _DRAFT_LAYERS.value)
     for name in _STRATEGIES.value:
       try:
         generation.append(generation_counts(_TARGET.value, model, name, *requests[name],

@@ -20,10 +20,10 @@ from mdjax.cache import KVCache
 from mdjax.generate import STEP_LOOP, program
 from mdjax.heads import Heads, HeadsConfig, init_heads, load_heads
 from mdjax.models.attention import default_attention
+from mdjax.models.config import ModelConfig
 from mdjax.models.layer_loop import default_layer_loop, layer_loop_of, with_layer_loop
 from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
-from mdjax.models.registry import RANDOM_MODELS
 from mdjax.step import decode_step
 from mdjax.strategies import prompt_layouts
 from mdjax.topology import Topology
@@ -118,12 +118,27 @@ def abstract_heads(model: Model, shipped: str | None, **fields) -> Heads:
   return Heads(config=config, params=jax.eval_shape(lambda: init_heads(config, c).params))
 
 
-def strategy_requests(model: Model, prompt_tokens: int) -> dict[str, tuple[list, dict]]:
-  """Per registered strategy: its prompts and options, one request of `prompt_tokens`."""
+DRAFT_LAYERS = 30  # SmolLM2-135M's
+
+
+def draft_config(target: ModelConfig, num_layers: int = DRAFT_LAYERS) -> ModelConfig:
+  """The draft the report pairs with `target`: SmolLM2-135M's shape (576 wide, 9 query
+  heads over 3 KV heads of 64, an MLP of 1,536, a tied head; a draft a user pairs with a
+  1B llama, whose head dim the GPU's attention kernel takes), with `num_layers` layers
+  and the target's vocabulary."""
+  return ModelConfig(family="llama", vocab_size=target.vocab_size, hidden_size=576,
+                     intermediate_size=1536, num_layers=num_layers, num_heads=9, num_kv_heads=3,
+                     head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
+                     max_position_embeddings=8192, tie_word_embeddings=True)
+
+
+def strategy_requests(model: Model, prompt_tokens: int,
+                      draft_layers: int = DRAFT_LAYERS) -> dict[str, tuple[list, dict]]:
+  """Per registered strategy: its prompts and options, one request of `prompt_tokens`
+  (a draft of `draft_config(model.config, draft_layers)`)."""
   prompt = [list(range(3, 3 + prompt_tokens))]
   chunks = [[prompt[0][:prompt_tokens // 2], prompt[0][prompt_tokens // 2:]]]
-  draft = abstract_model(dataclasses.replace(RANDOM_MODELS["random-llama-tiny"],
-                                             vocab_size=model.config.vocab_size), "draft")
+  draft = abstract_model(draft_config(model.config, draft_layers), "draft")
   medusa = abstract_heads(model, "smollm2-135m-instruct-medusa")
   eagle = abstract_heads(model, "smollm2-135m-instruct-eagle")
   mtp = abstract_heads(model, None, family="mtp", num_heads=3)

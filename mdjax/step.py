@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import functools
 
-import jax
-import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from mdjax import platform, programs
+from mdjax import programs
 from mdjax.cache import CacheRegions, KVCache
 from mdjax.models.attention import ATTENTION_BLOCK
 from mdjax.models.config import ModelConfig
-from mdjax.models.transformer import Params, forward, lm_head
+from mdjax.models.transformer import Params, forward, head_of_residual
 from mdjax.topology import Topology
 
 
@@ -50,11 +48,8 @@ def decode_step(params: Params, cache: KVCache, tokens: Int[Array, "B T"],
   aux_layers: (static) layer indices (from 0) whose outputs, the residual stream
     `[B, T, A, D]`, come back as `aux` (EAGLE-3 reads three; see `forward`).
   """
-  hidden, cache, *aux = forward(params, cache, tokens, positions, segments, topology,
-                                config=config, attention=attention, block_size=block_size,
-                                slots=slots, regions=regions, aux_layers=aux_layers)
-  if platform.current() == "gpu":  # the head reads the hidden states returned: XLA:GPU
-    hidden = jax.lax.optimization_barrier(hidden)  # would compute the final norm twice
-  picked = hidden if logits_at is None else jnp.take_along_axis(
-      hidden, logits_at[..., None], axis=1)  # [B, R, D]
-  return (lm_head(params, picked, config=config), hidden, cache, *aux)
+  x, cache, *aux = forward(params, cache, tokens, positions, segments, topology,
+                           config=config, attention=attention, block_size=block_size,
+                           slots=slots, regions=regions, aux_layers=aux_layers, final_norm=False)
+  logits, hidden = head_of_residual(params, x, config=config, logits_at=logits_at)
+  return (logits, hidden, cache, *aux)

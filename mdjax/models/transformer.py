@@ -176,7 +176,8 @@ def _mlp(config: ModelConfig, lp: Params, h: Float[Array, "B T D"], scale) -> Fl
 
 def decoder_layers(config: ModelConfig, params: Params, x: Float[Array, "B T D"],
                    positions: Int[Array, "B T"], attend: Callable, carry,
-                   aux_layers: tuple[int, ...] = (), rope_in_attention: bool = False):
+                   aux_layers: tuple[int, ...] = (), rope_in_attention: bool = False,
+                   final_norm: bool = True):
   """The decoder layers, shared by the cached and the training forward, in either
   layout of `params["layers"]` (`mdjax.models.layer_loop`).
 
@@ -184,7 +185,8 @@ def decoder_layers(config: ModelConfig, params: Params, x: Float[Array, "B T D"]
   `[B, T, N, H]` and k, v `[B, T, K, H]` (RoPE applied) to the attention output
   `[B, T, N, H]`, threading `carry` (the cache) from layer to layer; `layer` is the
   layer's index (an int, or a traced int32 scalar under scan), `spec` its static
-  `LayerAttention`. Returns the final-norm hidden states `[B, T, D]`, the residual
+  `LayerAttention`. Returns the final-norm hidden states `[B, T, D]` (without
+  `final_norm`: the residual stream after the last layer, for `head_of_residual`), the residual
   stream after each layer of `aux_layers` `[B, T, A, D]` (None when A = 0) and the
   last carry. With `rope_in_attention`, `attend(qkv, layer, spec, carry)` takes the
   q|k|v product as the parts `mdjax.models.decode_attention` reads, before RoPE, which
@@ -200,7 +202,7 @@ def decoder_layers(config: ModelConfig, params: Params, x: Float[Array, "B T D"]
     for index, lp in enumerate(params["layers"]):
       x, carry = _layer(config, lp, x, positions, attend, carry, index, index, rope_in_attention)
       aux = _keep(aux, aux_layers, index, x)
-  hidden = _norm(config, x, params["final_norm"]) if "final_norm" in params else x
+  hidden = _norm(config, x, params["final_norm"]) if final_norm and "final_norm" in params else x
   return hidden, (None if aux is None else jnp.moveaxis(aux, 0, 2)), carry
 
 
@@ -335,9 +337,11 @@ def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"] | None,
             positions: Int[Array, "B T"], segments: Int[Array, "B T"], topology: Topology, *,
             config: ModelConfig, attention: str = "block_sparse", block_size: int = ATTENTION_BLOCK,
             slots: Int[Array, "B T"] | None = None, regions: CacheRegions | None = None,
-            inputs: Float[Array, "B T D"] | None = None, aux_layers: tuple[int, ...] = ()):
+            inputs: Float[Array, "B T D"] | None = None, aux_layers: tuple[int, ...] = (),
+            final_norm: bool = True):
   """Runs the T tokens through every layer over `cache`; returns the final hidden
-  states `[B, T, D]` (after the final norm) and the cache with the T tokens added,
+  states `[B, T, D]` (after the final norm; without `final_norm`, before it: what
+  `head_of_residual` takes) and the cache with the T tokens added,
   then, only when `aux_layers` (static) names A layers, the residual stream after
   each of them `[B, T, A, D]` (what EAGLE-3 heads fuse):
   `(hidden, cache)` or `(hidden, cache, aux)`.
@@ -358,7 +362,8 @@ def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"] | None,
               limit=visibility_limits(topology))
   x = embed(config, params, tokens) if inputs is None else inputs
   if attention == "fused" and decode_attention.applies(config, cache, x.shape[1]):
-    hidden, aux, cache = _layers_beside_cache(config, params, x, cache, meta, aux_layers)
+    hidden, aux, cache = _layers_beside_cache(config, params, x, cache, meta, aux_layers,
+                                              final_norm)
     return (hidden, cache) if aux is None else (hidden, cache, aux)
 
   def attend(q, k, v, index, spec, cache):
@@ -366,13 +371,14 @@ def forward(params: Params, cache: KVCache, tokens: Int[Array, "B T"] | None,
     return attention_impl(Queries(q=q, **meta), cache, index, spec), cache
 
   hidden, aux, cache = decoder_layers(config, params, x, positions, attend,
-                                      constrain_cache(cache), aux_layers)
+                                      constrain_cache(cache), aux_layers, final_norm=final_norm)
   cache = constrain_cache(cache)
   return (hidden, cache) if aux is None else (hidden, cache, aux)
 
 
 def _layers_beside_cache(config: ModelConfig, params: Params, x: Float[Array, "B T D"],
-                         cache: KVCache, meta: dict, aux_layers: tuple[int, ...]):
+                         cache: KVCache, meta: dict, aux_layers: tuple[int, ...],
+                         final_norm: bool):
   """The decoder layers of a few-token pass on a GPU (`mdjax.models.decode_attention`):
   each layer's attention, RoPE, the norm's row scale and the sum of the q|k|v product's
   parts included, is one kernel over the cache as it was before the pass (`cache`,
@@ -398,7 +404,7 @@ def _layers_beside_cache(config: ModelConfig, params: Params, x: Float[Array, "B
     return out, tuple(kv)
 
   hidden, aux, (k, v) = decoder_layers(config, params, x, positions, attend, (cache.k, cache.v),
-                                       aux_layers, rope_in_attention=True)
+                                       aux_layers, rope_in_attention=True, final_norm=final_norm)
   return hidden, aux, cache.replace(k=k, v=v)
 
 
@@ -438,11 +444,11 @@ def causal_logits(params: Params, tokens: Int[Array, "B T"], *,
 
 
 @full_float32
-def lm_head(params: Params, hidden: Float[Array, "... D"], *,
-            config: ModelConfig) -> Float[Array, "... V"]:
-  """Logits in float32, soft-capped when the config says so; the tied head reuses the
-  (unscaled) embedding. A vocabulary padded for a mesh (`mdjax.sharding`) is cut back
-  to `vocab_size`."""
+def lm_head(params: Params, hidden: Float[Array, "... D"], *, config: ModelConfig,
+            scale: Float[Array, "... 1"] | None = None) -> Float[Array, "... V"]:
+  """Logits in float32 (times each row's `scale` when given: an `_normed` input),
+  soft-capped when the config says so; the tied head reuses the (unscaled) embedding. A
+  vocabulary padded for a mesh (`mdjax.sharding`) is cut back to `vocab_size`."""
   embed = params["embed"]
   # a tied bfloat16 embedding is contracted in place (XLA:CPU's `E.T @` is 10x slower:
   # see `linear`); float32 keeps `E.T`, so an untied copy gives the same logits bit for bit
@@ -452,6 +458,39 @@ def lm_head(params: Params, hidden: Float[Array, "... D"], *,
     logits = linear(hidden, embed, jnp.float32, transposed=True)
   else:
     logits = linear(hidden, embed.T, jnp.float32)
+  if scale is not None:
+    logits = logits * scale
   logits = logits[..., :config.vocab_size]
   cap = config.final_logit_softcapping
   return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def head_of_residual(params: Params, x: Float[Array, "B T D"], *, config: ModelConfig,
+                     logits_at: Int[Array, "B R"] | None = None
+                     ) -> tuple[Float[Array, "B R V"], Float[Array, "B T D"]]:
+  """`(logits, hidden)` from the residual stream after the last layer (`forward`
+  without `final_norm`): the logits of the rows `logits_at` (every row when None) and
+  the final-norm hidden states.
+
+  On a GPU, logits of one row take the final norm as the layers' products take theirs
+  (`_normed`): `x * weight` into the unembedding and the row scale on its float32
+  output; XLA:GPU then runs the norm as one reduction (with `x * weight`) and no
+  multiply of its own (the same logits up to rounding; `hidden`, a multiply, only when
+  read). Compiled for an H200 at 8 rows it fuses neither, while the plain norm is one
+  kernel there: more rows take the norm, then the head."""
+  weight = params.get("final_norm")
+  rows = x.shape[0] * (x.shape[1] if logits_at is None else logits_at.shape[1])
+  if platform.current() == "gpu" and weight is not None and rows == 1:
+    normed, scale = _normed(config, x, weight)
+    logits = lm_head(params, _rows_at(normed, logits_at), config=config,
+                     scale=_rows_at(scale, logits_at))
+    return logits, _norm(config, x, weight)
+  hidden = x if weight is None else _norm(config, x, weight)
+  if platform.current() == "gpu":  # the head reads the hidden states returned: XLA:GPU
+    hidden = jax.lax.optimization_barrier(hidden)  # would compute the final norm twice
+  return lm_head(params, _rows_at(hidden, logits_at), config=config), hidden
+
+
+def _rows_at(x: Float[Array, "B T F"], at: Int[Array, "B R"] | None) -> Float[Array, "B R F"]:
+  """The rows `at` of each batch row of `x` (all of them when None)."""
+  return x if at is None else jnp.take_along_axis(x, at[..., None], axis=1)

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from mdjax import platform
 from mdjax.cache import CacheRegions, KVCache
 from mdjax.prompts import bucket
 from mdjax.sampling import choose, row_keys
@@ -46,23 +47,41 @@ from mdjax.topology import Topology
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AutoregressiveState(DecodeState):
-  """`DecodeState` (buffer rows R = B * N: row b * N + j is branch j of row b), and
+  """`DecodeState` (buffer rows R = B * N: row b * N + j is branch j of row b; `passes`
+  None: every pass advances every branch by one position, `passes_run`), and
 
     topology        Topology [B, G]  the prompt's segment tree (`Prompt.topology`)
     branch_segment  int32[B, N]   the segment branch j decodes in (-1: no such branch)
+    first_pos       int32[B, N]   the position of branch j's first generated token
     next_pos        int32[B, N]   the position of the token branch j feeds next
-    last            int32[B, N]   branch j's last chosen token: what it feeds next
     slot_base       int32[B, N]   with regions, its token at position p takes slot
                                   slot_base + p (`region_slot_base`); else None
-    columns_fed     int32[]       columns fed over all passes (B x the pass's width)
+    columns_fed     int32[]       columns fed over all passes (B x the pass's width); None
+                                  where every pass is N wide (`run_narrowest` off the
+                                  CPU): passes x B x N
+
+  A live branch feeds its last emitted token (`last_emitted`). What a step updates beside
+  the cache is the output buffer, `next_pos` and (on the CPU) `columns_fed`: on a GPU,
+  each array a step updates is a kernel or more.
   """
 
   topology: Topology
   branch_segment: Int[Array, "B N"]
+  first_pos: Int[Array, "B N"]
   next_pos: Int[Array, "B N"]
-  last: Int[Array, "B N"]
   slot_base: Int[Array, "B N"] | None
-  columns_fed: Int[Array, ""]
+  columns_fed: Int[Array, ""] | None
+
+  def passes_run(self) -> Int[Array, ""]:
+    """Target passes after prefill: how far the branches' positions advanced."""
+    return (self.next_pos - self.first_pos).max()
+
+  def last_emitted(self) -> Int[Array, "B N"]:
+    """Each branch's last emitted token (0 where none is: a missing branch, fed as
+    padding)."""
+    last = jnp.maximum(self.buffer.count - 1, 0)[:, None]  # [B * N, 1]
+    token = jnp.take_along_axis(self.buffer.tokens, last, axis=1)  # [B * N, 1]
+    return jnp.maximum(token, 0).reshape(self.branch_segment.shape)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,23 +115,23 @@ class Autoregressive(Sampled):
     buffer = dataclasses.replace(OutputBuffer.empty(absent.shape[0], capacity), done=absent)
     state = AutoregressiveState(
         cache=cache, topology=topology, limits=limits, buffer=buffer,
-        passes=jnp.zeros((), jnp.int32), branch_segment=prompt.branch_segment,
-        next_pos=prompt.branch_positions(), last=jnp.zeros(prompt.branch_segment.shape, jnp.int32),
+        passes=None, branch_segment=prompt.branch_segment,
+        first_pos=prompt.branch_positions(), next_pos=prompt.branch_positions(),
         slot_base=None if self.regions is None else region_slot_base(prompt, self.regions),
-        columns_fed=jnp.zeros((), jnp.int32))
+        columns_fed=jnp.zeros((), jnp.int32) if platform.is_cpu() else None)
     return self._commit(state, logits)
 
   def step(self, params, state: AutoregressiveState) -> AutoregressiveState:
-    done = state.buffer.done.reshape(state.last.shape)  # [B, N]
+    done = state.buffer.done.reshape(state.branch_segment.shape)  # [B, N]
     unfed = jnp.zeros((*done.shape, self.model.vocab_size), jnp.float32)  # [B, N, V]
     without_cache = dataclasses.replace(state, cache=None)  # the cache only in the carry
     (logits, cache), width = run_narrowest(
         feed_widths(done.shape[1]), (~done).sum(axis=1).max(),  # holds every row's live
         lambda w: functools.partial(self._feed, width=w), (unfed, state.cache),
         params, without_cache, done)
+    columns_fed = None if state.columns_fed is None else state.columns_fed + width * done.shape[0]
     state = dataclasses.replace(state, cache=cache, next_pos=state.next_pos + 1,
-                                passes=state.passes + 1,
-                                columns_fed=state.columns_fed + width * done.shape[0])  # B * W
+                                columns_fed=columns_fed)  # B * W
     return self._commit(state, logits)
 
   def _feed(self, carry, params, state: AutoregressiveState, done, *, width: int):
@@ -127,9 +146,12 @@ class Autoregressive(Sampled):
     segments = jnp.where(pick(done), -1, pick(state.branch_segment))  # [B, W]
     positions = pick(state.next_pos)  # [B, W]
     slots = None if self.regions is None else pick(state.slot_base) + positions
-    logits, _, cache = self.model(params, carry[1], pick(state.last), positions, segments,
+    tokens = pick(state.last_emitted())  # [B, W]
+    logits, _, cache = self.model(params, carry[1], tokens, positions, segments,
                                   state.topology, slots=slots,
                                   regions=self._pass_regions(width == branches))  # [B, W, V]
+    if width == branches:  # every branch its own column: no scatter into the carry's zeros
+      return logits, cache
     rows = jnp.arange(batch)[:, None]
     return carry[0].at[rows, columns].set(logits), cache  # finished columns: zeros, never emitted
 
@@ -144,10 +166,13 @@ class Autoregressive(Sampled):
     keys = row_keys(state.limits.key, jnp.arange(rows), state.buffer.count)
     token = choose(keys, logits.reshape(rows, -1), self.sampling)  # [B * N]
     buffer, _ = emit(state.buffer, token[:, None], jnp.ones_like(token), state.limits)
-    return dataclasses.replace(state, buffer=buffer, last=token.reshape(state.last.shape))
+    return dataclasses.replace(state, buffer=buffer)
 
   def result(self, state: AutoregressiveState):
-    return state.buffer, {"target_passes": state.passes, "columns_fed": state.columns_fed}
+    passes, columns_fed = state.passes_run(), state.columns_fed
+    if columns_fed is None:
+      columns_fed = passes * state.branch_segment.size  # B * N every pass
+    return state.buffer, {"target_passes": passes, "columns_fed": columns_fed}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

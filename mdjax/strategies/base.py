@@ -239,13 +239,15 @@ class DecodeState:
     cache     KVCache             the target's cache (the loop's largest carry)
     limits    Limits              max_new_tokens, EOS ids, the run's PRNG key
     buffer    OutputBuffer [R]    generated tokens per output row
-    passes    int32[]             target passes after prefill
+    passes    int32[]             target passes after prefill; None where a strategy's
+                                  state says it otherwise (a counter fewer for a step to
+                                  update: `AutoregressiveState.passes_run`)
   """
 
   cache: KVCache
   limits: Limits
   buffer: OutputBuffer
-  passes: Int[Array, ""]
+  passes: Int[Array, ""] | None
 
 
 def emit(buffer: OutputBuffer, new: Int[Array, "R A"], num_new: Int[Array, "R"],
