@@ -6,6 +6,7 @@ the value. (The suite pins a flat profile in conftest; tests here set their own.
 
 import json
 
+import numpy as np
 import pytest
 
 import mdjax
@@ -127,6 +128,20 @@ def test_no_tree_pays_on_a_linear_cost():
   forced = tree_choice.static_tree(accuracy, steep, lambda depth: 0.0, allow_plain=False)
   assert forced.budget == 1 and forced.speedup < 1
   assert choice.stats(greedy=False)["tree_choice"] == "sample"  # plain decoding that samples
+
+
+def test_heads_pay_for_the_unembedding_they_read():
+  """A drafting pass costs the heads' weights over the target's, plus the target's
+  unembedding only where the heads score with it: not with their own `lm_head` (EAGLE-3's
+  over a draft vocabulary, Medusa's own) or the target's draft columns."""
+  zeros = lambda *shape: np.zeros(shape, np.int8)
+  target = {"embed": zeros(100, 8), "layers": zeros(4, 8, 25)}  # 800 + 800 weights
+  layer = {"fc": zeros(8, 8)}
+  for heads, weights in ((layer, 64 + 800), ({**layer, "lm_head": zeros(8, 10)}, 64 + 80),
+                         ({**layer, "draft_unembedding": zeros(8, 10)}, 64 + 80)):
+    fraction = tree_choice.draft_fraction(
+        heads, target, reads_unembedding=tree_choice.reads_target_unembedding(heads))
+    assert fraction == weights / 1600
 
 
 @pytest.fixture(scope="module")

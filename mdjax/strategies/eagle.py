@@ -134,7 +134,8 @@ class Eagle(TreeDrafter):
 
   def draft_fraction(self, params) -> float:
     return tree_choice.draft_fraction(params["heads"], params["target"],
-                                      reads_unembedding=not self.heads.own_unembedding)
+                                      reads_unembedding=tree_choice.reads_target_unembedding(
+                                          params["heads"]))
 
   def catch_up_width(self, depth: int) -> int:
     return 1 + depth  # `HeadState.pending`

@@ -236,8 +236,7 @@ class Medusa(Sampled):
     # a tree of depth d runs the first d heads (a draft vocabulary's columns among them)
     fractions = tree_choice.first_heads_fractions(
         self.family, params["heads"], params["target"], self.used_heads,
-        reads_unembedding=not (self.heads.own_unembedding
-                               or "draft_unembedding" in params["heads"]))
+        reads_unembedding=tree_choice.reads_target_unembedding(params["heads"]))
     choice = tree_choice.chosen_static_tree(
         tree_choice.hashable(self.accuracy), cost, fractions, branches,
         tree_choice.Batch(rows=rows * branches, new_tokens=capacity),

@@ -182,7 +182,7 @@ class ParallelHeads(HeadsSource):
     heads = self.used(params)["heads"]
     fraction = tree_choice.draft_fraction(
         heads, params["target"],
-        reads_unembedding=not (self.heads.own_unembedding or "draft_unembedding" in heads))
+        reads_unembedding=tree_choice.reads_target_unembedding(heads))
     return fraction * cost(1), 0.0
 
   def start(self, params, prompt: Prompt, hidden, cache: KVCache, **_) -> dict:

@@ -143,6 +143,13 @@ def draft_fraction(drafter, target, *, reads_unembedding: bool) -> float:
   return (size(drafter) + (size(unembedding) if reads_unembedding else 0)) / size(target)
 
 
+def reads_target_unembedding(heads) -> bool:
+  """Heads (a params pytree) score tokens with the target's whole unembedding unless
+  they carry their own (`lm_head`: Medusa's own, EAGLE-3's over its draft vocabulary)
+  or the target's draft columns (`draft_unembedding`), counted among their weights."""
+  return not {"lm_head", "draft_unembedding"} & set(heads)
+
+
 def first_heads_fractions(family, heads_params, target_params, count: int, *,
                           reads_unembedding: bool) -> tuple[float, ...]:
   """Per depth d = 1 .. `count`, the `draft_fraction` of parallel heads' first d heads
