@@ -11,6 +11,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -45,6 +46,19 @@ def test_bench_decode_quick(tmp_path):
     tokens = cell["tokens"]
     assert 0 <= tokens["matching_tokens"] <= tokens["total_tokens"]
     assert tokens["total_tokens"] == int(batch) * results["settings"]["new_tokens"]
+
+
+def test_lookup_prior_quick(tmp_path):
+  """Every rate is a share of what was offered; a later token is scored only after the
+  ones before it were right."""
+  results = run_quick("lookup_prior", "lookup_prior", tmp_path)
+  for counts in results["counts"].values():
+    for side in counts.values():
+      offered, right = map(np.asarray, (side["offered"], side["right"]))
+      assert (0 <= right).all() and (right <= offered).all()
+      assert (offered[:, 1:] <= right[:, :-1]).all()
+  overall = results["overall"]["answer"]
+  assert 0 < overall["matched"] <= 1 and len(overall["first"]) == results["options"]["num_tokens"]
 
 
 def test_bench_speculative_quick(tmp_path):
