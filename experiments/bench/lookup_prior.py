@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import matplotlib
 import numpy as np
 from absl import app, flags
+from tqdm.auto import tqdm
 
 import mdjax
 from experiments.bench import common
@@ -137,10 +138,10 @@ def main(argv):
   answers = mdjax.generate(model, prompts, max_new_tokens=new).sequences
   width = max(map(len, prompts)) + new + 1
   cells: dict[str, list[tuple[dict, dict]]] = {}
-  for (kind, _), prompt, answer in zip(questions, prompts, answers):
+  for (kind, _), prompt, answer in tqdm(list(zip(questions, prompts, answers)),
+                                        desc="scoring the proposals", unit="answer"):
     cells.setdefault(kind, []).append((scored(prompt + list(answer), len(prompt), width),
                                        scored(prompt, 1, width)))
-    print(f"{kind}: scored", file=sys.stderr, flush=True)
   per_kind = {kind: [summed([a for a, _ in rows]), summed([p for _, p in rows])]
               for kind, rows in cells.items()}
   everything = [summed([a for a, _ in per_kind.values()]), summed([p for _, p in per_kind.values()])]
