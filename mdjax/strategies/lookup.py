@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
 from mdjax import cache as cache_ops
+from mdjax import platform
 from mdjax.cache import KVCache
 from mdjax.errors import check_count
 from mdjax.sampling import greedy_accept
@@ -120,7 +121,9 @@ class PromptLookupState(DecodeState):
     branch_segment  int32[R]      the segment branch r decodes in (-1: no such branch)
     drafted         int32[]       proposed tokens over all passes, live branches only
     accepted        int32[]       of those, the ones the target kept
-    columns_fed     int32[]       columns fed over all passes (R x the pass's width)
+    columns_fed     int32[]       columns fed over all passes (R x the pass's width); None
+                                  where every pass is the whole width (`run_narrowest` off
+                                  the CPU): passes x R x (1 + prompt_lookup_num_tokens)
     metadata        TokenMetadata [R, N]  per emitted token, with return_metadata; else None
   """
 
@@ -130,7 +133,7 @@ class PromptLookupState(DecodeState):
   branch_segment: Int[Array, "R"]
   drafted: Int[Array, ""]
   accepted: Int[Array, ""]
-  columns_fed: Int[Array, ""]
+  columns_fed: Int[Array, ""] | None
   metadata: metadata.TokenMetadata | None
 
 
@@ -174,7 +177,8 @@ class PromptLookup(Strategy):
     return PromptLookupState(
         cache=cache, topology=topology, limits=limits, buffer=buffer, passes=zero,
         history=history, length=length + 1, branch_segment=prompt.branch_segment.reshape(rows),
-        drafted=zero, accepted=zero, columns_fed=zero, metadata=token_metadata)
+        drafted=zero, accepted=zero, columns_fed=zero if platform.is_cpu() else None,
+        metadata=token_metadata)
 
   def step(self, params, state: PromptLookupState) -> PromptLookupState:
     history, length, buffer = state.history, state.length, state.buffer
@@ -204,24 +208,30 @@ class PromptLookup(Strategy):
           *metadata.verified(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), choice,
                              proposal, count, accepted))
     emitted = taken.sum(axis=1, dtype=jnp.int32)
-    history = history.at[jnp.arange(rows)[:, None],
-                         jnp.where(taken, length[:, None] + offsets, history.shape[1])].set(
-        choice, mode="drop")
+    history = cache_ops.set_columns(
+        history, jnp.where(taken, length[:, None] + offsets, history.shape[1]), choice)
     # keep each branch's fed last token and its accepted proposal; compact out the rest
-    rejected = active & (offsets > accepted[:, None])
-    cache = cache_ops.compact(_kill_fed(cache, cached, active, rejected, batch), cached,
-                              rows // batch * width)
+    # (one branch per row: what it keeps is the start of what it fed, so a rollback)
+    if rows == batch:
+      cache = cache_ops.rollback(cache, cached + jnp.where(state.buffer.done, 0, accepted + 1))
+    else:
+      rejected = active & (offsets > accepted[:, None])
+      cache = cache_ops.compact(_kill_fed(cache, cached, active, rejected, batch), cached,
+                                rows // batch * width)
     live = ~state.buffer.done
+    columns_fed = None if state.columns_fed is None else state.columns_fed + rows * fed
     return dataclasses.replace(
         state, cache=cache, buffer=buffer, history=history, length=length + emitted,
-        passes=state.passes + 1, columns_fed=state.columns_fed + rows * fed,
+        passes=state.passes + 1, columns_fed=columns_fed,
         drafted=state.drafted + jnp.where(live, count, 0).sum(),
         accepted=state.accepted + jnp.where(live, accepted, 0).sum(), metadata=token_metadata)
 
   def result(self, state: PromptLookupState):
     buffer, stats = super().result(state)
-    stats |= {"drafted": state.drafted, "accepted": state.accepted,
-              "columns_fed": state.columns_fed}
+    columns_fed = state.columns_fed
+    if columns_fed is None:
+      columns_fed = state.passes * state.history.shape[0] * (self.prompt_lookup_num_tokens + 1)
+    stats |= {"drafted": state.drafted, "accepted": state.accepted, "columns_fed": columns_fed}
     if state.metadata is not None:
       stats["metadata"] = state.metadata
     return buffer, stats
