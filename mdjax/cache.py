@@ -208,6 +208,17 @@ def compact(cache: KVCache, start: Int[Array, "B"], width: int) -> KVCache:
   return _move_window(cache, start, source, keep).replace(length=start + num_live)
 
 
+@programs.jit
+def move_slots(cache: KVCache, start: Int[Array, "B"], source: Int[Array, "B W"],
+               count: Int[Array, "B"]) -> KVCache:
+  """Slot `start[b] + i` takes the K/V, position and segment of slot `source[b, i]`
+  for i < `count[b]`, and the row ends there: every slot from `start + count` on is
+  freed (`rollback`). `compact` when the kept slots are known (an accepted path, in
+  order): only they move, and no slot's liveness is read."""
+  keep = jnp.arange(source.shape[1])[None, :] < count[:, None]  # [B, W]
+  return rollback(_move_window(cache, start, source, keep), start + count)
+
+
 @functools.partial(programs.jit, static_argnames=("width",))
 def gather_slots(cache: KVCache, start: Int[Array, "B"], source: Int[Array, "B W"],
                  width: int) -> KVCache:

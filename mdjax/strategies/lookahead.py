@@ -224,21 +224,27 @@ class LookaheadState(DecodeState):
   every pass builds its own (`FeedLayout.place`). L = N - 1 levels, W = `window`. c,
   the last emitted token (not yet cached), is the buffer's last (`last_emitted`), at
   position p = `first_pos` + the tokens emitted after the first (`next_pos`): a step
-  updates few arrays (on a GPU each is a kernel or more).
+  updates few arrays (on a GPU each is a kernel or more): `passes` is None, the most
+  passes a row ran (`passes_run`).
 
-    first_pos               int32[B]         the position of the first emitted token
-    window                  int32[B, L, W]   the Jacobi guesses (level 0, column 0: stale,
-                                             overwritten by c each pass)
-    pool                    NgramPool        [B, P, N] the n-grams the window produced
-    accepted_length_counts  int32[2, D + 1]  live row-passes by winner (0: the level-0
-                                             chain, 1: a pool candidate) and guesses
-                                             accepted (the accepted guesses: their sum)
+    first_pos               int32[B]            the position of the first emitted token
+    window                  int32[B, L, W]      the Jacobi guesses (level 0, column 0:
+                                                stale, overwritten by c each pass)
+    pool                    NgramPool           [B, P, N] the n-grams the window produced
+    accepted_length_counts  int32[B, 2, D + 1]  per row, its live passes by winner (0: the
+                                                level-0 chain, 1: a pool candidate) and
+                                                guesses accepted (the accepted guesses:
+                                                their sum)
   """
 
   first_pos: Int[Array, "B"]
   window: Int[Array, "B L W"]
   pool: NgramPool
-  accepted_length_counts: Int[Array, "2 D+1"]
+  accepted_length_counts: Int[Array, "B 2 D+1"]
+
+  def passes_run(self) -> Int[Array, ""]:
+    """Target passes after prefill: every pass is a live pass of the row that ran longest."""
+    return self.accepted_length_counts.sum(axis=(1, 2)).max()
 
   def next_pos(self) -> Int[Array, "B"]:
     """c's position p (of a done row: past its last token, never fed)."""
@@ -278,13 +284,12 @@ class Lookahead(Strategy):
     first = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)  # [B] (one branch per row)
     buffer, _ = emit(OutputBuffer.empty(batch, capacity), first[:, None],
                      jnp.ones_like(first), limits)
-    zero = jnp.zeros((), jnp.int32)
     # at most `capacity` passes, each adding at most W n-grams: the pool never fills
     pool_size = self.window * capacity if self.guess_set else 0
     return LookaheadState(
-        cache=cache, limits=limits, buffer=buffer, passes=zero, first_pos=prompt.lengths,
+        cache=cache, limits=limits, buffer=buffer, passes=None, first_pos=prompt.lengths,
         window=self._first_window(prompt), pool=NgramPool.empty(batch, pool_size, self.ngram),
-        accepted_length_counts=jnp.zeros((2, self.plan.paths.shape[1]), jnp.int32))
+        accepted_length_counts=jnp.zeros((batch, 2, self.plan.paths.shape[1]), jnp.int32))
 
   def _first_window(self, prompt: Prompt) -> Int[Array, "B L W"]:
     """Prompt tokens, cycled: any guesses keep the output exact."""
@@ -312,8 +317,9 @@ class Lookahead(Strategy):
     top, grams = self._columns(window, choice)  # [B, W], [B, W, N]
     pool = state.pool
     if self.guess_set:
-      ready = state.passes >= self.ngram - 2  # every level above 0 holds argmax outputs
-      pool = pool.add(grams, state.passes, ~done & ready)
+      now = state.passes_run()
+      ready = now >= self.ngram - 2  # every level above 0 holds argmax outputs
+      pool = pool.add(grams, now, ~done & ready)
     return dataclasses.replace(
         self._tally(state, best, winner),
         buffer=emit(state.buffer, emitted, best + 1, state.limits)[0],
@@ -334,9 +340,8 @@ class Lookahead(Strategy):
     lengths = self.plan.paths.shape[1]
     counts = jax.nn.one_hot((winner > 0) * lengths + best, 2 * lengths,
                             dtype=jnp.int32) * live[:, None]  # [B, 2 (D + 1)]
-    return dataclasses.replace(
-        state, passes=state.passes + 1, accepted_length_counts=state.accepted_length_counts
-        + counts.sum(axis=0).reshape(2, lengths))
+    return dataclasses.replace(state, accepted_length_counts=state.accepted_length_counts
+                               + counts.reshape(-1, 2, lengths))
 
   def _verify(self, tokens: Int[Array, "B T"], choice: Int[Array, "B T"], found: Bool[Array, "B G"]
               ) -> tuple[Int[Array, "B C"], Int[Array, "B"]]:
@@ -352,7 +357,8 @@ class Lookahead(Strategy):
 
   def _commit(self, cache: KVCache, cached: Int[Array, "B"], winner: Int[Array, "B"],
               accepted: Int[Array, "B"], done: Bool[Array, "B"]) -> KVCache:
-    """Keeps c and the winner's accepted guesses, in order, right after the text.
+    """Keeps c and the winner's accepted guesses, in order, right after the text: the
+    fed slots of the winner's path (`FeedLayout.paths`) move there.
 
     Without a pool (Jacobi) the winner is the level-0 chain, fed first: what it keeps
     is already in place, and the rollback alone drops the rest (no slot moves)."""
@@ -361,19 +367,20 @@ class Lookahead(Strategy):
     segment = jnp.arange(plan.parent.size)[None, :]  # [1, S]
     cache = cache_ops.remap_segments(
         cache, jnp.where((segment == 0) | (segment == keep[:, None]), 0, -1))
-    if self.guess_set:
-      cache = cache_ops.compact(cache, cached, plan.offset.size)
-    return cache_ops.rollback(cache, jnp.where(done, cached, cached + 1 + accepted))
+    kept = jnp.where(done, 0, 1 + accepted)  # [B] c and the accepted guesses
+    if not self.guess_set:
+      return cache_ops.rollback(cache, cached + kept)
+    path = jnp.asarray(plan.paths)[winner]  # [B, D + 1] fed index of c, then the guesses
+    return cache_ops.move_slots(cache, cached, cached[:, None] + path, kept)
 
   def result(self, state: LookaheadState):
-    buffer, stats = super().result(state)
-    by_winner = state.accepted_length_counts  # [2, D + 1]
+    by_winner = state.accepted_length_counts.sum(axis=0)  # [2, D + 1]
     counts = by_winner.sum(axis=0)  # [D + 1] row-passes by guesses accepted
     guesses = jnp.arange(counts.shape[0])
     accepted = (guesses * counts).sum()
-    return buffer, stats | {
-        "accepted": accepted, "accepted_from_pool": (guesses * by_winner[1]).sum(),
-        "accepted_length_counts": counts,
+    return state.buffer, {
+        "target_passes": state.passes_run(), "accepted": accepted,
+        "accepted_from_pool": (guesses * by_winner[1]).sum(), "accepted_length_counts": counts,
         "mean_accepted_length": accepted / jnp.maximum(counts.sum(), 1)}
 
 
