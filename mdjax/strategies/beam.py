@@ -105,6 +105,7 @@ class BeamState:
   finished_length: Int[Array, "B k"]
   closed: Bool[Array, "B"]
 
+  @property
   def last(self) -> Int[Array, "B k"]:
     """Each running beam's last token: what it feeds next."""
     return jax.lax.dynamic_index_in_dim(self.running_tokens, self.generated, axis=2,
@@ -158,7 +159,7 @@ class Beam(Strategy):
     """Feeds every open row's k running tokens (a closed row feeds padding), then selects."""
     segments = jnp.where(state.closed[:, None], -1, jnp.arange(1, self.num_beams + 1))  # [B, k]
     positions = jnp.broadcast_to(state.start[:, None] + state.generated, segments.shape)
-    logits, _, cache = self.model(params, state.cache, state.last(), positions, segments,
+    logits, _, cache = self.model(params, state.cache, state.last, positions, segments,
                                   state.topology)  # [B, k, V]
     state = dataclasses.replace(state, cache=cache, generated=state.generated + 1)
     return self._select(state, logits)

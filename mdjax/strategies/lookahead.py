@@ -246,6 +246,7 @@ class LookaheadState(DecodeState):
     """Target passes after prefill: every pass is a live pass of the row that ran longest."""
     return self.accepted_length_counts.sum(axis=(1, 2)).max()
 
+  @property
   def next_pos(self) -> Int[Array, "B"]:
     """c's position p (of a done row: past its last token, never fed)."""
     return self.first_pos + self.buffer.count - 1
@@ -301,7 +302,7 @@ class Lookahead(Strategy):
 
   def step(self, params, state: LookaheadState) -> LookaheadState:
     done, plan = state.buffer.done, self.plan
-    last, next_pos = last_emitted(state.buffer), state.next_pos()  # [B]
+    last, next_pos = last_emitted(state.buffer), state.next_pos  # [B]
     window = state.window.at[:, 0, 0].set(last)  # [B, L, W]
     candidates, found = state.pool.candidates(last, self.guess_set)  # [B, G, N-1]
     tokens = jnp.concatenate([window.reshape(done.shape[0], -1),
