@@ -31,7 +31,7 @@ from mdjax import platform, programs
 from mdjax.models.config import ModelConfig
 from mdjax.sharding import constrain_cache
 
-FEW_TOKENS = 16  # tokens per pass up to which a GPU claims slots by selects (`set_few`)
+FEW_TOKENS = 32  # tokens per pass up to which a GPU claims slots by selects (`set_few`)
 
 
 class CacheRegions(NamedTuple):
@@ -95,17 +95,21 @@ def claim_slots(cache: KVCache, positions: Int[Array, "B T"], segments: Int[Arra
   if slots is None:
     slots = cache.length[:, None] + jnp.cumsum(valid, axis=1) - 1  # [B, T]
   slot = jnp.where(valid, slots, cache.num_slots)  # [B, T]
-  rows = jnp.arange(slot.shape[0])[:, None]  # [B, 1]
   end = jnp.where(valid, slot + 1, 0).max(axis=1, initial=0)  # [B]
-  if platform.current() == "gpu" and slot.shape[1] <= FEW_TOKENS:
-    pos, seg = set_few(cache.pos, slot, positions), set_few(cache.seg, slot, segments)
-  else:
-    pos = cache.pos.at[rows, slot].set(positions, mode="drop")
-    seg = cache.seg.at[rows, slot].set(segments, mode="drop")
   claimed = cache.replace(
-      pos=pos, seg=seg,
+      pos=set_columns(cache.pos, slot, positions), seg=set_columns(cache.seg, slot, segments),
       length=jnp.minimum(jnp.maximum(cache.length, end), cache.num_slots))
   return claimed, slot
+
+
+def set_columns(row: Int[Array, "B S"], column: Int[Array, "B T"],
+                values: Int[Array, "B T"]) -> Int[Array, "B S"]:
+  """`row.at[rows, column].set(values, mode="drop")`; on a GPU, for up to `FEW_TOKENS`
+  columns, by `set_few`'s selects (the cache's positions and segments, a strategy's
+  output buffer and token histories)."""
+  if platform.current() == "gpu" and column.shape[1] <= FEW_TOKENS:
+    return set_few(row, column, values)
+  return row.at[jnp.arange(row.shape[0])[:, None], column].set(values, mode="drop")
 
 
 def set_few(row: Int[Array, "B S"], slot: Int[Array, "B T"],
@@ -113,8 +117,7 @@ def set_few(row: Int[Array, "B S"], slot: Int[Array, "B T"],
   """`row.at[rows, slot].set(values, mode="drop")` for a few tokens, as T selects over
   the whole row (negative slots counted from the end, as jnp's indexing reads them;
   distinct slots): XLA:GPU runs the scatter of one token as a bounds check, then a read
-  and an update per array; the selects of both arrays, one or two kernels. (Also a
-  strategy's output buffer: `mdjax.strategies.base.emit`.)"""
+  and an update per array; the selects of both arrays, one or two kernels."""
   num_slots = row.shape[1]
   every = jnp.arange(num_slots)[None, :]  # [1, S]
   slot = jnp.where(slot < 0, slot + num_slots, slot)  # [B, T]
@@ -195,43 +198,65 @@ def compact(cache: KVCache, start: Int[Array, "B"], width: int) -> KVCache:
   in_use = window < cache.length[:, None]
   seg_w = jnp.take_along_axis(cache.seg, jnp.minimum(window, cache.num_slots - 1), axis=1)
   live = (seg_w >= 0) & in_use
-  order = jnp.argsort(~live, axis=1, stable=True)  # live first, original order kept
-  source = jnp.take_along_axis(window, order, axis=1)  # [B, W]
-  num_live = live.sum(axis=1, dtype=jnp.int32)
+  # live first, original order kept: slot i takes the window's (i+1)-th live slot, the
+  # one past as many slots of live rank <= i (a reduction a GPU fuses; an argsort is a sort)
+  rank = jnp.cumsum(live, axis=1, dtype=jnp.int32)  # [B, W] live slots up to each
+  order = (rank[:, None, :] <= jnp.arange(width)[None, :, None]).sum(-1, dtype=jnp.int32)
+  source = start[:, None] + jnp.minimum(order, width - 1)  # [B, W]
+  num_live = rank[:, -1]
   keep = jnp.arange(width)[None, :] < num_live[:, None]  # [B, W]
-  return _move_slots(cache, window, source, keep).replace(length=start + num_live)
+  return _move_window(cache, start, source, keep).replace(length=start + num_live)
+
+
+@programs.jit
+def move_slots(cache: KVCache, start: Int[Array, "B"], source: Int[Array, "B W"],
+               count: Int[Array, "B"]) -> KVCache:
+  """Slot `start[b] + i` takes the K/V, position and segment of slot `source[b, i]`
+  for i < `count[b]`, and the row ends there: every slot from `start + count` on is
+  freed (`rollback`). `compact` when the kept slots are known (an accepted path, in
+  order): only they move, and no slot's liveness is read."""
+  keep = jnp.arange(source.shape[1])[None, :] < count[:, None]  # [B, W]
+  return rollback(_move_window(cache, start, source, keep), start + count)
 
 
 @functools.partial(programs.jit, static_argnames=("width",))
 def gather_slots(cache: KVCache, start: Int[Array, "B"], source: Int[Array, "B W"],
                  width: int) -> KVCache:
-  """Copies K/V and positions of slot `source[b, i]` into slot `start[b] + i`.
+  """Copies the K/V of slot `source[b, i]` into slot `start[b] + i`.
 
-  The segment labels of the destination slots stay: a beam reorder keeps the
-  layout (which slots belong to which beam) and changes only their contents.
-  Only the `width` branch slots move; the shared prefix is never copied.
+  The positions and segment labels of the destination slots stay: a beam reorder
+  keeps the layout (which slots belong to which beam, at which position: a source
+  holds the same position) and changes only their contents. Only the `width` branch
+  slots move; the shared prefix is never copied.
   """
-  destination = start[:, None] + jnp.arange(width)[None, :]  # [B, W]
-  keep_seg = jnp.take_along_axis(cache.seg, jnp.minimum(destination, cache.num_slots - 1), axis=1)
-  moved = _move_slots(cache, destination, source, jnp.ones_like(destination, jnp.bool_))
-  return moved.replace(seg=moved.seg.at[jnp.arange(destination.shape[0])[:, None], destination]
-                       .set(keep_seg, mode="drop"))
+  return _move_window(cache, start, source)
 
 
-def _move_slots(cache: KVCache, destination: Int[Array, "B W"], source: Int[Array, "B W"],
-                keep: Bool[Array, "B W"]) -> KVCache:
-  """Slot `destination[b, i]` takes the contents of `source[b, i]`, or is freed if not keep.
+def _move_window(cache: KVCache, start: Int[Array, "B"], source: Int[Array, "B W"],
+                 keep: Bool[Array, "B W"] | None = None) -> KVCache:
+  """Slot `start[b] + i` takes the K/V of slot `source[b, i]`; with `keep`, also its
+  position, and its segment if `keep[b, i]` (else the slot is freed). Destinations
+  past the end are dropped.
 
-  Destinations past the end are dropped.
-  """
-  rows = jnp.arange(destination.shape[0])[:, None]  # [B, 1]
+  K/V move by a gather and a scatter (in place); positions and segments by one select
+  over the whole row, which a GPU fuses with their gather (a scatter is a kernel of
+  its own per array, after a copy of the array it updates)."""
+  width = source.shape[1]
+  rows = jnp.arange(source.shape[0])[:, None]  # [B, 1]
   source = jnp.minimum(source, cache.num_slots - 1)
-  k = cache.k[:, rows, source]  # [L, B, W, K, H]
-  v = cache.v[:, rows, source]
-  pos = cache.pos[rows, source]  # [B, W]
-  seg = jnp.where(keep, cache.seg[rows, source], -1)
-  return KVCache(k=cache.k.at[:, rows, destination].set(k, mode="drop"),
-                 v=cache.v.at[:, rows, destination].set(v, mode="drop"),
-                 pos=cache.pos.at[rows, destination].set(pos, mode="drop"),
-                 seg=cache.seg.at[rows, destination].set(seg, mode="drop"),
-                 length=cache.length)
+  destination = start[:, None] + jnp.arange(width)[None, :]  # [B, W]
+  moved = cache.replace(k=cache.k.at[:, rows, destination].set(cache.k[:, rows, source],
+                                                              mode="drop"),
+                        v=cache.v.at[:, rows, destination].set(cache.v[:, rows, source],
+                                                              mode="drop"))  # [L, B, S, K, H]
+  if keep is None:
+    return moved
+  offset = jnp.arange(cache.num_slots)[None, :] - start[:, None]  # [B, S] slot - start
+  inside = (offset >= 0) & (offset < width)
+  at = jnp.clip(offset, 0, width - 1)  # [B, S]
+  from_slot = jnp.take_along_axis(source, at, axis=1)  # [B, S]
+  seg = jnp.where(jnp.take_along_axis(keep, at, axis=1),
+                  jnp.take_along_axis(cache.seg, from_slot, axis=1), -1)
+  return moved.replace(
+      pos=jnp.where(inside, jnp.take_along_axis(cache.pos, from_slot, axis=1), cache.pos),
+      seg=jnp.where(inside, seg, cache.seg))

@@ -269,6 +269,24 @@ def test_accepted_draft_path_remapped_and_compacted():
                              atol=ATOL)
 
 
+def test_accepted_path_moved_by_move_slots():
+  """The same tree, its accepted path (a, c: slots 5 and 7) moved to the front by
+  `move_slots`: what compaction gives, b's slot and everything after the path freed."""
+  params = _params(CONFIG)
+  prefix = [3, 1, 4, 1, 5]
+  cache = _prefill(params, CONFIG, prefix)
+  topology = Topology(parent=jnp.asarray([[-1, 0, 1, 1]]), fork=jnp.asarray([[0, 5, 6, 6]]))
+  _, _, cache = step(params, cache, [[20, 21, 22]], [[5, 6, 6]], [[1, 2, 3]], topology, CONFIG)
+  cache = cache_ops.remap_segments(cache, jnp.asarray([[0, 0, -1, 0]]))
+  cache = cache_ops.move_slots(cache, jnp.asarray([5]), jnp.asarray([[5, 7, 6]]),
+                               jnp.asarray([2]))
+  assert int(cache.length[0]) == 7
+  assert np.asarray(cache.seg[0, :8]).tolist() == [0] * 7 + [-1]
+  logits, _, _ = step(params, cache, [[30]], [[7]], [[0]], Topology.causal(1, 4), CONFIG)
+  np.testing.assert_allclose(logits[0, 0], alone(params, CONFIG, prefix + [20, 22, 30])[-1],
+                             atol=ATOL)
+
+
 def test_gather_slots_reorders_beams_without_touching_prefix():
   """Beams 1 and 2 interleaved after a shared prefix; beam 2 takes over beam 1's
   history (a beam reorder); continuing beam 2 == beam 1's text decoded alone."""

@@ -38,7 +38,7 @@ from mdjax.prompts import bucket
 from mdjax.sampling import choose, row_keys
 from mdjax.strategies import prompt_layouts
 from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Sampled,
-                                   branch_token_counts, emit, internal, prefill,
+                                   branch_token_counts, emit, internal, last_emitted, prefill,
                                    region_prompt_slots, region_slot_base, run_narrowest)
 from mdjax.strategies.registry import register
 from mdjax.topology import Topology
@@ -79,9 +79,7 @@ class AutoregressiveState(DecodeState):
   def last_emitted(self) -> Int[Array, "B N"]:
     """Each branch's last emitted token (0 where none is: a missing branch, fed as
     padding)."""
-    last = jnp.maximum(self.buffer.count - 1, 0)[:, None]  # [B * N, 1]
-    token = jnp.take_along_axis(self.buffer.tokens, last, axis=1)  # [B * N, 1]
-    return jnp.maximum(token, 0).reshape(self.branch_segment.shape)
+    return last_emitted(self.buffer).reshape(self.branch_segment.shape)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -43,7 +43,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from mdjax import platform
-from mdjax.cache import FEW_TOKENS, CacheRegions, KVCache, set_few
+from mdjax.cache import CacheRegions, KVCache, set_columns
 from mdjax.models.attention import check_attention, default_attention
 from mdjax.models.config import ModelConfig
 from mdjax.sampling import SAMPLING_OPTIONS, SamplingParams
@@ -263,13 +263,17 @@ def emit(buffer: OutputBuffer, new: Int[Array, "R A"], num_new: Int[Array, "R"],
   index = buffer.count[:, None] + jnp.arange(new.shape[1])[None, :]  # [R, A]
   taken = offered & ~eos_before & (index < limits.max_new_tokens) & ~buffer.done[:, None]
   at = jnp.where(taken, index, buffer.tokens.shape[1])  # [R, A] past the end: dropped
-  if platform.current() == "gpu" and new.shape[1] <= FEW_TOKENS:  # selects, not a scatter
-    tokens = set_few(buffer.tokens, at, new)
-  else:
-    tokens = buffer.tokens.at[jnp.arange(new.shape[0])[:, None], at].set(new, mode="drop")
+  tokens = set_columns(buffer.tokens, at, new)
   count = buffer.count + taken.sum(axis=1, dtype=jnp.int32)
   done = buffer.done | (taken & is_eos).any(axis=1) | (count >= limits.max_new_tokens)
   return OutputBuffer(tokens=tokens, count=count, done=done), taken
+
+
+def last_emitted(buffer: OutputBuffer) -> Int[Array, "R"]:
+  """Each row's last emitted token (0 where none is): what a strategy that keeps no
+  copy of it feeds next (a step that updates one array fewer)."""
+  last = jnp.maximum(buffer.count - 1, 0)[:, None]  # [R, 1]
+  return jnp.maximum(jnp.take_along_axis(buffer.tokens, last, axis=1)[:, 0], 0)
 
 
 def prefill(model: ModelFn, params, prompt: Prompt, cache: KVCache,

@@ -74,21 +74,23 @@ def rank_major(x: Array) -> Array:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BeamState:
   """Beam search's loop state (t5x's `BeamState`); k = num_beams, N = capacity. It has
-  no `OutputBuffer`: the output is the finished hypotheses, read once at the end.
+  no `OutputBuffer`: the output is the finished hypotheses, read once at the end. A
+  step updates few arrays (on a GPU each is a kernel or more): a running beam's last
+  token is read from its tokens, and every pass adds one token to each beam (passes
+  after prefill: `generated`).
 
     cache            KVCache            the prompt, then a [N, k] block of beam slots per row
     topology         Topology [B, k+1]  segment 0 the prompt, segment j + 1 beam j
     limits           Limits             max_new_tokens, EOS ids, the run's PRNG key
     start            int32[B]           prompt length: the beams' first slot and position
-    generated        int32[]            tokens each running beam holds (all in the cache)
-    last             int32[B, k]        each running beam's last token: what it feeds next
+    generated        int32[]            tokens each running beam holds in the cache (it
+                                        holds one more: the last, not yet fed)
     running_score    float32[B, k]      each running beam's summed log-probability
-    running_tokens   int32[B, k, N]     each running beam's tokens (-1 past `generated`)
+    running_tokens   int32[B, k, N]     each running beam's tokens (-1 past them)
     finished_score   float32[B, k]      finished hypotheses' scores, best first (-inf: none yet)
     finished_tokens  int32[B, k, N]     their tokens (-1 past their length)
     finished_length  int32[B, k]        their lengths (EOS included)
     closed           bool[B]            the row is done (budget, or early_stopping's rule)
-    passes           int32[]            passes after prefill
   """
 
   cache: KVCache
@@ -96,14 +98,18 @@ class BeamState:
   limits: Limits
   start: Int[Array, "B"]
   generated: Int[Array, ""]
-  last: Int[Array, "B k"]
   running_score: Float[Array, "B k"]
   running_tokens: Int[Array, "B k N"]
   finished_score: Float[Array, "B k"]
   finished_tokens: Int[Array, "B k N"]
   finished_length: Int[Array, "B k"]
   closed: Bool[Array, "B"]
-  passes: Int[Array, ""]
+
+  @property
+  def last(self) -> Int[Array, "B k"]:
+    """Each running beam's last token: what it feeds next."""
+    return jax.lax.dynamic_index_in_dim(self.running_tokens, self.generated, axis=2,
+                                        keepdims=False)
 
 
 @register
@@ -143,12 +149,10 @@ class Beam(Strategy):
     only_first = jnp.where(jnp.arange(k) == 0, 0.0, -jnp.inf)  # one beam until the first choice
     state = BeamState(cache=cache, topology=Topology.fan(prompt.lengths, k), limits=limits,
                       start=prompt.lengths, generated=jnp.zeros((), jnp.int32),
-                      last=jnp.zeros((batch, k), jnp.int32),
                       running_score=jnp.broadcast_to(only_first, (batch, k)),
                       running_tokens=no_tokens, finished_score=jnp.full((batch, k), -jnp.inf),
                       finished_tokens=no_tokens, finished_length=jnp.zeros((batch, k), jnp.int32),
-                      closed=jnp.broadcast_to(limits.max_new_tokens <= 0, (batch,)),
-                      passes=jnp.zeros((), jnp.int32))
+                      closed=jnp.broadcast_to(limits.max_new_tokens <= 0, (batch,)))
     return self._select(state, jnp.broadcast_to(logits, (batch, k, logits.shape[-1])))
 
   def step(self, params, state: BeamState) -> BeamState:
@@ -157,8 +161,7 @@ class Beam(Strategy):
     positions = jnp.broadcast_to(state.start[:, None] + state.generated, segments.shape)
     logits, _, cache = self.model(params, state.cache, state.last, positions, segments,
                                   state.topology)  # [B, k, V]
-    state = dataclasses.replace(state, cache=cache, generated=state.generated + 1,
-                                passes=state.passes + 1)
+    state = dataclasses.replace(state, cache=cache, generated=state.generated + 1)
     return self._select(state, logits)
 
   def _select(self, state: BeamState, logits: Float[Array, "B k V"]) -> BeamState:
@@ -177,8 +180,7 @@ class Beam(Strategy):
                                                      self.num_beams)  # [B, k]
     cache = self._reorder(state, parent)
     closed = state.closed | last | self._hopeless(state, running_score[:, 0], step + 1)
-    return dataclasses.replace(state, cache=cache, running_score=running_score, last=token,
-                               closed=closed,
+    return dataclasses.replace(state, cache=cache, running_score=running_score, closed=closed,
                                running_tokens=extend(state.running_tokens, parent, token, step))
 
   def _finish(self, state: BeamState, scores: Float[Array, "B k V"], is_eos: Bool[Array, "V"],
@@ -234,4 +236,4 @@ class Beam(Strategy):
     buffer = OutputBuffer(tokens=rank_major(state.finished_tokens), count=count,
                           done=jnp.ones(count.shape, jnp.bool_),
                           scores=rank_major(state.finished_score))
-    return buffer, {"target_passes": state.passes}
+    return buffer, {"target_passes": state.generated}

@@ -37,7 +37,7 @@ from mdjax.sampling import (SamplingParams, choose, greedy_accept, process_logit
                             speculative_accept)
 from mdjax.strategies import metadata
 from mdjax.strategies.base import (DecodeState, Limits, ModelFn, OutputBuffer, Prompt, Sampled,
-                                   Strategy, decode_chains, emit, prefill)
+                                   Strategy, decode_chains, emit, last_emitted, prefill)
 from mdjax.topology import Topology
 
 DRAFT_KEY, ACCEPT_KEY = 1, 2  # fold_in tags of a step's row key
@@ -158,15 +158,18 @@ class DraftModelState:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DraftState(DecodeState):
   """`DecodeState` (buffer rows R = B: one branch per prompt; R = B x N for a tree
-  strategy with branches, `trees.verify`), and
+  strategy with branches, `trees.verify`). A step updates few arrays (on a GPU each is
+  a kernel or more): the last emitted token, which the target feeds first next
+  (`last`), is the buffer's, at position `next_pos` = `first_pos` + the tokens emitted
+  after the first; `passes` is None, the counters are one array, `tallies`.
 
     topology      Topology [B, G]  the prompt's
-    last          int32[R]         the last emitted token: the target feeds it first next
-    next_pos      int32[R]         its position
-    draft_passes  int32[]          draft passes after prefill
-    drafted_at    int32[D]         live rows' drafted tokens per chain position (or
-                                   nodes per tree depth), over all steps
-    accepted_at   int32[D]         of those, the accepted ones
+    first_pos     int32[R]         the position of the first emitted token
+    tallies       int32[2, D + 1]  over all steps: [0, :D] live rows' drafted tokens per
+                                   chain position (or nodes per tree depth), [1, :D] of
+                                   those the accepted ones (`drafted_at`, `accepted_at`);
+                                   [0, D] target passes after prefill (`passes_run`),
+                                   [1, D] draft passes (`draft_passes`)
     metadata      TokenMetadata [B, N]  per emitted token, with return_metadata; else None
     draft         DraftModelState  the draft model's cache and pending tokens (or an
                                    EAGLE head's, `eagle.HeadState`); None when the
@@ -174,13 +177,35 @@ class DraftState(DecodeState):
   """
 
   topology: Topology
-  last: Int[Array, "B"]
-  next_pos: Int[Array, "B"]
-  draft_passes: Int[Array, ""]
-  drafted_at: Int[Array, "D"]
-  accepted_at: Int[Array, "D"]
+  first_pos: Int[Array, "R"]
+  tallies: Int[Array, "2 D+1"]
   metadata: metadata.TokenMetadata | None
   draft: DraftModelState | None
+
+  @property
+  def last(self) -> Int[Array, "R"]:
+    return last_emitted(self.buffer)
+
+  @property
+  def next_pos(self) -> Int[Array, "R"]:
+    """`last`'s position (of a done row: past its last token, never fed)."""
+    return self.first_pos + self.buffer.count - 1
+
+  @property
+  def drafted_at(self) -> Int[Array, "D"]:
+    return self.tallies[0, :-1]
+
+  @property
+  def accepted_at(self) -> Int[Array, "D"]:
+    return self.tallies[1, :-1]
+
+  @property
+  def draft_passes(self) -> Int[Array, ""]:
+    return self.tallies[1, -1]
+
+  def passes_run(self) -> Int[Array, ""]:
+    """Target passes after prefill."""
+    return self.tallies[0, -1]
 
 
 @jax.tree_util.register_dataclass
@@ -218,15 +243,13 @@ def start(state_type: type[State], target: ModelFn, draft: ModelFn | None, param
   absent = (prompt.branch_segment < 0).reshape(-1)  # [R]
   buffer, _ = emit(dataclasses.replace(OutputBuffer.empty(rows.size, capacity), done=absent),
                    first[:, None], jnp.ones_like(first), limits)
-  zero, zeros = jnp.zeros((), jnp.int32), jnp.zeros((positions,), jnp.int32)
   token_metadata = None
   if return_metadata:
     token_metadata = metadata.first(capacity, probs(logits, sampling), first)
   return state_type(
-      cache=target_cache, topology=topology, limits=limits, buffer=buffer, passes=zero,
-      last=first, next_pos=prompt.branch_positions().reshape(-1), draft_passes=zero,
-      drafted_at=zeros,
-      accepted_at=zeros, metadata=token_metadata,
+      cache=target_cache, topology=topology, limits=limits, buffer=buffer, passes=None,
+      first_pos=prompt.branch_positions().reshape(-1),
+      tallies=jnp.zeros((2, positions + 1), jnp.int32), metadata=token_metadata,
       draft=None if draft is None else DraftModelState.start(draft, params["draft"], prompt,
                                                              cache, first), **fields)
 
@@ -381,7 +404,7 @@ def verify_chain(target: ModelFn, params, state: ChainState, cache: KVCache, key
   live = ~done[:, None] & (position < chain.length[:, None])  # [B, D]
   state = commit(
       state, cache=cache_ops.rollback(cache, jnp.where(done, cached, cached + 1 + accepted)),
-      emitted=emitted, accepted=accepted, next_token=next_token, draft_passes=chain.i,
+      emitted=emitted, accepted=accepted, draft_passes=chain.i,
       drafted=live, accepted_at=live & (position < accepted[:, None]),
       token_metadata=lambda: metadata.verified(probs(logits, sampling), emitted, chain.tokens,
                                                chain.length, accepted))
@@ -390,7 +413,7 @@ def verify_chain(target: ModelFn, params, state: ChainState, cache: KVCache, key
 
 
 def commit(state: State, *, cache: KVCache, emitted: Int[Array, "B D+1"],
-           accepted: Int[Array, "B"], next_token: Int[Array, "B"], draft_passes: Int[Array, ""],
+           accepted: Int[Array, "B"], draft_passes: Int[Array, ""],
            drafted: Int[Array, "B D"] | Bool[Array, "B D"], accepted_at: Bool[Array, "B D"],
            token_metadata: Callable[[], Any]) -> State:
   """The state after a verify: `emitted[:, :accepted + 1]` (the accepted tokens, then
@@ -401,18 +424,17 @@ def commit(state: State, *, cache: KVCache, emitted: Int[Array, "B D+1"],
   buffer, taken = emit(state.buffer, emitted, accepted + 1, state.limits)
   recorded = (None if state.metadata is None else
               state.metadata.record(state.buffer.count, taken, *token_metadata()))
+  tallies = jnp.stack([
+      jnp.append(drafted.sum(axis=0, dtype=jnp.int32), 1),
+      jnp.append(accepted_at.sum(axis=0, dtype=jnp.int32), draft_passes)])  # [2, D + 1]
   return dataclasses.replace(
-      state, cache=cache, buffer=buffer, metadata=recorded, last=next_token,
-      next_pos=state.next_pos + accepted + 1, passes=state.passes + 1,
-      draft_passes=state.draft_passes + draft_passes,
-      drafted_at=state.drafted_at + drafted.sum(axis=0, dtype=jnp.int32),
-      accepted_at=state.accepted_at + accepted_at.sum(axis=0, dtype=jnp.int32))
+      state, cache=cache, buffer=buffer, metadata=recorded, tallies=state.tallies + tallies)
 
 
 def stats(state: DraftState, mean_accepted_length: Float[Array, ""]) -> dict:
   """The statistics every draft-and-verify strategy reports."""
   drafted, accepted = state.drafted_at, state.accepted_at
-  return {"target_passes": state.passes, "draft_passes": state.draft_passes,
+  return {"target_passes": state.passes_run(), "draft_passes": state.draft_passes,
           "drafted": drafted.sum(), "accepted": accepted.sum(),
           "drafted_at": drafted, "accepted_at": accepted,
           "mean_accepted_length": mean_accepted_length} | (

@@ -34,7 +34,7 @@ from mdjax.cache import KVCache
 from mdjax.errors import check_count, check_real
 from mdjax.strategies import prompt_layouts
 from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Strategy, emit,
-                                   prefill)
+                                   last_emitted, prefill)
 from mdjax.strategies.registry import register
 from mdjax.topology import Topology
 
@@ -42,38 +42,67 @@ from mdjax.topology import Topology
 def entropy_varentropy(logits: Float[Array, "... V"]) -> tuple[Float[Array, "..."],
                                                                Float[Array, "..."]]:
   """Entropy H = -sum p log p and varentropy sum p (log p + H)^2 of softmax(logits), nats."""
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return _entropy_varentropy(_log_softmax(logits))
+
+
+def _log_softmax(logits: Float[Array, "... V"]) -> Float[Array, "... V"]:
+  return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def _entropy_varentropy(logp: Float[Array, "... V"]) -> tuple[Float[Array, "..."],
+                                                               Float[Array, "..."]]:
+  """`entropy_varentropy` from the log-probabilities."""
   p = jnp.exp(logp)
   entropy = -(p * logp).sum(-1)
   return entropy, (p * (logp + entropy[..., None]) ** 2).sum(-1)
+
+
+def _argmax(logits: Float[Array, "... V"]) -> Int[Array, "..."]:
+  return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EntropyState(DecodeState):
   """`DecodeState` (its cache: the text as segment 0, then an exploration's branches;
-  buffer rows R = B) with k = num_branches, m = branch_tokens. No topology is carried:
-  each pass derives it from `next_pos` (the fork position of an exploring row).
+  buffer rows R = B; `passes` None: in `tallies`) with k = num_branches, m =
+  branch_tokens. No topology is carried: each pass derives it from `next_pos` (the fork
+  position of an exploring row). A step updates few arrays (on a GPU each is a kernel
+  or more): what a row feeds next is read from the buffer (`last`) or the branches'
+  tokens (`branch_last`), and its position from the buffer's count (`next_pos`).
 
-    last           int32[B]         a linear row's last committed token: what it feeds next
-    next_pos       int32[B]         the position `last` is fed at; of an exploring row, the
-                                    fork position (its branches' first tokens)
+    first_pos      int32[B]         the position of the first generated token
     exploring      int32[B]         tokens each branch holds (1..m-1); 0: decoding linearly
     fork_slot      int32[B]         the exploration's first slot (where compaction starts)
-    branch_last    int32[B, k]      each branch's last token: what it feeds next
     branch_tokens  int32[B, k, m]   each branch's tokens so far
     branch_score   float32[B, k]    each branch's summed log-probability
-    forks          int32[]          explorations started, over all rows
+    tallies        int32[2]         target passes after prefill, explorations started
+                                    (over all rows)
   """
 
-  last: Int[Array, "B"]
-  next_pos: Int[Array, "B"]
+  first_pos: Int[Array, "B"]
   exploring: Int[Array, "B"]
   fork_slot: Int[Array, "B"]
-  branch_last: Int[Array, "B k"]
   branch_tokens: Int[Array, "B k m"]
   branch_score: Float[Array, "B k"]
-  forks: Int[Array, ""]
+  tallies: Int[Array, "2"]
+
+  @property
+  def last(self) -> Int[Array, "B"]:
+    """A linear row's last committed token: what it feeds next."""
+    return last_emitted(self.buffer)
+
+  @property
+  def next_pos(self) -> Int[Array, "B"]:
+    """The position `last` is fed at; of an exploring row, the fork position (its
+    branches' first tokens): after the last committed token."""
+    return self.first_pos + self.buffer.count - (self.exploring == 0)
+
+  @property
+  def branch_last(self) -> Int[Array, "B k"]:
+    """An exploring row's branches' last tokens: what they feed next."""
+    last = jnp.maximum(self.exploring - 1, 0)[:, None, None]  # [B, 1, 1]
+    return jnp.take_along_axis(self.branch_tokens, last, axis=2)[..., 0]
 
 
 @register
@@ -110,13 +139,12 @@ class EntropyBranching(Strategy):
     logits, cache, _ = prefill(self.model, params, prompt, cache)
     zeros = jnp.zeros((batch,), jnp.int32)
     state = EntropyState(cache=cache, limits=limits, buffer=OutputBuffer.empty(batch, capacity),
-                         passes=jnp.zeros((), jnp.int32), last=zeros, next_pos=prompt.lengths,
-                         exploring=zeros, fork_slot=zeros,
-                         branch_last=jnp.zeros((batch, k), jnp.int32),
+                         passes=None, first_pos=prompt.lengths, exploring=zeros, fork_slot=zeros,
                          branch_tokens=jnp.zeros((batch, k, self.branch_tokens), jnp.int32),
                          branch_score=jnp.zeros((batch, k), jnp.float32),
-                         forks=jnp.zeros((), jnp.int32))
-    return self._after_main(state, logits[:, 0], jnp.ones((batch,), jnp.bool_))
+                         tallies=jnp.zeros((2,), jnp.int32))
+    return self._after_main(state, _log_softmax(logits[:, 0]), _argmax(logits[:, 0]),
+                            jnp.ones((batch,), jnp.bool_))
 
   def step(self, params, state: EntropyState) -> EntropyState:
     done, exploring = state.buffer.done, state.exploring > 0  # [B]
@@ -132,45 +160,41 @@ class EntropyBranching(Strategy):
     fork_pos = state.next_pos  # of an exploring row: its branches' first tokens
     logits, _, cache = self.model(params, state.cache, tokens, positions, segments,
                                   Topology.fan(fork_pos, k))  # [B, k, V]
-    state = dataclasses.replace(state, cache=cache, passes=state.passes + 1)
+    state = dataclasses.replace(state, cache=cache,
+                                tallies=state.tallies + jnp.asarray([1, 0], jnp.int32))
+    # one log-softmax and one argmax over every column (on a GPU, each a few kernels):
+    # column 0 is a linear row's
+    logp, token = _log_softmax(logits), _argmax(logits)  # [B, k, V], [B, k]
     linear = ~exploring & ~done
-    state = self._after_main(state, logits[:, 0], linear)
-    return self._after_branches(state, logits, exploring & ~done)
+    state = self._after_main(state, logp[:, 0], token[:, 0], linear)
+    return self._after_branches(state, logp, token, exploring & ~done)
 
-  def _after_main(self, state: EntropyState, logits: Float[Array, "B V"],
+  def _after_main(self, state: EntropyState, logp: Float[Array, "B V"], token: Int[Array, "B"],
                   rows: Bool[Array, "B"]) -> EntropyState:
-    """Rows `rows` got the logits after their last committed token: emit the argmax,
-    or fork there when the distribution is uncertain enough."""
-    entropy, varentropy = entropy_varentropy(logits)
+    """Rows `rows` got the log-probabilities after their last committed token (and
+    their argmax `token`): emit it, or fork there when the distribution is uncertain
+    enough."""
+    entropy, varentropy = _entropy_varentropy(logp)
     fork = rows & (entropy > self.branch_entropy) & (varentropy > self.branch_varentropy)
     if self.num_branches == 1 or self.branch_tokens == 1:
       fork = jnp.zeros_like(fork)
-    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     buffer, _ = emit(state.buffer, token[:, None], (rows & ~fork).astype(jnp.int32),
                      state.limits)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     top_logp, top = jax.lax.top_k(logp, self.num_branches)  # [B, k]
     fed = state.cache.length  # the main token was just written: branches start here
     return dataclasses.replace(
-        state, buffer=buffer,
-        last=jnp.where(rows & ~fork, token, state.last),
-        # the position of the next token to feed: the new `last`, or the branches' first
-        next_pos=state.next_pos + rows * (state.passes > 0),
-        exploring=jnp.where(fork, 1, state.exploring),
+        state, buffer=buffer, exploring=jnp.where(fork, 1, state.exploring),
         fork_slot=jnp.where(fork, fed, state.fork_slot),
-        branch_last=jnp.where(fork[:, None], top, state.branch_last),
         branch_tokens=jnp.where(fork[:, None, None], state.branch_tokens.at[:, :, 0].set(top),
                                 state.branch_tokens),
         branch_score=jnp.where(fork[:, None], top_logp, state.branch_score),
-        forks=state.forks + fork.sum(dtype=jnp.int32))
+        tallies=state.tallies + jnp.stack([0, fork.sum(dtype=jnp.int32)]))
 
-  def _after_branches(self, state: EntropyState, logits: Float[Array, "B k V"],
-                      rows: Bool[Array, "B"]) -> EntropyState:
-    """Exploring rows extend every branch by its argmax; a row whose branches are
-    complete keeps the best one, compacts its cache and emits its tokens."""
+  def _after_branches(self, state: EntropyState, logp: Float[Array, "B k V"],
+                      token: Int[Array, "B k"], rows: Bool[Array, "B"]) -> EntropyState:
+    """Exploring rows extend every branch by its argmax `token`; a row whose branches
+    are complete keeps the best one, compacts its cache and emits its tokens."""
     depth = state.exploring  # tokens each branch holds before this pass
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, k, V]
-    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, k]
     token_logp = jnp.take_along_axis(logp, token[..., None], axis=-1)[..., 0]
     slot = jnp.arange(self.branch_tokens)[None, None, :] == depth[:, None, None]
     branch_tokens = jnp.where(rows[:, None, None] & slot, token[..., None], state.branch_tokens)
@@ -183,10 +207,7 @@ class EntropyBranching(Strategy):
     cache = self._keep_branch(state.cache, finished, best, state.fork_slot)
     return dataclasses.replace(
         state, cache=cache, buffer=buffer, branch_tokens=branch_tokens, branch_score=score,
-        branch_last=jnp.where(rows[:, None], token, state.branch_last),
-        exploring=jnp.where(finished, 0, depth),
-        last=jnp.where(finished, winner[:, -1], state.last),
-        next_pos=state.next_pos + finished * (self.branch_tokens - 1))
+        exploring=jnp.where(finished, 0, depth))
 
   def _keep_branch(self, cache: KVCache, finished: Bool[Array, "B"], best: Int[Array, "B"],
                    fork_slot: Int[Array, "B"]) -> KVCache:
@@ -200,4 +221,4 @@ class EntropyBranching(Strategy):
                              self.exploration_slots)
 
   def result(self, state: EntropyState) -> tuple[OutputBuffer, dict]:
-    return state.buffer, {"target_passes": state.passes, "forks": state.forks}
+    return state.buffer, {"target_passes": state.tallies[0], "forks": state.tallies[1]}

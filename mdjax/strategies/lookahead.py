@@ -85,12 +85,12 @@ import numpy as np
 from jaxtyping import Array, Bool, Int
 
 from mdjax import cache as cache_ops
-from mdjax.cache import KVCache
+from mdjax.cache import KVCache, set_columns
 from mdjax.errors import check_count
 from mdjax.sampling import greedy_accept
 from mdjax.strategies import prompt_layouts
 from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Strategy, emit,
-                                   internal, prefill)
+                                   internal, last_emitted, prefill)
 from mdjax.strategies.registry import register
 from mdjax.topology import Topology
 
@@ -189,9 +189,12 @@ class NgramPool:
                 & np.tri(width, k=-1, dtype=bool)).any(-1)  # [B, W]: an earlier column's
     new = live[:, None] & ~held.any(-1) & ~repeated  # [B, W]
     slot = jnp.where(new, self.count[:, None] + jnp.cumsum(new, axis=1) - 1, self.stamp.shape[1])
-    rows = jnp.arange(grams.shape[0])[:, None]
-    stamp = jnp.where(held.any(1), now, self.stamp).at[rows, slot].set(now, mode="drop")
-    return NgramPool(grams=self.grams.at[rows, slot].set(grams, mode="drop"), stamp=stamp,
+    stamp = set_columns(jnp.where(held.any(1), now, self.stamp), slot,
+                        jnp.broadcast_to(now, slot.shape))  # [B, P]
+    batch, size, n = self.grams.shape
+    column = (slot[..., None] * n + jnp.arange(n)).reshape(batch, -1)  # [B, W N] of [B, P N]
+    written = set_columns(self.grams.reshape(batch, -1), column, grams.reshape(batch, -1))
+    return NgramPool(grams=written.reshape(batch, size, n), stamp=stamp,
                      count=self.count + new.sum(axis=1, dtype=jnp.int32))
 
 
@@ -218,25 +221,35 @@ def slide(window: Int[Array, "B L W"], top: Int[Array, "B W"], shift: Int[Array,
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LookaheadState(DecodeState):
   """`DecodeState` (buffer rows R = B: one branch per row); no topology is carried:
-  every pass builds its own (`FeedLayout.place`). L = N - 1 levels, W = `window`:
+  every pass builds its own (`FeedLayout.place`). L = N - 1 levels, W = `window`. c,
+  the last emitted token (not yet cached), is the buffer's last (`last_emitted`), at
+  position p = `first_pos` + the tokens emitted after the first (`next_pos`): a step
+  updates few arrays (on a GPU each is a kernel or more): `passes` is None, the most
+  passes a row ran (`passes_run`).
 
-    last                    int32[B]         c: the last emitted token, not yet cached
-    next_pos                int32[B]         c's position p
-    window                  int32[B, L, W]   the Jacobi guesses (level 0, column 0: stale,
-                                             overwritten by c each pass)
-    pool                    NgramPool        [B, P, N] the n-grams the window produced
-    accepted                int32[]          guesses accepted, over live row-passes
-    accepted_from_pool      int32[]          of those, the ones of a pool candidate
-    accepted_length_counts  int32[D + 1]     live row-passes by guesses accepted
+    first_pos               int32[B]            the position of the first emitted token
+    window                  int32[B, L, W]      the Jacobi guesses (level 0, column 0:
+                                                stale, overwritten by c each pass)
+    pool                    NgramPool           [B, P, N] the n-grams the window produced
+    accepted_length_counts  int32[B, 2, D + 1]  per row, its live passes by winner (0: the
+                                                level-0 chain, 1: a pool candidate) and
+                                                guesses accepted (the accepted guesses:
+                                                their sum)
   """
 
-  last: Int[Array, "B"]
-  next_pos: Int[Array, "B"]
+  first_pos: Int[Array, "B"]
   window: Int[Array, "B L W"]
   pool: NgramPool
-  accepted: Int[Array, ""]
-  accepted_from_pool: Int[Array, ""]
-  accepted_length_counts: Int[Array, "D+1"]
+  accepted_length_counts: Int[Array, "B 2 D+1"]
+
+  def passes_run(self) -> Int[Array, ""]:
+    """Target passes after prefill: every pass is a live pass of the row that ran longest."""
+    return self.accepted_length_counts.sum(axis=(1, 2)).max()
+
+  @property
+  def next_pos(self) -> Int[Array, "B"]:
+    """c's position p (of a done row: past its last token, never fed)."""
+    return self.first_pos + self.buffer.count - 1
 
 
 @register
@@ -272,15 +285,12 @@ class Lookahead(Strategy):
     first = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)  # [B] (one branch per row)
     buffer, _ = emit(OutputBuffer.empty(batch, capacity), first[:, None],
                      jnp.ones_like(first), limits)
-    zero = jnp.zeros((), jnp.int32)
     # at most `capacity` passes, each adding at most W n-grams: the pool never fills
     pool_size = self.window * capacity if self.guess_set else 0
     return LookaheadState(
-        cache=cache, limits=limits, buffer=buffer, passes=zero, last=first,
-        next_pos=prompt.lengths, window=self._first_window(prompt),
-        pool=NgramPool.empty(batch, pool_size, self.ngram), accepted=zero,
-        accepted_from_pool=zero,
-        accepted_length_counts=jnp.zeros((self.plan.paths.shape[1],), jnp.int32))
+        cache=cache, limits=limits, buffer=buffer, passes=None, first_pos=prompt.lengths,
+        window=self._first_window(prompt), pool=NgramPool.empty(batch, pool_size, self.ngram),
+        accepted_length_counts=jnp.zeros((batch, 2, self.plan.paths.shape[1]), jnp.int32))
 
   def _first_window(self, prompt: Prompt) -> Int[Array, "B L W"]:
     """Prompt tokens, cycled: any guesses keep the output exact."""
@@ -292,11 +302,12 @@ class Lookahead(Strategy):
 
   def step(self, params, state: LookaheadState) -> LookaheadState:
     done, plan = state.buffer.done, self.plan
-    window = state.window.at[:, 0, 0].set(state.last)  # [B, L, W]
-    candidates, found = state.pool.candidates(state.last, self.guess_set)  # [B, G, N-1]
+    last, next_pos = last_emitted(state.buffer), state.next_pos  # [B]
+    window = state.window.at[:, 0, 0].set(last)  # [B, L, W]
+    candidates, found = state.pool.candidates(last, self.guess_set)  # [B, G, N-1]
     tokens = jnp.concatenate([window.reshape(done.shape[0], -1),
                               candidates.reshape(done.shape[0], -1)], axis=1)  # [B, T]
-    positions, segments, topology = plan.place(state.next_pos, done)  # [B, T]
+    positions, segments, topology = plan.place(next_pos, done)  # [B, T]
     logits, _, cache = self.model(params, state.cache, tokens, positions, segments,
                                   topology)  # [B, T, V]
     choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T]
@@ -305,14 +316,16 @@ class Lookahead(Strategy):
     emitted = jnp.take_along_axis(choice[:, plan.paths], winner[:, None, None],
                                   axis=1)[:, 0]  # [B, D + 1]: the argmax after c, then each guess
     top, grams = self._columns(window, choice)  # [B, W], [B, W, N]
-    ready = state.passes >= self.ngram - 2  # every level above 0 holds argmax outputs
+    pool = state.pool
+    if self.guess_set:
+      now = state.passes_run()
+      ready = now >= self.ngram - 2  # every level above 0 holds argmax outputs
+      pool = pool.add(grams, now, ~done & ready)
     return dataclasses.replace(
         self._tally(state, best, winner),
         buffer=emit(state.buffer, emitted, best + 1, state.limits)[0],
         cache=self._commit(cache, state.cache.length, winner, best, done),
-        last=jnp.take_along_axis(emitted, best[:, None], axis=1)[:, 0],
-        next_pos=state.next_pos + best + 1, window=slide(window, top, accepted[:, 0]),
-        pool=state.pool.add(grams, state.passes, ~done & ready))
+        window=slide(window, top, accepted[:, 0]), pool=pool)
 
   def _columns(self, window: Int[Array, "B L W"], choice: Int[Array, "B T"]
                ) -> tuple[Int[Array, "B W"], Int[Array, "B W N"]]:
@@ -325,12 +338,11 @@ class Lookahead(Strategy):
              winner: Int[Array, "B"]) -> LookaheadState:
     """The stats, over the rows this pass decoded."""
     live = ~state.buffer.done
-    counts = jax.nn.one_hot(best, self.plan.paths.shape[1], dtype=jnp.int32) * live[:, None]
-    return dataclasses.replace(
-        state, passes=state.passes + 1, accepted=state.accepted + jnp.where(live, best, 0).sum(),
-        accepted_from_pool=state.accepted_from_pool
-        + jnp.where(live & (winner > 0), best, 0).sum(),
-        accepted_length_counts=state.accepted_length_counts + counts.sum(axis=0))
+    lengths = self.plan.paths.shape[1]
+    counts = jax.nn.one_hot((winner > 0) * lengths + best, 2 * lengths,
+                            dtype=jnp.int32) * live[:, None]  # [B, 2 (D + 1)]
+    return dataclasses.replace(state, accepted_length_counts=state.accepted_length_counts
+                               + counts.reshape(-1, 2, lengths))
 
   def _verify(self, tokens: Int[Array, "B T"], choice: Int[Array, "B T"], found: Bool[Array, "B G"]
               ) -> tuple[Int[Array, "B C"], Int[Array, "B"]]:
@@ -346,22 +358,31 @@ class Lookahead(Strategy):
 
   def _commit(self, cache: KVCache, cached: Int[Array, "B"], winner: Int[Array, "B"],
               accepted: Int[Array, "B"], done: Bool[Array, "B"]) -> KVCache:
-    """Keeps c and the winner's accepted guesses, in order, right after the text."""
+    """Keeps c and the winner's accepted guesses, in order, right after the text: the
+    fed slots of the winner's path (`FeedLayout.paths`) move there.
+
+    Without a pool (Jacobi) the winner is the level-0 chain, fed first: what it keeps
+    is already in place, and the rollback alone drops the rest (no slot moves)."""
     plan = self.plan
     keep = jnp.asarray(plan.owner)[winner]  # [B] the winner's segment joins segment 0
     segment = jnp.arange(plan.parent.size)[None, :]  # [1, S]
     cache = cache_ops.remap_segments(
         cache, jnp.where((segment == 0) | (segment == keep[:, None]), 0, -1))
-    cache = cache_ops.compact(cache, cached, plan.offset.size)
-    return cache_ops.rollback(cache, jnp.where(done, cached, cached + 1 + accepted))
+    kept = jnp.where(done, 0, 1 + accepted)  # [B] c and the accepted guesses
+    if not self.guess_set:
+      return cache_ops.rollback(cache, cached + kept)
+    path = jnp.asarray(plan.paths)[winner]  # [B, D + 1] fed index of c, then the guesses
+    return cache_ops.move_slots(cache, cached, cached[:, None] + path, kept)
 
   def result(self, state: LookaheadState):
-    buffer, stats = super().result(state)
-    counts = state.accepted_length_counts  # [D + 1] row-passes by guesses accepted
-    return buffer, stats | {
-        "accepted": state.accepted, "accepted_from_pool": state.accepted_from_pool,
-        "accepted_length_counts": counts,
-        "mean_accepted_length": state.accepted / jnp.maximum(counts.sum(), 1)}
+    by_winner = state.accepted_length_counts.sum(axis=0)  # [2, D + 1]
+    counts = by_winner.sum(axis=0)  # [D + 1] row-passes by guesses accepted
+    guesses = jnp.arange(counts.shape[0])
+    accepted = (guesses * counts).sum()
+    return state.buffer, {
+        "target_passes": state.passes_run(), "accepted": accepted,
+        "accepted_from_pool": (guesses * by_winner[1]).sum(), "accepted_length_counts": counts,
+        "mean_accepted_length": accepted / jnp.maximum(counts.sum(), 1)}
 
 
 @register

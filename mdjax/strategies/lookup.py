@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
 from mdjax import cache as cache_ops
+from mdjax import platform
 from mdjax.cache import KVCache
 from mdjax.errors import check_count
 from mdjax.sampling import greedy_accept
@@ -111,16 +112,20 @@ def propose_by_lookup(history, length, max_ngram_size: int, num_tokens: int):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PromptLookupState(DecodeState):
-  """`DecodeState` (buffer rows R = B * N: row b * N + j is branch j of row b), and
+  """`DecodeState` (buffer rows R = B * N: row b * N + j is branch j of row b; `passes`
+  None: they are the most a branch ran, in `tallies`, so a step updates one array fewer:
+  on a GPU each is a kernel or more), and
 
     topology        Topology [B, G]  the prompt's segment tree
     history         int32[R, H]   what branch r sees, left-aligned: the context, its own
                                   question, then its answer (`branch_histories`)
     length          int32[R]      tokens in `history`; the last one is not yet cached
     branch_segment  int32[R]      the segment branch r decodes in (-1: no such branch)
-    drafted         int32[]       proposed tokens over all passes, live branches only
-    accepted        int32[]       of those, the ones the target kept
-    columns_fed     int32[]       columns fed over all passes (R x the pass's width)
+    tallies         int32[R, 3]   per branch, over its live passes: passes, proposed
+                                  tokens, and of those the ones the target kept
+    columns_fed     int32[]       columns fed over all passes (R x the pass's width); None
+                                  where every pass is the whole width (`run_narrowest` off
+                                  the CPU): passes x R x (1 + prompt_lookup_num_tokens)
     metadata        TokenMetadata [R, N]  per emitted token, with return_metadata; else None
   """
 
@@ -128,9 +133,8 @@ class PromptLookupState(DecodeState):
   history: Int[Array, "R H"]
   length: Int[Array, "R"]
   branch_segment: Int[Array, "R"]
-  drafted: Int[Array, ""]
-  accepted: Int[Array, ""]
-  columns_fed: Int[Array, ""]
+  tallies: Int[Array, "R 3"]
+  columns_fed: Int[Array, ""] | None
   metadata: metadata.TokenMetadata | None
 
 
@@ -166,15 +170,16 @@ class PromptLookup(Strategy):
     buffer, _ = emit(buffer, first[:, None], jnp.ones_like(first), limits)
     history, length = branch_histories(prompt, capacity + self.prompt_lookup_num_tokens + 1)
     history = history.at[jnp.arange(rows), length].set(first)
-    zero = jnp.zeros((), jnp.int32)
     token_metadata = None
     if self.return_metadata:
       token_metadata = metadata.first(capacity, jax.nn.softmax(logits, axis=-1).reshape(
           rows, -1), first)
     return PromptLookupState(
-        cache=cache, topology=topology, limits=limits, buffer=buffer, passes=zero,
+        cache=cache, topology=topology, limits=limits, buffer=buffer, passes=None,
         history=history, length=length + 1, branch_segment=prompt.branch_segment.reshape(rows),
-        drafted=zero, accepted=zero, columns_fed=zero, metadata=token_metadata)
+        tallies=jnp.zeros((rows, 3), jnp.int32),
+        columns_fed=jnp.zeros((), jnp.int32) if platform.is_cpu() else None,
+        metadata=token_metadata)
 
   def step(self, params, state: PromptLookupState) -> PromptLookupState:
     history, length, buffer = state.history, state.length, state.buffer
@@ -204,24 +209,31 @@ class PromptLookup(Strategy):
           *metadata.verified(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), choice,
                              proposal, count, accepted))
     emitted = taken.sum(axis=1, dtype=jnp.int32)
-    history = history.at[jnp.arange(rows)[:, None],
-                         jnp.where(taken, length[:, None] + offsets, history.shape[1])].set(
-        choice, mode="drop")
+    history = cache_ops.set_columns(
+        history, jnp.where(taken, length[:, None] + offsets, history.shape[1]), choice)
     # keep each branch's fed last token and its accepted proposal; compact out the rest
-    rejected = active & (offsets > accepted[:, None])
-    cache = cache_ops.compact(_kill_fed(cache, cached, active, rejected, batch), cached,
-                              rows // batch * width)
+    # (one branch per row: what it keeps is the start of what it fed, so a rollback)
+    if rows == batch:
+      cache = cache_ops.rollback(cache, cached + jnp.where(state.buffer.done, 0, accepted + 1))
+    else:
+      rejected = active & (offsets > accepted[:, None])
+      cache = cache_ops.compact(_kill_fed(cache, cached, active, rejected, batch), cached,
+                                rows // batch * width)
     live = ~state.buffer.done
+    columns_fed = None if state.columns_fed is None else state.columns_fed + rows * fed
+    tallies = state.tallies + jnp.where(live[:, None], jnp.stack(
+        [jnp.ones_like(count), count, accepted], axis=1), 0)  # [R, 3]
     return dataclasses.replace(
         state, cache=cache, buffer=buffer, history=history, length=length + emitted,
-        passes=state.passes + 1, columns_fed=state.columns_fed + rows * fed,
-        drafted=state.drafted + jnp.where(live, count, 0).sum(),
-        accepted=state.accepted + jnp.where(live, accepted, 0).sum(), metadata=token_metadata)
+        tallies=tallies, columns_fed=columns_fed, metadata=token_metadata)
 
   def result(self, state: PromptLookupState):
-    buffer, stats = super().result(state)
-    stats |= {"drafted": state.drafted, "accepted": state.accepted,
-              "columns_fed": state.columns_fed}
+    passes, drafted, accepted = state.tallies[:, 0].max(), *state.tallies[:, 1:].sum(axis=0)
+    columns_fed = state.columns_fed
+    if columns_fed is None:
+      columns_fed = passes * state.history.shape[0] * (self.prompt_lookup_num_tokens + 1)
+    stats = {"target_passes": passes, "drafted": drafted, "accepted": accepted,
+             "columns_fed": columns_fed}
     if state.metadata is not None:
       stats["metadata"] = state.metadata
-    return buffer, stats
+    return state.buffer, stats

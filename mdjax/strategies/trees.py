@@ -175,8 +175,14 @@ def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, ke
   on_path = (path[:, :, None] == jnp.arange(budget)).any(axis=1)  # [R, M]
   mapping = jnp.concatenate([jnp.broadcast_to(jnp.arange(shared), (batch, shared)),
                              per_row(jnp.where(on_path, segment[:, None], -1))], axis=1)
-  cache = cache_ops.compact(cache_ops.remap_segments(cache, mapping), state.cache.length,
-                            branches * (budget + 1))
+  cache, cached = cache_ops.remap_segments(cache, mapping), state.cache.length
+  if branches == 1:  # c and the path's nodes move to the front: in feed order, fed ones only
+    slot = cached[:, None] + jnp.cumsum(fed >= 0, axis=1) - 1  # [B, 1 + M] a fed column's
+    kept = jnp.pad(path + 1, ((0, 0), (1, 0)))  # [B, 1 + D] fed columns of c and the path
+    cache = cache_ops.move_slots(cache, cached, jnp.take_along_axis(slot, kept, axis=1),
+                                 jnp.where(fed[:, 0] >= 0, 1 + accepted, 0))
+  else:
+    cache = cache_ops.compact(cache, cached, branches * (budget + 1))
   return Verified(path=path, accepted=accepted, next_token=next_token, emitted=emitted,
                   logits=logits, hidden=hidden, cache=cache)
 
@@ -189,7 +195,7 @@ def commit(state: State, tree: Tree, verified: Verified, sampling: SamplingParam
   live = ~state.buffer.done[:, None]
   return drafting.commit(
       state, cache=verified.cache, emitted=verified.emitted, accepted=verified.accepted,
-      next_token=verified.next_token, draft_passes=draft_passes,
+      draft_passes=draft_passes,
       drafted=(live[..., None] & (tree.depth[..., None] == jnp.arange(1, depth + 1))).sum(
           axis=1, dtype=jnp.int32),  # [B, D] nodes per depth
       accepted_at=live & (verified.path >= 0),
