@@ -220,8 +220,10 @@ def tree_accept(keys: jax.Array, tokens: Int[Array, "B N"], parent: Int[Array, "
     return (node, found), jnp.where(found, node, -1)
 
   start = (jnp.full((batch,), -1, jnp.int32), jnp.ones((batch,), jnp.bool_))
-  # unrolled: a loop's every trip is a few kernels of its own on a GPU; its levels, a few
-  (node, _), path = jax.lax.scan(level, start, length=depth, unroll=True)  # path [D, B]
+  # unrolled on a GPU, where a loop's every trip is a few kernels of its own (the CPU,
+  # which launches nothing, keeps the loop: a smaller program to compile)
+  (node, _), path = jax.lax.scan(level, start, length=depth,
+                                 unroll=not platform.is_cpu())  # path [D, B]
   p_node, child, _ = children(node)
   residual = jnp.where(_holds(tokens, child, p_node.shape[-1]), 0.0, p_node)  # [B, V]
   # The last rejected child left mass elsewhere, so the residual has some; guard rounding.
@@ -251,8 +253,10 @@ def greedy_tree_accept(tokens: Int[Array, "B N"], parent: Int[Array, "B N"],
     return (node, found), jnp.where(found, node, -1)
 
   start = (jnp.full(rows.shape, -1, jnp.int32), jnp.ones(rows.shape, jnp.bool_))
-  # unrolled: a loop's every trip is a few kernels of its own on a GPU; its levels, a few
-  (node, _), path = jax.lax.scan(level, start, length=depth, unroll=True)  # path [D, B]
+  # unrolled on a GPU, where a loop's every trip is a few kernels of its own (the CPU,
+  # which launches nothing, keeps the loop: a smaller program to compile)
+  (node, _), path = jax.lax.scan(level, start, length=depth,
+                                 unroll=not platform.is_cpu())  # path [D, B]
   return path.T, choice[rows, node + 1].astype(jnp.int32)
 
 

@@ -110,7 +110,7 @@ class Settings:
   repeats: int
 
 
-QUICK = dict(batches=(1, 2), budgets=(2, 4), eagle_trees=("2x2x2", "2x2x4"), per_kind=1, kinds=2,
+QUICK = dict(batches=(1, 2), budgets=(4,), eagle_trees=("2x2x4",), per_kind=1, kinds=2,
              new_tokens=8, repeats=1)
 
 
