@@ -251,35 +251,25 @@ def test_gap_in_positions_is_visible_only_where_meant():
   np.testing.assert_allclose(logits[0], alone(params, CONFIG, prefix + [9, 10])[3:], atol=ATOL)
 
 
-def test_accepted_draft_path_remapped_and_compacted():
+CLOSE_GAPS = {  # after the tree below: its accepted path (a, c: slots 5 and 7) to the front
+    "compact": lambda cache: cache_ops.compact(cache, jnp.asarray([5]), width=BLOCK),
+    "move_slots": lambda cache: cache_ops.move_slots(cache, jnp.asarray([5]),
+                                                     jnp.asarray([[5, 7, 6]]), jnp.asarray([2])),
+}
+
+
+@pytest.mark.parametrize("close_gaps", list(CLOSE_GAPS))
+def test_accepted_draft_path_remapped_and_compacted(close_gaps):
   """A draft tree is verified; the accepted path joins the main segment, the rest
-  dies, compaction closes the gaps; decoding on == the accepted text alone."""
+  dies, and the gaps close (`compact`, or `move_slots` given the path: b's slot and
+  everything after the path freed); decoding on == the accepted text alone."""
   params = _params(CONFIG)
   prefix = [3, 1, 4, 1, 5]
   cache = _prefill(params, CONFIG, prefix)
   # tree: a(seg1,pos5) -> b(seg2,pos6), c(seg3,pos6) ; accepted: a, c
   topology = Topology(parent=jnp.asarray([[-1, 0, 1, 1]]), fork=jnp.asarray([[0, 5, 6, 6]]))
   _, _, cache = step(params, cache, [[20, 21, 22]], [[5, 6, 6]], [[1, 2, 3]], topology, CONFIG)
-  cache = cache_ops.remap_segments(cache, jnp.asarray([[0, 0, -1, 0]]))
-  cache = cache_ops.compact(cache, jnp.asarray([len(prefix)]), width=BLOCK)
-  assert int(cache.length[0]) == 7
-  assert np.asarray(cache.seg[0, :8]).tolist() == [0] * 7 + [-1]
-  logits, _, _ = step(params, cache, [[30]], [[7]], [[0]], Topology.causal(1, 4), CONFIG)
-  np.testing.assert_allclose(logits[0, 0], alone(params, CONFIG, prefix + [20, 22, 30])[-1],
-                             atol=ATOL)
-
-
-def test_accepted_path_moved_by_move_slots():
-  """The same tree, its accepted path (a, c: slots 5 and 7) moved to the front by
-  `move_slots`: what compaction gives, b's slot and everything after the path freed."""
-  params = _params(CONFIG)
-  prefix = [3, 1, 4, 1, 5]
-  cache = _prefill(params, CONFIG, prefix)
-  topology = Topology(parent=jnp.asarray([[-1, 0, 1, 1]]), fork=jnp.asarray([[0, 5, 6, 6]]))
-  _, _, cache = step(params, cache, [[20, 21, 22]], [[5, 6, 6]], [[1, 2, 3]], topology, CONFIG)
-  cache = cache_ops.remap_segments(cache, jnp.asarray([[0, 0, -1, 0]]))
-  cache = cache_ops.move_slots(cache, jnp.asarray([5]), jnp.asarray([[5, 7, 6]]),
-                               jnp.asarray([2]))
+  cache = CLOSE_GAPS[close_gaps](cache_ops.remap_segments(cache, jnp.asarray([[0, 0, -1, 0]])))
   assert int(cache.length[0]) == 7
   assert np.asarray(cache.seg[0, :8]).tolist() == [0] * 7 + [-1]
   logits, _, _ = step(params, cache, [[30]], [[7]], [[0]], Topology.causal(1, 4), CONFIG)

@@ -133,9 +133,7 @@ class Eagle(TreeDrafter):
     return self.heads.top_accuracy or tree_choice.DRAFT_ACCURACY
 
   def draft_fraction(self, params) -> float:
-    return tree_choice.draft_fraction(params["heads"], params["target"],
-                                      reads_unembedding=tree_choice.reads_target_unembedding(
-                                          params["heads"]))
+    return tree_choice.heads_fraction(params["heads"], params["target"])
 
   def catch_up_width(self, depth: int) -> int:
     return 1 + depth  # `HeadState.pending`

@@ -235,8 +235,7 @@ class Medusa(Sampled):
     cost = pass_cost(self.model, params["target"], rows)
     # a tree of depth d runs the first d heads (a draft vocabulary's columns among them)
     fractions = tree_choice.first_heads_fractions(
-        self.family, params["heads"], params["target"], self.used_heads,
-        reads_unembedding=tree_choice.reads_target_unembedding(params["heads"]))
+        self.family, params["heads"], params["target"], self.used_heads)
     choice = tree_choice.chosen_static_tree(
         tree_choice.hashable(self.accuracy), cost, fractions, branches,
         tree_choice.Batch(rows=rows * branches, new_tokens=capacity),

@@ -179,11 +179,7 @@ class ParallelHeads(HeadsSource):
                                   for node in self.nodes], depth)
 
   def fixed_and_per_token(self, params, cost: PassCost, depth: int) -> tuple[float, float]:
-    heads = self.used(params)["heads"]
-    fraction = tree_choice.draft_fraction(
-        heads, params["target"],
-        reads_unembedding=tree_choice.reads_target_unembedding(heads))
-    return fraction * cost(1), 0.0
+    return tree_choice.heads_fraction(self.used(params)["heads"], params["target"]) * cost(1), 0.0
 
   def start(self, params, prompt: Prompt, hidden, cache: KVCache, **_) -> dict:
     feed = Feed(prompt.positions, prompt.segments, prompt.topology())

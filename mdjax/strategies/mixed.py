@@ -289,9 +289,7 @@ class Mixed(Sampled):
     """The tree the heads' own strategy's `auto` chooses for this request (`medusa`'s
     static tree, `eagle`'s dynamic one), by the same rule and inputs."""
     if self.sequential:
-      fraction = tree_choice.draft_fraction(
-          params["heads"], params["target"],
-          reads_unembedding=tree_choice.reads_target_unembedding(params["heads"]))
+      fraction = tree_choice.heads_fraction(params["heads"], params["target"])
       depths = range(1, tree_choice.MAX_DEPTH + 1)
       return tree_choice.chosen_dynamic_tree(
           tree_choice.hashable(self.heads.top_accuracy or tree_choice.DRAFT_ACCURACY), cost,
@@ -299,8 +297,7 @@ class Mixed(Sampled):
           (self.num_heads,) if self.num_heads else tuple(depths),
           tuple(range(1, min(tree_choice.MAX_TOP_K, self.model.vocab_size) + 1)), batch, True)
     fractions = tree_choice.first_heads_fractions(
-        get_family(self.heads.family), params["heads"], params["target"], self.used_heads,
-        reads_unembedding=tree_choice.reads_target_unembedding(params["heads"]))
+        get_family(self.heads.family), params["heads"], params["target"], self.used_heads)
     return tree_choice.chosen_static_tree(tree_choice.hashable(self.head_accuracy), cost,
                                           fractions, 1, batch, True)
 

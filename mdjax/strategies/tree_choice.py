@@ -150,14 +150,18 @@ def reads_target_unembedding(heads) -> bool:
   return not {"lm_head", "draft_unembedding"} & set(heads)
 
 
-def first_heads_fractions(family, heads_params, target_params, count: int, *,
-                          reads_unembedding: bool) -> tuple[float, ...]:
-  """Per depth d = 1 .. `count`, the `draft_fraction` of parallel heads' first d heads
+def heads_fraction(heads, target) -> float:
+  """`draft_fraction` of heads (a params pytree): the target's unembedding counted
+  where they read it (`reads_target_unembedding`)."""
+  return draft_fraction(heads, target, reads_unembedding=reads_target_unembedding(heads))
+
+
+def first_heads_fractions(family, heads_params, target_params, count: int) -> tuple[float, ...]:
+  """Per depth d = 1 .. `count`, the `heads_fraction` of parallel heads' first d heads
   (a tree d deep runs those only). The heads' shapes are numpy views of one byte:
   cutting heads off them runs nothing."""
   shapes = jax.tree.map(lambda x: np.broadcast_to(np.int8(0), x.shape), heads_params)
-  return tuple(draft_fraction(family.first_heads(shapes, depth), target_params,
-                              reads_unembedding=reads_unembedding)
+  return tuple(heads_fraction(family.first_heads(shapes, depth), target_params)
                for depth in range(1, count + 1))
 
 
