@@ -14,14 +14,17 @@ import tempfile
 # flags out of its environment). Results are checked between strategies under the same
 # compiler, never against recorded floats of an optimised build (the shipped models'
 # recorded accuracies have a tolerance).
-os.environ["XLA_FLAGS"] = " ".join(
-    filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0",
-                  "--xla_cpu_use_fusion_emitters=false"]))
 # The suite runs on the CPU, even where jax's CUDA plugin is installed (it is, for the
 # GPU program report's tests: requirements-compile-targets.txt), and every process it
 # starts inherits that; the accelerator checks on a GPU set JAX_PLATFORMS themselves
 # (experiments/device_check.py).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Only on the CPU: a jaxlib that does not know a flag aborts at its backend's start
+# (jax 0.11.2 on an H100 lost every test worker to `--xla_cpu_use_fusion_emitters`).
+if os.environ["JAX_PLATFORMS"] == "cpu":
+  os.environ["XLA_FLAGS"] = " ".join(
+      filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0",
+                    "--xla_cpu_use_fusion_emitters=false"]))
 # `tree_budget="auto"` sizes trees by a measured pass cost: the suite pins a flat one
 # (a GPU-like device, where the widest trees pay), so no test pays a measurement and
 # every test's tree is the same on any machine; tests/test_tree_auto.py measures.

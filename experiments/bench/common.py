@@ -275,7 +275,7 @@ def load_pair(name: str, seed: int, scratch: pathlib.Path):
   hub id, a GGUF's converted copy such as `smollm2-135m-instruct`'s) transformers reads
   from the same directory (`model.path`); a random model is exported with `save_hf`
   into `scratch` first."""
-  model = mdjax.load(name, seed=seed)
+  model = mdjax.load(name, seed=seed, dtype="float32")  # not the accelerators' bfloat16
   directory = model.path
   if directory is None:
     directory = scratch / name

@@ -410,6 +410,13 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 # --------------------------------------------------------------------------- tokenizer
 
 
+# The tokenizer's special tokens and the GGUF keys (`tokenizer.ggml.<key>`) holding their ids,
+# as the GGUF specification names them (transformers keeps its own copy private, and
+# renamed it between releases).
+SPECIAL_TOKEN_KEYS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
+                      "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+
+
 def _tokenizer(reader: gguf.GGUFReader, file: pathlib.Path, arch: str):
   """A transformers fast tokenizer from the `tokenizer.*` metadata, or None without one.
 
@@ -420,14 +427,14 @@ def _tokenizer(reader: gguf.GGUFReader, file: pathlib.Path, arch: str):
     return None
   from transformers import PreTrainedTokenizerFast
   from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-      _SPECIAL_TOKENS, GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+      GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
   grouped = {group: {name: _value(reader, f"tokenizer.{key}") for key, name in renames.items()
                      if f"tokenizer.{key}" in reader.fields}
              for group, renames in GGUF_TOKENIZER_MAPPING.items()}
   vocab, tokenizer_config = grouped["tokenizer"], grouped["tokenizer_config"]
   if vocab.get("tokenizer_type") == "llama":
     tokenizer_config.setdefault("add_bos_token", True)  # as llama.cpp does for sentencepiece
-  for name, key in _SPECIAL_TOKENS.items():
+  for name, key in SPECIAL_TOKEN_KEYS.items():
     token_id = _value(reader, f"tokenizer.ggml.{key}")
     tokenizer_config[name] = vocab["tokens"][token_id] if token_id is not None else None
   try:
