@@ -12,9 +12,11 @@ run stopped by a time limit keeps what it measured):
    failing test with its message, from pytest's junit XML.
 2. `roofline`: `experiments.bench.device`'s greedy cells on one device: per-token time
    and the HBM roofline fraction at each batch of `--batches`.
-3. `pass_cost`: the target's pass cost t(n), one jitted `decode_step` feeding n tokens
-   over a cached prefix of `--pass_prefix` tokens (the median of `--pass_repeats`), and
-   t(n) / t(1): what a draft tree of n tokens costs beside one greedy step.
+3. `pass_cost`: the target's pass cost t(n) at each batch of `--pass_batches`, measured
+   as `tree_budget="auto"` measures it (`mdjax.strategies.pass_cost.measure`: n tokens
+   per row over 256 cached, passes run in one compiled loop, generate's attention on
+   this device), and t(n) / t(1): what a draft tree of n tokens costs beside one
+   greedy step.
 4. `variants`: compile time and decode ms per token of greedy at batch 1 over a prompt of
    each of `--contexts` tokens: the layers scanned vs unrolled (block-sparse attention),
    and the attention block_sparse vs fused vs dense (the platform's layer loop).
@@ -57,7 +59,6 @@ import importlib.util
 import os
 import pathlib
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -75,12 +76,11 @@ from experiments.bench.common import (LOOKUP, Tree, auto_choice, divergence_gaps
                                       run_mdjax, save_figure, shipped_configs, summarize, timed,
                                       tokens_per_pass, write_json)
 from experiments.cli import one_line_errors
-from mdjax import files, sharding
-from mdjax.cache import KVCache
-from mdjax.models.attention import ATTENTION_BLOCK, ATTENTIONS
+from mdjax import files
+from mdjax.models.attention import ATTENTIONS, default_attention
 from mdjax.models.layer_loop import LAYER_LOOPS, default_layer_loop
-from mdjax.step import decode_step
-from mdjax.topology import Topology
+from mdjax.strategies import pass_cost
+from mdjax.strategies.base import ModelFn
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SECTIONS = ("tests", "roofline", "pass_cost", "variants", "branches", "heads")
@@ -96,10 +96,8 @@ _TEST_WORKERS = flags.DEFINE_integer("test_workers", 6, "pytest-xdist workers of
                                      "section (0: none; ignored without pytest-xdist).")
 _TEST_TIMEOUT = flags.DEFINE_integer("test_timeout_s", 180, "Time limit of the tests section.")
 _TESTS_K = flags.DEFINE_string("tests_k", "", "A pytest -k expression narrowing the tests.")
-_PASS_NS = flags.DEFINE_list("pass_ns", ["1", "2", "4", "8", "16", "24", "32", "48", "64"],
-                             "Tokens per pass of the pass-cost section.")
-_PASS_PREFIX = flags.DEFINE_integer("pass_prefix", 512, "Cached tokens before each pass.")
-_PASS_REPEATS = flags.DEFINE_integer("pass_repeats", 20, "Timed passes per n (median).")
+_PASS_BATCHES = flags.DEFINE_list("pass_batches", ["1", "8"], "Batch sizes of the pass-cost "
+                                  "section.")
 _CONTEXTS = flags.DEFINE_list("contexts", ["1024", "8192"], "Prompt lengths of the "
                               "layer-loop and attention variants.")
 _CONTEXT_LEN = flags.DEFINE_integer("context_len", 1024, "Shared context of the branches.")
@@ -129,9 +127,7 @@ class Settings:
   repeats: int
   bandwidth_gbps: float  # 0: by device kind
   bandwidth_mib: int
-  pass_ns: tuple[int, ...]  # pass cost
-  pass_prefix: int
-  pass_repeats: int
+  pass_batches: tuple[int, ...]  # pass cost
   contexts: tuple[int, ...]  # variants
   questions: int  # branches
   question_len: int
@@ -142,8 +138,8 @@ class Settings:
 
 
 QUICK = dict(preset="tiny", tests_k="float32_greedy", test_workers=0, batches=(1, 4),
-             prompt_len=16, new_tokens=8, repeats=1, bandwidth_mib=64, pass_ns=(1, 2, 4, 8),
-             pass_prefix=32, pass_repeats=3, contexts=(64,), questions=2, question_len=4,
+             prompt_len=16, new_tokens=8, repeats=1, bandwidth_mib=64, pass_batches=(1,),
+             contexts=(64,), questions=2, question_len=4,
              context_len=64, head_batches=(2,), head_trees=(Tree(4, 2, 2),), head_new_tokens=8)
 
 
@@ -156,7 +152,8 @@ def make_model(settings: Settings) -> mdjax.Model:
   """The random llama of the preset, its context long enough for every prompt, layers
   as a list (`bench_device.on_mesh` places it and lays them out)."""
   config = bench_device.PRESETS[settings.preset]
-  longest = max(settings.contexts + (settings.pass_prefix, settings.context_len))
+  longest = max(settings.contexts + (pass_cost.PREFIX + pass_cost.WIDTHS[-1],
+                                     settings.context_len))
   config = dataclasses.replace(config, max_position_embeddings=max(
       config.max_position_embeddings, 2 * longest))
   return random_llama(config, settings.seed, settings.dtype, f"random-llama-{settings.preset}")
@@ -235,40 +232,17 @@ def run_roofline(settings: Settings, placed) -> dict:
 
 # --- 3. the pass cost t(n) --------------------------------------------------------------
 
-def pass_seconds(model: mdjax.Model, n: int, settings: Settings) -> dict:
-  """The median seconds of one pass feeding `n` tokens after a cached prefix, and the
-  seconds its first call took (compile included). The n tokens always take the same
-  slots (`slots`), so the cache is threaded through the passes and never grows; it has
-  the same whole attention blocks for every n."""
-  config, prefix = model.config, settings.pass_prefix
-  slots = -(-(prefix + max(settings.pass_ns)) // ATTENTION_BLOCK) * ATTENTION_BLOCK
-  rng = np.random.default_rng(settings.seed + n)
-  step = jax.jit(functools.partial(decode_step, config=config), donate_argnames=("cache",))
-  with sharding.active(model.layout):
-    cache = KVCache.create(config, 1, slots, model.params["embed"].dtype)
-    ids = random_ids(rng, config.vocab_size, 1, prefix + n)  # [1, prefix + n]
-    positions = np.arange(prefix + n, dtype=np.int32)[None]  # [1, prefix + n]
-    segments = np.zeros_like(ids)  # [1, prefix + n]
-    _, _, cache = step(model.params, cache, ids[:, :prefix], positions[:, :prefix],
-                       segments[:, :prefix], Topology.causal(1))
-    fed = (ids[:, prefix:], positions[:, prefix:], segments[:, prefix:])  # each [1, n]
-    times = []
-    for _ in range(settings.pass_repeats + 1):
-      start = time.perf_counter()
-      logits, _, cache = step(model.params, cache, *fed, Topology.causal(1),
-                              slots=positions[:, prefix:])
-      logits.block_until_ready()
-      times.append(time.perf_counter() - start)
-  return dict(first_call_s=times[0], ms=statistics.median(times[1:]) * 1e3)
-
-
 def run_pass_cost(settings: Settings, placed) -> dict:
+  """t(n) per batch, as `auto` measures it, with generate's attention on this device."""
   model = placed(default_layer_loop())
-  cells = {str(n): pass_seconds(model, n, settings) for n in settings.pass_ns}
-  one = cells[str(settings.pass_ns[0])]["ms"]
-  for n, cell in cells.items():
-    cell.update(ratio_to_first=cell["ms"] / one, ms_per_token=cell["ms"] / int(n))
-  return dict(prefix=settings.pass_prefix, first_n=settings.pass_ns[0], passes=cells)
+  target = ModelFn(config=model.config, attention=default_attention())
+  batches = {}
+  for batch in settings.pass_batches:
+    seconds = pass_cost.measure(target, model.params, batch)
+    batches[str(batch)] = {str(n): dict(ms=t * 1e3, ratio_to_first=t / seconds[0],
+                                        ms_per_token=t * 1e3 / n)
+                           for n, t in zip(pass_cost.WIDTHS, seconds)}
+  return dict(prefix=pass_cost.PREFIX, attention=target.attention, batches=batches)
 
 
 # --- 4. layer loop and attention variants -----------------------------------------------
@@ -467,10 +441,13 @@ def plot_roofline(ax, section) -> None:
 def plot_pass_cost(ax, section) -> None:
   if panel_error(ax, section, "pass cost"):
     return
-  ns = list(section["passes"])
-  ax.plot([int(n) for n in ns], [section["passes"][n]["ratio_to_first"] for n in ns], "o-")
-  ax.set_xlabel(f"tokens per pass (after {section['prefix']} cached)")
-  ax.set_ylabel(f"t(n) / t({section['first_n']})")
+  for batch, cells in section["batches"].items():
+    ax.plot([int(n) for n in cells], [cell["ratio_to_first"] for cell in cells.values()], "o-",
+            label=f"batch {batch} (t(1) = {cells['1']['ms']:.2f} ms)")
+  ax.set_xscale("log", base=2)
+  ax.legend(fontsize=7)
+  ax.set_xlabel(f"tokens per row per pass (after {section['prefix']} cached)")
+  ax.set_ylabel("t(n) / t(1)")
   ax.set_title("the target's pass cost", fontsize=9)
 
 
@@ -596,8 +573,7 @@ def settings_from_flags() -> Settings:
       tests_k=_TESTS_K.value, batches=tuple(int(b) for b in FLAGS.batches),
       prompt_len=FLAGS.prompt_len, new_tokens=FLAGS.new_tokens, repeats=FLAGS.repeats,
       bandwidth_gbps=FLAGS.bandwidth_gbps, bandwidth_mib=FLAGS.bandwidth_mib,
-      pass_ns=tuple(int(n) for n in _PASS_NS.value), pass_prefix=_PASS_PREFIX.value,
-      pass_repeats=_PASS_REPEATS.value, contexts=tuple(int(c) for c in _CONTEXTS.value),
+      pass_batches=tuple(int(b) for b in _PASS_BATCHES.value), contexts=tuple(int(c) for c in _CONTEXTS.value),
       questions=FLAGS.questions, question_len=_QUESTION_LEN.value,
       context_len=_CONTEXT_LEN.value, head_batches=tuple(int(b) for b in _HEAD_BATCHES.value),
       head_trees=tuple(Tree.parse(text) for text in _HEAD_TREES.value),

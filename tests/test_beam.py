@@ -26,7 +26,7 @@ def pairs(tmp_path_factory):
   for family, seed in (("llama", 3), ("qwen3", 5)):
     path = tmp_path_factory.mktemp(family)
     torch_model = write_tiny_checkpoint(path, family=family, seed=seed)
-    result[family] = mdjax.load(str(path)), torch_model
+    result[family] = mdjax.load(str(path), dtype="float32"), torch_model
   return result
 
 

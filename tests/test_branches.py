@@ -11,7 +11,7 @@ from tests.helpers import chi_square_p_value, expected_first_token_law, random_m
 
 @pytest.fixture(scope="module")
 def models():
-  return [mdjax.load("random-llama-tiny"), random_model("qwen3", seed=4)]
+  return [mdjax.load("random-llama-tiny", dtype="float32"), random_model("qwen3", seed=4)]
 
 
 def sequential(model, context, questions, **kwargs):

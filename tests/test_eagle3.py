@@ -222,7 +222,7 @@ NEW = 40
 
 @pytest.fixture(scope="module")
 def target():
-  return mdjax.load("random-llama-tiny")
+  return mdjax.load("random-llama-tiny", dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from tests.helpers import (assert_same_greedy, chi_square_p_value, expected_firs
 def pair(request, tmp_path_factory):
   path = tmp_path_factory.mktemp(request.param)
   torch_model = write_tiny_checkpoint(path, family=request.param, seed=3)
-  return mdjax.load(str(path)), torch_model
+  return mdjax.load(str(path), dtype="float32"), torch_model
 
 
 def test_greedy_matches_transformers(pair):

@@ -218,7 +218,7 @@ def oracle_inv_freq(oracle, layer: int) -> np.ndarray:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_match_transformers_gguf_loading(written, variant):
   path, oracle = written(variant)
-  model = mdjax.load(str(path))
+  model = mdjax.load(str(path), dtype="float32")
   c = model.config
   assert c.family == VARIANTS[variant][0]
   assert ("lm_head" in model.params) == (not oracle.config.tie_word_embeddings)
@@ -252,7 +252,7 @@ def test_qk_reordering_matters(written, variant):
   """The same weights left in llama.cpp's q/k row order (weights and biases) give other
   logits: so parity above proves the reordering is undone."""
   path, oracle = written(variant)
-  model = mdjax.load(str(path))
+  model = mdjax.load(str(path), dtype="float32")
   c = model.config
   n, k = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
 
@@ -383,7 +383,7 @@ def test_gemma3_norms_lose_the_one_llama_cpp_adds(written):
   """llama.cpp stores every gemma3 norm, q/k norms included, as 1 + weight; mdjax keeps
   the weight, as transformers' GGUF loading does (the same float32 subtraction)."""
   path, oracle = written("gemma3")
-  params = mdjax.load(str(path)).params
+  params = mdjax.load(str(path), dtype="float32").params
   ours, theirs = params["layers"][1], oracle.model.layers[1]
   modules = {"attn_norm": theirs.input_layernorm, "post_attn_norm": theirs.post_attention_layernorm,
              "mlp_norm": theirs.pre_feedforward_layernorm,
@@ -484,7 +484,7 @@ def test_changed_file_is_not_served_stale(written, tmp_path):
   write_gguf(path, arch, {k: v.numpy() for k, v in other.state_dict().items()}, other.config,
              types)
   assert path.stat().st_size == source.stat().st_size
-  after = mdjax.load(str(path))
+  after = mdjax.load(str(path), dtype="float32")
   assert after.path != before.path
   np.testing.assert_allclose(mdjax_logits(after, IDS), torch_logits(transformers_gguf(path), IDS),
                              atol=1e-4, rtol=0)

@@ -29,7 +29,7 @@ ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def model():
-  return mdjax.load(TINY)
+  return mdjax.load(TINY, dtype="float32")
 
 
 def normal(rng, *shape, scale=0.1):

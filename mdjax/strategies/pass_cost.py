@@ -123,7 +123,7 @@ def pass_cost(model: ModelFn, params, rows: int) -> PassCost:
     if distributed.agreed(cached is not None):
       seconds, source = cached or (1.0,) * len(WIDTHS), "cached"
     else:
-      seconds, source = _measure(model, params, batch), "measured"
+      seconds, source = measure(model, params, batch), "measured"
       if main:
         with files.atomic_directory(entry) as staging:
           (staging / "profile.json").write_text(json.dumps(
@@ -180,8 +180,9 @@ def _read(path, key: dict) -> tuple[float, ...] | None:
     return None
 
 
-def _measure(model: ModelFn, params, batch: int) -> tuple[float, ...]:
-  """Seconds per pass at every width: each width's program compiled and timed over one
+def measure(model: ModelFn, params, batch: int) -> tuple[float, ...]:
+  """t(n) measured now, not cached: seconds per pass at every width of `WIDTHS`, each
+  pass run inside one compiled loop (no dispatch between passes): each width's program compiled and timed over one
   pass, then `ROUNDS` rounds, each timing every width in turn over as many passes as
   take about `MEASURE_S` (as many on every process); each width's fastest round kept.
   Interleaved, a spell of load on the machine slows every width alike, not one."""
