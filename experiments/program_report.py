@@ -63,13 +63,18 @@ _OUT_DIR = flags.DEFINE_string("out_dir", "docs/results/programs", "Where the JS
 
 
 def strategy_table(rows: list[dict]) -> str:
-  lines = [f"{'strategy':18} {'kernels/step':>12} {'syncs/step':>10} {'syncs around':>12} "
+  lines = [f"{'strategy':18} {'kernels/step':>12} {'layer passes':>12} {'per layer':>9} "
+           f"{'syncs/step':>10} {'syncs around':>12} "
            f"{'steps/check':>11} {'MiB: total':>10} {'temp':>6}  float32 products"]
   for r in rows:
     if "error" in r:
       lines.append(f"{r['strategy']:18} error: {r['error']}")
       continue
-    lines.append(f"{r['strategy']:18} {r['kernels_per_step']:>12} {r['host_syncs_per_step']:>10} "
+    per_layer = r["kernels_per_layer_pass"]
+    lines.append(f"{r['strategy']:18} {r['kernels_per_step']:>12} "
+                 f"{r['layer_passes_per_step'] or '-':>12} "
+                 f"{'-' if per_layer is None else f'{per_layer:.2f}':>9} "
+                 f"{r['host_syncs_per_step']:>10} "
                  f"{r['host_syncs_around']:>12} {r['steps_per_check']:>11} "
                  f"{r['memory']['total'] / 2**20:>10.0f} {r['memory']['temp'] / 2**20:>6.1f}  "
                  f"{products_line(r['f32_products'])}")

@@ -14,6 +14,9 @@ that wait for the host and the bytes it copies inside loops (float32 products:
                           # layer's K/V copied out of the cache)
     counts.loop_copies_on_chip  # and into on-chip memory (a TPU's VMEM: `S(1)` layouts),
                           # which costs no device-memory bandwidth beyond the read itself
+    counts.attention_kernels  # of the kernels, mdjax's few-token attention on a GPU
+                          # (`mdjax.models.decode_attention`): one per layer of every pass
+                          # of up to 32 tokens, so the layers a run passes through
 
 How a run is counted, computation by computation from ENTRY::
 
@@ -47,6 +50,7 @@ import dataclasses
 import re
 
 from mdjax.hlo_text import Instruction, nbytes, parse
+from mdjax.models.decode_attention import KERNEL_NAME as ATTENTION_KERNEL
 
 NO_KERNEL = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                        "after-all", "opt-barrier", "add-dependency", "partition-id",
@@ -69,9 +73,11 @@ class Counts:
   loop_copies_on_chip: int = 0  # bytes into on-chip memory
   loop_copy_shapes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   loops: list = dataclasses.field(default_factory=list)  # (trip count or None, kernels per trip)
+  attention_kernels: int = 0  # of the kernels, mdjax's decode attention: one per layer pass
 
   def add(self, other: "Counts", times: int = 1) -> None:
     self.kernels += times * other.kernels
+    self.attention_kernels += times * other.attention_kernels
     self.scalar_kernels += times * other.scalar_kernels
     self.host_syncs += times * other.host_syncs
     self.copies += times * other.copies
@@ -86,6 +92,7 @@ class Counts:
 
   def to_json(self) -> dict:
     return dict(kernels=self.kernels, scalar_kernels=self.scalar_kernels,
+                attention_kernels=self.attention_kernels,
                 kernels_by_kind=dict(self.kernels_by_kind),
                 host_syncs=self.host_syncs, copy_bytes=self.copies,
                 copy_shapes=dict(self.copy_shapes.most_common(8)),
@@ -145,6 +152,7 @@ class _Reader:
         counts.scalar_kernels += all(not dims for _, dims in instruction.arrays)
         counts.kernels_by_kind[op + (f":{kind.group(1)}" if kind else "")] += 1
         counts.host_syncs += _is_host_transfer(instruction)
+        counts.attention_kernels += f"/{ATTENTION_KERNEL}/" in instruction.op_name
         if op in ("copy", "copy-start") or (op == "fusion" and self.is_slice_fusion(instruction)):
           self.add_copy(counts, instruction, in_loop)
     return counts

@@ -169,7 +169,9 @@ def strategy_requests(model: Model, prompt_tokens: int,
 def generation_counts(target: str, model: Model, strategy: str, prompts: list, options: dict,
                       max_new_tokens: int) -> dict:
   """Strategy `strategy`'s whole-generation program compiled for `target`: per step of
-  its token loop (the loop under `mdjax.generate.STEP_LOOP`), kernels and host syncs;
+  its token loop (the loop under `mdjax.generate.STEP_LOOP`), kernels, host syncs and,
+  on a GPU, layer passes (the target's layers, the draft's or a head's, one per pass
+  that runs them) with the kernels per layer pass, the unit of issue 49's goal;
   the host syncs of the program outside that loop, and how many steps run between
   them; the program's loops, memory and float32 products."""
   on = compile_targets.get(target).platform
@@ -182,7 +184,11 @@ def generation_counts(target: str, model: Model, strategy: str, prompts: list, o
   loop = hlo_report.find_loop(text, STEP_LOOP, platform=on)
   per_step = loop.iteration.host_syncs + (loop.trip_count is None and
                                           hlo_report.control_flow_waits(on))
+  layer_passes = loop.iteration.attention_kernels  # on a GPU; none read on a TPU
   return dict(strategy=strategy, kernels_per_step=loop.iteration.kernels,
+              layer_passes_per_step=layer_passes or None,
+              kernels_per_layer_pass=(loop.iteration.kernels / layer_passes if layer_passes
+                                      else None),
               host_syncs_per_step=per_step, steps_per_check=loop.trip_count or 1,
               host_syncs_around=whole.host_syncs - per_step * (loop.trip_count or 1),
               program_kernels=whole.kernels, loops=whole.to_json()["loops"],

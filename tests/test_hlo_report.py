@@ -4,15 +4,18 @@ HLO texts with GPU- and TPU-shaped instructions; mdjax.hlo_products names the pr
 of every float32 product, on programs compiled for a GPU and a TPU target; mdjax.platform
 makes mdjax's choices follow the platform a program is built for."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
 
-from mdjax import compile_targets, hlo_products, hlo_report, platform
+from mdjax import compile_targets, hlo_products, hlo_report, platform, program_report
 from mdjax.errors import MdjaxError
 from mdjax.models.attention import default_attention
 from mdjax.models.config import default_weight_dtype
 from mdjax.models.layer_loop import default_layer_loop
+from mdjax.models.registry import RANDOM_MODELS
 
 
 def _counts(fn, *args):
@@ -137,3 +140,12 @@ def test_mdjax_choices_follow_the_platform_a_program_is_built_for():
   with pytest.raises(MdjaxError, match="'cuda'"):
     with platform.building_for("cuda"):
       pass
+
+
+def test_a_gpu_pass_of_few_tokens_counts_one_attention_kernel_per_layer():
+  """The report's layer passes (`Counts.attention_kernels`): the name the compiled GPU
+  program gives mdjax's decode attention is the one it looks for."""
+  config = dataclasses.replace(RANDOM_MODELS["random-llama-1b"], num_layers=3)
+  counts = program_report.decode_step_counts("h200", config, batch=1, tokens=2, slots=256,
+                                             segments=1, layer_loop="unrolled")
+  assert counts.attention_kernels == 3

@@ -44,6 +44,7 @@ from mdjax.models.rope import apply_rope
 from mdjax.topology import visible
 
 MAX_TOKENS = 32  # tokens per pass up to which `decode_attention` replaces the fused product
+KERNEL_NAME = "mdjax_decode_attention"  # the kernel's name in a compiled program (op_name)
 #                 (a tree of 16 nodes and its root, lookahead's 24; checked against its
 #                 reference at 24 tokens, and compiled for an H200, not timed on one)
 BLOCK = 128  # cache slots per step of the kernel's walk
@@ -235,7 +236,7 @@ def decode_attention(qkv: Float[Array, "Q M N+2K H"], rows: Float[Array, "B T D"
                  jax.ShapeDtypeStruct(cache_v.shape, cache_v.dtype)],
       input_output_aliases={8: 1, 9: 2},
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-      interpret=interpret, name="mdjax_decode_attention",
+      interpret=interpret, name=KERNEL_NAME,
   )(qkv, jnp.zeros((b, t, 1), cache_k.dtype) if rows is None else rows, positions,
     jnp.asarray(freqs, jnp.float32), slot, length, jnp.asarray(layer, jnp.int32).reshape(1),
     mask, cache_k, cache_v)
