@@ -1,0 +1,29 @@
+#!/bin/bash
+# The next lease's one call (issue 49), prepared on the CPU. From the repository root:
+#   echo /.dev/ >> .git/info/exclude; mkdir -p .dev; cp docs/device/next_lease.sh .dev/run.sh
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux2014_x86_64 -d .dev ml-collections==1.1.0 gguf==0.19.0
+# leave the shipped heads' weights behind (the tree must stay under 64 MiB):
+#   for f in mdjax/assets/*/heads.safetensors; do git rm -q --cached $f; echo /$f >> .git/info/exclude; done
+# then run `bash .dev/run.sh` with `.dev` carried and a timeout of ~560 s, give the machine
+# back, and restore the index (`git reset -q HEAD -- mdjax/assets`, the exclude lines removed).
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/*.whl && export PYTHONPATH=/tmp/site || exit 1
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+LOG=$OUT/run.log
+{ date; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import jax, transformers; print('jax', jax.__version__, jax.devices(), 'transformers', transformers.__version__)"; } > $LOG 2>&1
+# 1. The five files the last lease cut before pytest's summary, each its own pytest, all at
+#    once (3 workers each: 15 processes on 16 cores), on the GPU (JAX_PLATFORMS empty).
+T0=$(date +%s)
+for f in eagle3 branches generate accelerator eagle; do
+  ( JAX_PLATFORMS= timeout 240 python3 -m pytest -q -o addopts= -p no:cacheprovider -rfE -n 3 -m "not real_models" tests/test_$f.py > /tmp/t_$f.log 2>&1; echo "rc=$? file=$f seconds=$(( $(date +%s) - T0 ))" >> /tmp/t_$f.log ) &
+done
+wait
+for f in /tmp/t_*.log; do echo "######## $f"; cat $f; done > $OUT/tests.log
+grep -h "rc=\| passed\| failed" /tmp/t_*.log | grep -v "^E " >> $LOG
+# 2. The pass cost as `auto` measures it (batches 1 and 8), and the roofline again.
+timeout 170 python3 -m experiments.device_check --sections=pass_cost,roofline --batches=1,8 --out_dir=$OUT >> $LOG 2>&1; echo "device_check rc=$?" >> $LOG
+# 3. MultiDecode's own table in float32, the reference's two points only.
+timeout 120 python3 -m experiments.bench.reproduce_multidecode --model=random-llama-1b --ns=100 --new_tokens=2 --baselines=sequential --sequential_questions=4 --repeats=2 --out_dir=$OUT >> $LOG 2>&1; echo "multidecode rc=$?" >> $LOG
+date >> $LOG
+tail -c 9000 $LOG
