@@ -208,11 +208,16 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_toke
 
 
 def cache_size(decoder, prompt_width: int, capacity: int, branches: int) -> int:
-  """Slots per row for a request: what `decoder` needs, rounded up to whole attention
-  blocks once past one block. Blocks must tile the cache, so 1040 slots (16 x 65) would
-  make every step walk 65 blocks of 16; 1152 slots are 9 blocks of 128."""
+  """Slots per row for a request: what `decoder` needs, rounded up to a power of two
+  within one attention block, to whole blocks past it. Blocks must tile the cache, so
+  1040 slots (16 x 65) would make every step walk 65 blocks of 16; 1152 slots are 9
+  blocks of 128. A GPU's few-token attention kernel (`mdjax.models.decode_attention`)
+  tiles powers of two only: a cache of 80 slots (a 64-token prompt, 16 new) would leave
+  every step to the fused product, ~8 more kernels a layer."""
   slots = decoder.cache_slots(prompt_width, capacity, branches)
-  return slots if slots <= ATTENTION_BLOCK else -(-slots // ATTENTION_BLOCK) * ATTENTION_BLOCK
+  if slots <= ATTENTION_BLOCK:
+    return 1 << (slots - 1).bit_length()
+  return -(-slots // ATTENTION_BLOCK) * ATTENTION_BLOCK
 
 
 def _kv_cache_bytes(model: Model, plan: _Plan) -> int:
