@@ -53,9 +53,10 @@ def test_a_1b_decode_step_copies_no_weights_and_waits_for_no_host(batch, tokens)
 # acceptance was unrolled and the own-loop strategies kept fewer state arrays: medusa 82,
 # lookahead 66, and off this list beam 57, jacobi 54, prompt_lookup 53, entropy_branching
 # 70, blockwise 100; before beam's one top-k over its candidates, parent pointers, finished
-# hypotheses kept where they ended and one-pass log-softmax: beam 51; a notch lower, each fails)
+# hypotheses kept where they ended and one-pass log-softmax: beam 51; before lookahead's pool
+# wrote each pass's n-grams in columns of their own: lookahead 59; a notch lower, each fails)
 STEP_KERNELS_TODAY = {"greedy": 34, "sample": 56, "multi_question": 33, "parallel_sample": 35,
-                      "skeleton_fill": 33, "margin_notes": 33, "medusa": 56, "lookahead": 59,
+                      "skeleton_fill": 33, "margin_notes": 33, "medusa": 56, "lookahead": 53,
                       "beam": 42, "jacobi": 38, "prompt_lookup": 38, "entropy_branching": 60,
                       "blockwise": 72}
 FILTERS = dict(top_p=0.9, min_p=0.05)  # sample: every filter (the report's request: top-k)
