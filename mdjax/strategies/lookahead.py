@@ -85,7 +85,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Int
 
 from mdjax import cache as cache_ops
-from mdjax.cache import KVCache, set_columns
+from mdjax.cache import KVCache
 from mdjax.errors import check_count
 from mdjax.sampling import greedy_accept
 from mdjax.strategies import prompt_layouts
