@@ -38,12 +38,13 @@ def test_gpu_processors_equal_the_cpus(options):
 
 
 def test_one_pass_log_softmax_equals_jaxs():
-  """Up to float32 rounding (relative 1e-6), with -inf logits (a removed token) and
-  bfloat16 logits read as float32."""
+  """Built for a GPU, up to float32 rounding (relative 1e-6), with -inf logits (a removed
+  token) and bfloat16 logits read as float32."""
   x = jax.random.normal(jax.random.key(2), (3, 4, 4096)) * 8
   x = x.at[0, 0, :100].set(-jnp.inf).at[1, 2].set(x[1, 2, 0])  # a constant row
-  expected = jax.nn.log_softmax(x, axis=-1)
-  np.testing.assert_allclose(log_softmax(x), expected, rtol=1e-6, atol=1e-5)
-  np.testing.assert_allclose(log_softmax(x.astype(jnp.bfloat16)),
-                             jax.nn.log_softmax(x.astype(jnp.bfloat16).astype(jnp.float32)),
-                             rtol=1e-6, atol=1e-5)
+  with platform.building_for("gpu"):
+    on_gpu = jax.jit(lambda x: log_softmax(x))  # a trace of its own, built for a GPU
+    np.testing.assert_allclose(on_gpu(x), jax.nn.log_softmax(x, axis=-1), rtol=1e-6, atol=1e-5)
+    half = x.astype(jnp.bfloat16)
+    np.testing.assert_allclose(on_gpu(half), jax.nn.log_softmax(half.astype(jnp.float32)),
+                               rtol=1e-6, atol=1e-5)
