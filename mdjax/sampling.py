@@ -61,6 +61,29 @@ def process_logits(logits: Float[Array, "... V"], params: SamplingParams) -> Flo
   return logits
 
 
+def log_softmax(logits: Float[Array, "... V"]) -> Float[Array, "... V"]:
+  """float32 log-softmax over the last axis.
+
+  Built for a GPU, its max and sum of exponentials are found in one pass (an online
+  reduction of (max, sum) pairs, as flash attention's): XLA:GPU reduces few long rows in
+  two stages each, so `jax.nn.log_softmax`'s max, then sum, are 4 kernels and this 2.
+  Elsewhere `jax.nn.log_softmax`: XLA:CPU runs the pairs' reduction element by element,
+  ~5x its time (150 us against 32 at 4 x 4096). The same values up to float32 rounding."""
+  x = logits.astype(jnp.float32)
+  if platform.current() != "gpu":
+    return jax.nn.log_softmax(x, axis=-1)
+
+  def merge(a, b):  # (max, sum of exp(x - max)) of two parts -> of both
+    (max_a, sum_a), (max_b, sum_b) = a, b
+    top = jnp.maximum(max_a, max_b)
+    finite = jnp.where(jnp.isfinite(top), top, 0.0)  # all -inf so far: sums stay 0
+    return top, sum_a * jnp.exp(max_a - finite) + sum_b * jnp.exp(max_b - finite)
+
+  top, total = jax.lax.reduce((x, jnp.ones_like(x)), (jnp.float32(-jnp.inf), jnp.float32(0)),
+                              merge, (x.ndim - 1,))  # [...]
+  return x - (top + jnp.log(total))[..., None]
+
+
 def kth_largest(x: Float[Array, "... V"], k: int) -> Float[Array, "... 1"]:
   """The k-th largest value of each row of float32 `x` (duplicates counted), exactly.
 

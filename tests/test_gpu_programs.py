@@ -11,7 +11,8 @@ installed by requirements-dev.txt; no skip without it) by `mdjax.hlo_report`:
   (shape-independent, so checked on random-llama-tiny's shape, or on the 2-layer
   program below where a strategy has one);
 - a step of the whole-generation program of the strategies that feed one pass of a few
-  tokens (one per branch or beam, a chain, a tree, a window) launches at most today's kernels,
+  tokens (one per branch or beam, a chain, a tree, a window), and of two drafters (eagle's
+  head, self_speculative's first layers: their draft passes too), launches at most today's kernels,
   on the 1B shape cut to 2 layers (9 kernels a layer; the rest is the pass's own, the
   choice of tokens and the state's bookkeeping: the 16-layer counts are
   docs/results/programs/'s)."""
@@ -52,11 +53,16 @@ def test_a_1b_decode_step_copies_no_weights_and_waits_for_no_host(batch, tokens)
 # moved positions and segments by selects and a known path instead of compacting, tree
 # acceptance was unrolled and the own-loop strategies kept fewer state arrays: medusa 82,
 # lookahead 66, and off this list beam 57, jacobi 54, prompt_lookup 53, entropy_branching
-# 70, blockwise 100; a notch lower, each fails)
+# 70, blockwise 100; before beam's one top-k over its candidates, parent pointers, finished
+# hypotheses kept where they ended and one-pass log-softmax: beam 51; before lookahead's pool
+# wrote each pass's n-grams in columns of their own: lookahead 59; eagle's and self_speculative's
+# draft passes counted too (self_speculative drafts with 1 of the 2 layers; eagle 215 before its
+# tree's scores took the one-pass log-softmax, entropy_branching 60 before its own did); a notch
+# lower, each fails)
 STEP_KERNELS_TODAY = {"greedy": 34, "sample": 56, "multi_question": 33, "parallel_sample": 35,
-                      "skeleton_fill": 33, "margin_notes": 33, "medusa": 56, "lookahead": 59,
-                      "beam": 51, "jacobi": 38, "prompt_lookup": 38, "entropy_branching": 60,
-                      "blockwise": 72}
+                      "skeleton_fill": 33, "margin_notes": 33, "medusa": 56, "lookahead": 53,
+                      "beam": 42, "jacobi": 38, "prompt_lookup": 38, "entropy_branching": 58,
+                      "blockwise": 72, "eagle": 207, "self_speculative": 142}
 FILTERS = dict(top_p=0.9, min_p=0.05)  # sample: every filter (the report's request: top-k)
 
 

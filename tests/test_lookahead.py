@@ -68,16 +68,20 @@ def test_segments_give_the_paper_mask(window, ngram_size, guess_set):
 
 def test_pool_keeps_distinct_ngrams_most_recent_first():
   add, candidates = jax.jit(NgramPool.add), jax.jit(NgramPool.candidates, static_argnums=2)
-  pool = NgramPool.empty(1, 8, 3)
+  pool = NgramPool.empty(1, 12, 3)  # 3 passes of 4 n-grams
   on = jnp.asarray([True])
   pool = add(pool, jnp.asarray([[[1, 2, 3], [1, 4, 5], [1, 2, 3], [2, 3, 4]]]), 0, on)
-  assert pool.count.tolist() == [3]  # the repeated (1 2 3) is stored once
+  found, exists = candidates(pool, jnp.asarray([1]), 3)
+  assert exists.tolist() == [[True, True, False]]  # the repeated (1 2 3) is stored once
+  assert found[0, :2].tolist() == [[2, 3], [4, 5]]
   pool = add(pool, jnp.asarray([[[1, 2, 3], [9, 9, 9], [1, 6, 7], [1, 4, 5]]]), 1, ~on)
-  assert pool.count.tolist() == [3]  # a done row adds nothing
+  assert (pool.stamp[0, 4:] == -1).all()  # a done row adds nothing
   pool = add(pool, jnp.asarray([[[1, 2, 3], [9, 9, 9], [1, 6, 7], [9, 9, 9]]]), 2, on)
   found, exists = candidates(pool, jnp.asarray([1]), 3)
   assert exists.tolist() == [[True, True, True]]
   assert sorted(found[0, :2].tolist()) == [[2, 3], [6, 7]] and found[0, 2].tolist() == [4, 5]
+  assert pool.stamp[0].tolist() == [-1, 0, -1, 0] + [-1] * 4 + [2, 2, 2, -1]  # 5 distinct, each
+  #   where it was last produced: (1 2 3) in pass 2's first column
   _, exists = candidates(pool, jnp.asarray([7]), 2)
   assert not exists.any()
 

@@ -1,6 +1,7 @@
 """`mdjax.sampling.kth_largest`, the top-k filter's threshold, against `jax.lax.top_k`:
 ties, infinities, signed zeros, negative rows, k = 1 and k = V; the processors built
-for a GPU (`jax.lax.top_k`, one sort for top-p) against the CPU's, ties at the boundary."""
+for a GPU (`jax.lax.top_k`, one sort for top-p) against the CPU's, ties at the boundary;
+the one-pass log-softmax against `jax.nn.log_softmax`."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from mdjax import platform
-from mdjax.sampling import SamplingParams, kth_largest, process_logits
+from mdjax.sampling import SamplingParams, kth_largest, log_softmax, process_logits
 
 
 @pytest.mark.parametrize("k", [1, 2, 7, 64, 1000])
@@ -34,3 +35,16 @@ def test_gpu_processors_equal_the_cpus(options):
     on_gpu = jax.jit(lambda x: process_logits(x, params))(x)
   np.testing.assert_array_equal(on_gpu, jax.jit(lambda x: process_logits(x, params))(x))
   assert (on_gpu > -jnp.inf).sum() < x.size  # something was filtered
+
+
+def test_one_pass_log_softmax_equals_jaxs():
+  """Built for a GPU, up to float32 rounding (relative 1e-6), with -inf logits (a removed
+  token) and bfloat16 logits read as float32."""
+  x = jax.random.normal(jax.random.key(2), (3, 4, 4096)) * 8
+  x = x.at[0, 0, :100].set(-jnp.inf).at[1, 2].set(x[1, 2, 0])  # a constant row
+  with platform.building_for("gpu"):
+    on_gpu = jax.jit(lambda x: log_softmax(x))  # a trace of its own, built for a GPU
+    np.testing.assert_allclose(on_gpu(x), jax.nn.log_softmax(x, axis=-1), rtol=1e-6, atol=1e-5)
+    half = x.astype(jnp.bfloat16)
+    np.testing.assert_allclose(on_gpu(half), jax.nn.log_softmax(half.astype(jnp.float32)),
+                               rtol=1e-6, atol=1e-5)

@@ -32,6 +32,7 @@ from jaxtyping import Array, Bool, Float, Int
 from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
 from mdjax.errors import check_count, check_real
+from mdjax.sampling import log_softmax
 from mdjax.strategies import prompt_layouts
 from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Strategy, emit,
                                    last_emitted, prefill)
@@ -42,11 +43,7 @@ from mdjax.topology import Topology
 def entropy_varentropy(logits: Float[Array, "... V"]) -> tuple[Float[Array, "..."],
                                                                Float[Array, "..."]]:
   """Entropy H = -sum p log p and varentropy sum p (log p + H)^2 of softmax(logits), nats."""
-  return _entropy_varentropy(_log_softmax(logits))
-
-
-def _log_softmax(logits: Float[Array, "... V"]) -> Float[Array, "... V"]:
-  return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return _entropy_varentropy(log_softmax(logits))
 
 
 def _entropy_varentropy(logp: Float[Array, "... V"]) -> tuple[Float[Array, "..."],
@@ -143,7 +140,7 @@ class EntropyBranching(Strategy):
                          branch_tokens=jnp.zeros((batch, k, self.branch_tokens), jnp.int32),
                          branch_score=jnp.zeros((batch, k), jnp.float32),
                          tallies=jnp.zeros((2,), jnp.int32))
-    return self._after_main(state, _log_softmax(logits[:, 0]), _argmax(logits[:, 0]),
+    return self._after_main(state, log_softmax(logits[:, 0]), _argmax(logits[:, 0]),
                             jnp.ones((batch,), jnp.bool_))
 
   def step(self, params, state: EntropyState) -> EntropyState:
@@ -164,7 +161,7 @@ class EntropyBranching(Strategy):
                                 tallies=state.tallies + jnp.asarray([1, 0], jnp.int32))
     # one log-softmax and one argmax over every column (on a GPU, each a few kernels):
     # column 0 is a linear row's
-    logp, token = _log_softmax(logits), _argmax(logits)  # [B, k, V], [B, k]
+    logp, token = log_softmax(logits), _argmax(logits)  # [B, k, V], [B, k]
     linear = ~exploring & ~done
     state = self._after_main(state, logp[:, 0], token[:, 0], linear)
     return self._after_branches(state, logp, token, exploring & ~done)

@@ -85,7 +85,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Int
 
 from mdjax import cache as cache_ops
-from mdjax.cache import KVCache, set_columns
+from mdjax.cache import KVCache
 from mdjax.errors import check_count
 from mdjax.sampling import greedy_accept
 from mdjax.strategies import prompt_layouts
@@ -150,22 +150,33 @@ def feed_layout(window: int, ngram_size: int, guess_set: int) -> FeedLayout:
                     owner=as_int32([1] + [2 + columns + g for g in range(guess_set)]))
 
 
+def same_grams(a: Int[Array, "... N"], b: Int[Array, "... N"]) -> Bool[Array, "..."]:
+  """Whether n-grams `a` and `b` (broadcast) are equal, token by token: N compares, not a
+  reduction over N (XLA:GPU fuses compares into what reads them; a reduction is a
+  kernel of its own)."""
+  return functools.reduce(jnp.logical_and, [a[..., i] == b[..., i] for i in range(a.shape[-1])])
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NgramPool:
-  """Per row, every distinct n-gram the window produced, and the pass that last
-  produced it: `grams` int32[B, P, N] (-1: empty slot), `stamp` int32[B, P] (-1:
-  empty), `count` int32[B] slots used. The G most recent n-grams of a first token
-  are the paper's pool (at most G per key, least recently produced dropped)."""
+  """Per row, every distinct n-gram the window produced, where it was last produced:
+  pass t's W n-grams are columns t*W .. t*W + W - 1 of `grams` int32[B, P, N], and
+  `stamp` int32[B, P] is t, or -1 where empty, a repeat of an earlier column of its
+  pass, or produced again by a later pass. The G most recent n-grams of a first
+  token are the paper's pool (at most G per key, least recently produced dropped).
+  A pass writes its own columns in place and clears the stamps of the n-grams it
+  produces again by compares over the row: no count of slots used, no scatter (on a
+  GPU 3 kernels with the n-grams' own, against 8 for a stamp refreshed in place and
+  only new n-grams appended)."""
 
   grams: Int[Array, "B P N"]
   stamp: Int[Array, "B P"]
-  count: Int[Array, "B"]
 
   @classmethod
   def empty(cls, batch: int, size: int, ngram_size: int) -> "NgramPool":
     return cls(grams=jnp.full((batch, size, ngram_size), -1, jnp.int32),
-               stamp=jnp.full((batch, size), -1, jnp.int32), count=jnp.zeros((batch,), jnp.int32))
+               stamp=jnp.full((batch, size), -1, jnp.int32))
 
   def candidates(self, first: Int[Array, "B"], num: int
                  ) -> tuple[Int[Array, "B G N-1"], Bool[Array, "B G"]]:
@@ -179,23 +190,21 @@ class NgramPool:
 
   def add(self, grams: Int[Array, "B W N"], now: Int[Array, ""], live: Bool[Array, "B"]
           ) -> "NgramPool":
-    """Stamps `now` on each live row's `grams`, appending those it does not hold yet.
+    """Each live row's `grams`, produced by pass `now`, into columns now*W .. now*W + W - 1.
 
-    The caller sizes the pool: a row appends at most W n-grams per pass.
+    The caller sizes the pool: W columns for every pass.
     """
-    width = grams.shape[1]
-    held = (grams[:, :, None] == self.grams[:, None]).all(-1) & live[:, None, None]  # [B, W, P]
-    repeated = ((grams[:, :, None] == grams[:, None]).all(-1)
-                & np.tri(width, k=-1, dtype=bool)).any(-1)  # [B, W]: an earlier column's
-    new = live[:, None] & ~held.any(-1) & ~repeated  # [B, W]
-    slot = jnp.where(new, self.count[:, None] + jnp.cumsum(new, axis=1) - 1, self.stamp.shape[1])
-    stamp = set_columns(jnp.where(held.any(1), now, self.stamp), slot,
-                        jnp.broadcast_to(now, slot.shape))  # [B, P]
     batch, size, n = self.grams.shape
-    column = (slot[..., None] * n + jnp.arange(n)).reshape(batch, -1)  # [B, W N] of [B, P N]
-    written = set_columns(self.grams.reshape(batch, -1), column, grams.reshape(batch, -1))
-    return NgramPool(grams=written.reshape(batch, size, n), stamp=stamp,
-                     count=self.count + new.sum(axis=1, dtype=jnp.int32))
+    width = grams.shape[1]
+    again = jnp.zeros((batch, size), jnp.bool_)  # [B, P]: produced again by this pass
+    repeated = jnp.zeros((batch, width), jnp.bool_)  # [B, W]: an earlier column's n-gram
+    for w in range(width):
+      again |= same_grams(self.grams, grams[:, w:w + 1])
+      repeated |= same_grams(grams, grams[:, w:w + 1]) & (w < jnp.arange(width))
+    stamp = jnp.where(live[:, None] & ~repeated, now, -1)  # [B, W]
+    cleared = jnp.where(again & live[:, None], -1, self.stamp)  # [B, P]
+    return NgramPool(grams=jax.lax.dynamic_update_slice(self.grams, grams, (0, now * width, 0)),
+                     stamp=jax.lax.dynamic_update_slice(cleared, stamp, (0, now * width)))
 
 
 def slide(window: Int[Array, "B L W"], top: Int[Array, "B W"], shift: Int[Array, "B"]
@@ -285,7 +294,7 @@ class Lookahead(Strategy):
     first = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)  # [B] (one branch per row)
     buffer, _ = emit(OutputBuffer.empty(batch, capacity), first[:, None],
                      jnp.ones_like(first), limits)
-    # at most `capacity` passes, each adding at most W n-grams: the pool never fills
+    # at most `capacity` passes, each writing W n-grams: the pool never fills
     pool_size = self.window * capacity if self.guess_set else 0
     return LookaheadState(
         cache=cache, limits=limits, buffer=buffer, passes=None, first_pos=prompt.lengths,

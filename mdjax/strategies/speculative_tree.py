@@ -50,7 +50,7 @@ from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError, check_count
 from mdjax.heads import vocab
-from mdjax.sampling import process_logits
+from mdjax.sampling import log_softmax, process_logits
 from mdjax.strategies import drafting, prompt_layouts, tree_choice, trees
 from mdjax.strategies.base import Limits, ModelFn, Prompt, Sampled
 from mdjax.strategies.drafting import DraftModelState, DraftState
@@ -181,7 +181,7 @@ class TreeDrafter(Sampled):
     return -(-slots // SLOT_MULTIPLE) * SLOT_MULTIPLE
 
   def _log_probs(self, logits: Float[Array, "... V"]) -> Float[Array, "... V"]:
-    return jax.nn.log_softmax(process_logits(logits, self.sampling), axis=-1)
+    return log_softmax(process_logits(logits, self.sampling))
 
   def draft_tree(self, draft_pass: DraftPass, state: DraftState, logits: Float[Array, "B V"],
                   draft_cache: KVCache, front_context: Any,
