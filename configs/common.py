@@ -36,7 +36,8 @@ def get_base_config(strategy: str) -> ml_collections.ConfigDict:
   """The shared fields, set to complete a held-out function with the shipped `code-tiny`."""
   config = ml_collections.ConfigDict()
   config.model = "code-tiny"  # HF directory, hub id, shipped or built-in random model name
-  config.dtype = "float32"  # or "bfloat16"
+  config.dtype = ""  # "float32" or "bfloat16"; "": mdjax.load's default (float32 on CPU,
+  #                     bfloat16 on GPU and TPU), as the API's
   config.strategy = strategy
   config.prompt = HELDOUT_FUNCTION
   config.prompt_ids = ""

@@ -122,11 +122,11 @@ def decode(config) -> dict:
   options = {k: config[k] for k in names if k in config}
   if "questions" in options:
     options["questions"] = list(options["questions"])
-  model = mdjax.load(config.model, dtype=config.dtype,
+  model = mdjax.load(config.model, dtype=config.dtype or None,
                      mesh=mdjax.sharding.mesh_from_spec(config.mesh))
   print(model.description)
   if "draft" in options:  # a model name or directory in the config
-    options["draft"] = mdjax.load(options["draft"], dtype=config.dtype)
+    options["draft"] = mdjax.load(options["draft"], dtype=config.dtype or None)
     print("draft: " + options["draft"].description)
   if "heads" in options:  # a shipped heads name or a directory in the config
     options["heads"] = mdjax.load_heads(options["heads"])

@@ -75,7 +75,7 @@ def test_unknown_layer_loop_is_a_clear_error():
 
 def test_forward_logits_scan_equals_unrolled():
   ids = list(range(3, 23))  # 20 tokens: longer than the sliding window (4)
-  llama, gemma = mdjax.load("random-llama-tiny"), gemma3()
+  llama, gemma = mdjax.load("random-llama-tiny", dtype="float32"), gemma3()
   for model in (llama, gemma):
     np.testing.assert_allclose(mdjax.forward_logits(in_layout(model, "scan"), ids),
                                mdjax.forward_logits(model, ids), atol=1e-5, rtol=0)
@@ -147,12 +147,12 @@ def test_weight_decay_reaches_stacked_and_split_matrices_only():
 def runs():
   """Per layout: the model, and the options of every strategy (drafts and heads built
   on that layout's model). Heads keep their own layers as lists."""
-  base = mdjax.load("random-llama-tiny")
+  base = mdjax.load("random-llama-tiny", dtype="float32")
   draft = random_model("llama", 5, vocab_size=base.config.vocab_size, layers=1, std=0.05)
   heads = strategy_heads(base)
   out = {}
   for loop in LAYER_LOOPS:
-    model = mdjax.load("random-llama-tiny", layer_loop=loop)
+    model = mdjax.load("random-llama-tiny", dtype="float32", layer_loop=loop)
     assert layer_loop_of(model.params) == loop
     out[loop] = (model, every_strategy(in_layout(draft, loop), heads))
   return out

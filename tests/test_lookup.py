@@ -56,7 +56,7 @@ def test_greedy_accept_by_hand():
 
 @pytest.fixture(scope="module")
 def models():
-  return [mdjax.load("random-llama-tiny"), random_model("qwen3", seed=4, std=0.02)]
+  return [mdjax.load("random-llama-tiny", dtype="float32"), random_model("qwen3", seed=4, std=0.02)]
 
 
 @pytest.mark.parametrize("options", [dict(), dict(prompt_lookup_num_tokens=3, max_ngram_size=1),

@@ -16,7 +16,7 @@ PROMPT = 'def add(a, b):\n    """Return the sum of a and b."""\n'
 
 @pytest.fixture(scope="module")
 def model():
-  return mdjax.load("code-tiny")
+  return mdjax.load("code-tiny", dtype="float32")
 
 
 def test_vote_takes_the_most_frequent_answer():

@@ -69,7 +69,7 @@ def test_soup_lm_writes_a_loadable_soup_with_its_record(tmp_path):
   result = _soup_lm(f"--models={tmp_path / 'a'},{tmp_path / 'b'}", "--dtype=float32",
                     f"--out={tmp_path / 'soup'}")
   assert result.returncode == 0, result.stderr
-  loaded = [mdjax.load(str(tmp_path / n)) for n in ("soup", "a", "b")]
+  loaded = [mdjax.load(str(tmp_path / n), dtype="float32") for n in ("soup", "a", "b")]
   for got, x, y in zip(*(jax.tree.leaves(m.params) for m in loaded)):
     np.testing.assert_allclose(got, (np.asarray(x) + np.asarray(y)) / 2, rtol=1e-6, atol=1e-7)
   record = json.loads((tmp_path / "soup" / "training_summary.json").read_text())

@@ -442,7 +442,7 @@ def test_killed_run_resumes_to_bitwise_the_same_params(trained, tmp_path):
 def test_export_loads_in_mdjax_and_transformers_with_the_same_logits(trained, tmp_path):
   result, config = trained
   summary = export.export(result, result.config, tmp_path / "export")
-  model = mdjax.load(tmp_path / "export")
+  model = mdjax.load(tmp_path / "export", dtype="float32")
   assert model.tokenizer is not None and model.tokenizer.eos_token_id == 1
   ids = result.data.heldout[0, :24]
   ours = mdjax.forward_logits(model, ids)
@@ -467,7 +467,7 @@ def test_export_shards_on_request_and_loads_the_same_weights(trained, tmp_path):
   export.export(result, lm.validate(sharded), tmp_path / "sharded")
   assert len(list((tmp_path / "sharded").glob("model-*-of-*.safetensors"))) > 1
   assert not (tmp_path / "sharded" / "model.safetensors").exists()
-  model = mdjax.load(tmp_path / "sharded")
+  model = mdjax.load(tmp_path / "sharded", dtype="float32")
   for got, want in zip(jax.tree.leaves(model.params), jax.tree.leaves(result.params)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   sharded.export_shard_mb = -1.0
