@@ -689,17 +689,10 @@ def load_real(name: str, cache, packages: str = ""):
     patch.setenv("HF_HUB_OFFLINE", "1")
     patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import
     patch.setenv("MDJAX_CACHE", str(cache))
-    start = time.perf_counter()
-    model = mdjax.load(name)
-    first_s = time.perf_counter() - start
-    start = time.perf_counter()
-    again = mdjax.load(name)
-    cached_s = time.perf_counter() - start
-    file = GGUF_MODELS[name].locate(pathlib.Path(cache) / packages)
-    # transformers parses the file's header again for its config, its weights and its
-    # tokenizer (9 CPU s each for gemma3's 262,144-token vocabulary): one parse serves
-    # the three (a `gguf.GGUFReader` only views the file); mdjax's own loads above parse
-    # theirs as a user's would
+    # mdjax's first load parses the file's header (gguf-py's reader, as a user's load
+    # does); transformers would parse it three times more, for its config, its weights and
+    # its tokenizer (9 CPU s each for gemma3's 262,144-token vocabulary): that one parse
+    # serves all four (a `gguf.GGUFReader` only views the file, read-only)
     parsed, parse = {}, gguf.GGUFReader
 
     def parsed_once(path):
@@ -709,6 +702,14 @@ def load_real(name: str, cache, packages: str = ""):
       return parsed[key]
 
     patch.setattr(gguf, "GGUFReader", parsed_once)
+    start = time.perf_counter()
+    model = mdjax.load(name)
+    first_s = time.perf_counter() - start
+    start = time.perf_counter()
+    again = mdjax.load(name)
+    cached_s = time.perf_counter() - start
+    file = GGUF_MODELS[name].locate(pathlib.Path(cache) / packages)
+    assert list(parsed) == [os.path.realpath(file)]  # mdjax's load parsed it, once
     oracle = transformers_gguf(file)
     tokenizer = transformers.AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
   print(f"{name}: first load {first_s:.1f} s, cached {cached_s:.1f} s")
