@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import importlib
 import math
 import os
@@ -663,14 +664,17 @@ def test_gemma3_package_assembles_its_file(gemma3_270m, gemma3_cache, monkeypatc
   directory = gemma3_cache / "packages"
   path = directory / "gemma-3-270m-q4_k_m.gguf"
   assert sorted(p.name for p in directory.iterdir()) == [path.name]
-  reader = gguf.GGUFReader(path)
-  assert reader.fields["general.architecture"].contents() == "gemma3"
+  package = importlib.import_module(GGUF_MODELS[GEMMA3].module)
+  # the whole file, byte for byte the gemma3 GGUF the package names (its sha256), which
+  # the fixture's model was read from (a header parse here cost 9 to 13 s: 262,144 tokens)
+  with open(path, "rb") as f:
+    assert hashlib.file_digest(f, "sha256").hexdigest() == package.EXPECTED_SHA256
+  assert gemma3_270m[0].config.family == "gemma3"
 
   def assemble_again(*args, **kwargs):
     raise AssertionError("assembled a second time")
 
-  monkeypatch.setattr(importlib.import_module(GGUF_MODELS[GEMMA3].module), "assemble",
-                      assemble_again)
+  monkeypatch.setattr(package, "assemble", assemble_again)
   assert GGUF_MODELS[GEMMA3].locate(directory) == path  # assembled once
 
 
@@ -685,17 +689,10 @@ def load_real(name: str, cache, packages: str = ""):
     patch.setenv("HF_HUB_OFFLINE", "1")
     patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import
     patch.setenv("MDJAX_CACHE", str(cache))
-    start = time.perf_counter()
-    model = mdjax.load(name)
-    first_s = time.perf_counter() - start
-    start = time.perf_counter()
-    again = mdjax.load(name)
-    cached_s = time.perf_counter() - start
-    file = GGUF_MODELS[name].locate(pathlib.Path(cache) / packages)
-    # transformers parses the file's header again for its config, its weights and its
-    # tokenizer (9 CPU s each for gemma3's 262,144-token vocabulary): one parse serves
-    # the three (a `gguf.GGUFReader` only views the file); mdjax's own loads above parse
-    # theirs as a user's would
+    # mdjax's first load parses the file's header (gguf-py's reader, as a user's load
+    # does); transformers would parse it three times more, for its config, its weights and
+    # its tokenizer (9 CPU s each for gemma3's 262,144-token vocabulary): that one parse
+    # serves all four (a `gguf.GGUFReader` only views the file, read-only)
     parsed, parse = {}, gguf.GGUFReader
 
     def parsed_once(path):
@@ -705,6 +702,14 @@ def load_real(name: str, cache, packages: str = ""):
       return parsed[key]
 
     patch.setattr(gguf, "GGUFReader", parsed_once)
+    start = time.perf_counter()
+    model = mdjax.load(name)
+    first_s = time.perf_counter() - start
+    start = time.perf_counter()
+    again = mdjax.load(name)
+    cached_s = time.perf_counter() - start
+    file = GGUF_MODELS[name].locate(pathlib.Path(cache) / packages)
+    assert list(parsed) == [os.path.realpath(file)]  # mdjax's load parsed it, once
     oracle = transformers_gguf(file)
     tokenizer = transformers.AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
   print(f"{name}: first load {first_s:.1f} s, cached {cached_s:.1f} s")

@@ -36,8 +36,11 @@ def write(out: pathlib.Path, found: dict):
 
 
 def main(role: str, port: str, out_dir: str):
-  jax.config.update("jax_num_cpu_devices", 4)
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if role != "reference":  # the reference keeps one device, as the test processes do: JAX's
+    # compilation cache keys a program by the process's device count, so its programs are
+    # the ones other tests compile (tests/test_layer_loop.py's unrolled runs), compiled once
+    jax.config.update("jax_num_cpu_devices", 4)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
   from mdjax import distributed
   if role != "reference":
     distributed.initialize(f"localhost:{port}", 2, int(role), heartbeat_timeout_s=HEARTBEAT_S,
