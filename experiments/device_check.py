@@ -38,6 +38,10 @@ run stopped by a time limit keeps what it measured):
    prompts: its tokens, per-source acceptance, and the step cost `auto` predicted
    (expected tokens per pass over expected speedup, in target passes t(1)) against
    the one measured (seconds per mix pass over greedy's seconds per token).
+7. `profile`: greedy at batch 1 for `--profile_new_tokens` under `jax.profiler`, kernel
+   by kernel (`experiments.bench.step_profile`): each kernel's microseconds per run, the
+   bytes it moves and the GB/s it reaches, and the kernel time per step against the wall
+   time per step (the rest: the device waiting for launches or the host).
 
 The model: a random llama of `--preset` (`experiments.bench.device.PRESETS`; "1b" on GPU/TPU, "tiny"
 on CPU) in `--dtype` (bfloat16 on GPU/TPU), its context stretched to the longest of
@@ -71,6 +75,7 @@ import numpy as np
 
 import mdjax
 from experiments.bench import device as bench_device  # also defines the flags shared with it
+from experiments.bench import step_profile
 from experiments.bench.common import (LOOKUP, Tree, auto_choice, divergence_gaps, head_strategy,
                                       machine_info, plt, random_heads, random_ids, random_llama,
                                       run_mdjax, save_figure, shipped_configs, summarize, timed,
@@ -83,7 +88,7 @@ from mdjax.strategies import pass_cost
 from mdjax.strategies.base import ModelFn
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-SECTIONS = ("tests", "roofline", "pass_cost", "variants", "branches", "heads")
+SECTIONS = ("tests", "roofline", "pass_cost", "variants", "branches", "heads", "profile")
 COPY_REPEATS = 4  # the copy-heavy prompt: one random chunk this many times
 MIX_HEADS = "eagle3"  # the heads the heads section's mix drafts with beside prompt lookup
 
@@ -106,6 +111,9 @@ _HEAD_BATCHES = flags.DEFINE_list("head_batches", ["1", "8"], "Batch sizes of th
 _HEAD_TREES = flags.DEFINE_list("head_trees", ["2x2x4", "6x8x64"], "Fixed trees of the "
                                 "heads section beside auto, DEPTHxTOP_KxBUDGET (Medusa: the "
                                 "budget alone).")
+_PROFILE_NEW_TOKENS = flags.DEFINE_integer("profile_new_tokens", 64, "Tokens per generation "
+                                          "in the profile section.")
+_PROFILE_RUNS = flags.DEFINE_integer("profile_runs", 3, "Generations traced by the profile section.")
 _HEAD_NEW_TOKENS = flags.DEFINE_integer("head_new_tokens", 16, "Tokens per row in the heads "
                                         "section.")
 
@@ -135,12 +143,15 @@ class Settings:
   head_batches: tuple[int, ...]  # heads
   head_trees: tuple[Tree, ...]  # each cut to what its strategy takes
   head_new_tokens: int
+  profile_new_tokens: int  # profile
+  profile_runs: int
 
 
 QUICK = dict(preset="tiny", tests_k="float32_greedy", test_workers=0, batches=(1, 4),
              prompt_len=16, new_tokens=8, repeats=1, bandwidth_mib=64, pass_batches=(1,),
              contexts=(64,), questions=2, question_len=4,
-             context_len=64, head_batches=(2,), head_trees=(Tree(4, 2, 2),), head_new_tokens=8)
+             context_len=64, head_batches=(2,), head_trees=(Tree(4, 2, 2),), head_new_tokens=8,
+             profile_new_tokens=8, profile_runs=1)
 
 
 def device_kind() -> str:
@@ -394,6 +405,19 @@ def run_mix(model: mdjax.Model, heads: mdjax.Heads, batch: int, settings: Settin
 
 # --- running, writing, drawing -----------------------------------------------------------
 
+# --- 7. one greedy step, kernel by kernel -------------------------------------------------
+
+def run_profile(settings: Settings, placed) -> dict:
+  """`step_profile.profile_greedy` at batch 1 over a prompt of `prompt_len` tokens."""
+  model = placed(default_layer_loop())
+  prompt = random_ids(np.random.default_rng(settings.seed), model.config.vocab_size, 1,
+                      settings.prompt_len)
+  bandwidth = settings.bandwidth_gbps or (bench_device.datasheet_bandwidth(
+      jax.devices()[0].device_kind) or 0.0)
+  return step_profile.profile_greedy(model, prompt, settings.profile_new_tokens,
+                                     settings.profile_runs, bandwidth)
+
+
 def run_section(name: str, settings: Settings, placed, out_dir: pathlib.Path) -> dict:
   """One section's results with its seconds, or its error and traceback; `placed(loop)`:
   the model on one device, laid out for `loop` (made on first use)."""
@@ -410,7 +434,7 @@ def run_section(name: str, settings: Settings, placed, out_dir: pathlib.Path) ->
 
 
 SECTION_RUNS = dict(roofline=run_roofline, pass_cost=run_pass_cost, variants=run_variants,
-                    branches=run_branches, heads=run_heads)
+                    branches=run_branches, heads=run_heads, profile=run_profile)
 
 
 def panel_error(ax, section: dict | None, title: str) -> bool:
@@ -504,6 +528,21 @@ def plot_heads(ax, section) -> None:
   ax.legend(fontsize=8)
 
 
+def plot_profile(ax, section) -> None:
+  if panel_error(ax, section, "profile"):
+    return
+  top = section["top"][:12][::-1]
+  ax.barh(range(len(top)), [100 * k["share"] for k in top])
+  ax.set_yticks(range(len(top)), [f"{k['kernel'][:28]} x{k['runs_per_generation'] / section['new_tokens']:.3g}"
+                                  for k in top], fontsize=6)
+  for y, k in enumerate(top):
+    if k["gbps"]:
+      ax.text(100 * k["share"], y, f" {k['gbps']:,.0f} GB/s", va="center", fontsize=6)
+  ax.set_xlabel("% of kernel time (x: runs per step)")
+  ax.set_title(f"greedy, batch 1: {section['kernel_ms_per_step']:.3f} ms of kernels per step "
+               f"in {section['wall_ms_per_step']:.3f} ms", fontsize=9)
+
+
 def plot(results: dict, path: pathlib.Path) -> None:
   fig, axes = plt.subplots(3, 2, figsize=(13, 13))
   sections = results["sections"]
@@ -511,9 +550,9 @@ def plot(results: dict, path: pathlib.Path) -> None:
                                           ("pass_cost", plot_pass_cost),
                                           ("variants", plot_variants),
                                           ("branches", plot_branches),
-                                          ("heads", plot_heads))):
+                                          ("heads", plot_heads),
+                                          ("profile", plot_profile))):
     draw(ax, sections.get(name))
-  axes.flat[-1].axis("off")
   tests = sections.get("tests")
   tested = ("tests not run" if tests is None else tests.get("error") or
             f"accelerator tests: {tests['passed']} passed, {tests['failures']} failed, "
@@ -577,7 +616,8 @@ def settings_from_flags() -> Settings:
       questions=FLAGS.questions, question_len=_QUESTION_LEN.value,
       context_len=_CONTEXT_LEN.value, head_batches=tuple(int(b) for b in _HEAD_BATCHES.value),
       head_trees=tuple(Tree.parse(text) for text in _HEAD_TREES.value),
-      head_new_tokens=_HEAD_NEW_TOKENS.value)
+      head_new_tokens=_HEAD_NEW_TOKENS.value, profile_new_tokens=_PROFILE_NEW_TOKENS.value,
+      profile_runs=_PROFILE_RUNS.value)
   settings = dataclasses.replace(settings, **QUICK) if FLAGS.quick else settings
   if settings.new_tokens < 2:
     raise app.UsageError("--new_tokens must be >= 2 (decode time is measured against 1)")

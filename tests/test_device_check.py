@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-SECTIONS = ["tests", "roofline", "pass_cost", "variants", "branches", "heads"]  # in the order they run
+SECTIONS = ["tests", "roofline", "pass_cost", "variants", "branches", "heads", "profile"]  # in the order they run
 
 
 def test_device_check_quick(tmp_path):
@@ -57,3 +57,6 @@ def test_device_check_quick(tmp_path):
       sources = mix["choice"]["sources"]
       assert all(0 <= mix["sources"][f"accepted_{s}"] <= mix["sources"][f"drafted_{s}"]
                  for s in sources), mix["sources"]
+  profile = sections["profile"]  # on the CPU, the thunks named like the program's instructions
+  assert profile["matched_share"] > 0.99 and profile["kernel_ms_per_step"] > 0
+  assert profile["top"][0]["runs_per_generation"] >= 1 and profile["top"][0]["mbytes"] > 0

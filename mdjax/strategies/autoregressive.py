@@ -53,7 +53,8 @@ class AutoregressiveState(DecodeState):
     topology        Topology [B, G]  the prompt's segment tree (`Prompt.topology`)
     branch_segment  int32[B, N]   the segment branch j decodes in (-1: no such branch)
     first_pos       int32[B, N]   the position of branch j's first generated token
-    next_pos        int32[B, N]   the position of the token branch j feeds next
+    next_pos        int32[B, N]   the position of the token branch j feeds next (a done
+                                  branch's stays)
     slot_base       int32[B, N]   with regions, its token at position p takes slot
                                   slot_base + p (`region_slot_base`); else None
     columns_fed     int32[]       columns fed over all passes (B x the pass's width); None
@@ -87,6 +88,7 @@ class Autoregressive(Sampled):
   """One token per live branch per pass; greedy unless a sampling option is set."""
 
   layout: ClassVar = prompt_layouts.Plain()
+  done_rows_stay: ClassVar = True  # a done branch feeds padding, takes no token, stays put
   regions: CacheRegions | None = internal()  # one cache region per branch, or appending
 
   def for_request(self, params, prompt: Prompt, capacity: int) -> "Autoregressive":
@@ -128,7 +130,7 @@ class Autoregressive(Sampled):
         lambda w: functools.partial(self._feed, width=w), (unfed, state.cache),
         params, without_cache, done)
     columns_fed = None if state.columns_fed is None else state.columns_fed + width * done.shape[0]
-    state = dataclasses.replace(state, cache=cache, next_pos=state.next_pos + 1,
+    state = dataclasses.replace(state, cache=cache, next_pos=state.next_pos + ~done,
                                 columns_fed=columns_fed)  # B * W
     return self._commit(state, logits)
 

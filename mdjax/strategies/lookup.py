@@ -146,6 +146,7 @@ class PromptLookup(Strategy):
 
   name: ClassVar[str] = "prompt_lookup"
   layout: ClassVar = prompt_layouts.Questions(required=False)
+  done_rows_stay: ClassVar = True  # a done row proposes and takes nothing
 
   prompt_lookup_num_tokens: int = 10
   max_ngram_size: int = 2
