@@ -54,10 +54,6 @@ def _entropy_varentropy(logp: Float[Array, "... V"]) -> tuple[Float[Array, "..."
   return entropy, (p * (logp + entropy[..., None]) ** 2).sum(-1)
 
 
-def _argmax(logits: Float[Array, "... V"]) -> Int[Array, "..."]:
-  return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EntropyState(DecodeState):
@@ -140,7 +136,7 @@ class EntropyBranching(Strategy):
                          branch_tokens=jnp.zeros((batch, k, self.branch_tokens), jnp.int32),
                          branch_score=jnp.zeros((batch, k), jnp.float32),
                          tallies=jnp.zeros((2,), jnp.int32))
-    return self._after_main(state, log_softmax(logits[:, 0]), _argmax(logits[:, 0]),
+    return self._after_main(state, log_softmax(logits), self._top(logits[:, 0]),
                             jnp.ones((batch,), jnp.bool_))
 
   def step(self, params, state: EntropyState) -> EntropyState:
@@ -159,25 +155,33 @@ class EntropyBranching(Strategy):
                                   Topology.fan(fork_pos, k))  # [B, k, V]
     state = dataclasses.replace(state, cache=cache,
                                 tallies=state.tallies + jnp.asarray([1, 0], jnp.int32))
-    # one log-softmax and one argmax over every column (on a GPU, each a few kernels):
+    # one log-softmax and one top-k over every column (on a GPU, each a few kernels):
     # column 0 is a linear row's
-    logp, token = log_softmax(logits), _argmax(logits)  # [B, k, V], [B, k]
+    logp, top = log_softmax(logits), self._top(logits)  # [B, k, V], [B, k, k]
     linear = ~exploring & ~done
-    state = self._after_main(state, logp[:, 0], token[:, 0], linear)
-    return self._after_branches(state, logp, token, exploring & ~done)
+    state = self._after_main(state, logp, top[:, 0], linear)
+    return self._after_branches(state, logp, top[..., 0], exploring & ~done)
 
-  def _after_main(self, state: EntropyState, logp: Float[Array, "B V"], token: Int[Array, "B"],
+  def _top(self, logits: Float[Array, "... V"]) -> Int[Array, "... k"]:
+    """The k most likely tokens, most likely first (ties: the lower token, as argmax and
+    a stable sort): the argmax and a fork's branches, from one top-k (an argmax beside
+    it is 2 kernels more on a GPU)."""
+    return jax.lax.top_k(logits, self.num_branches)[1].astype(jnp.int32)
+
+  def _after_main(self, state: EntropyState, logp: Float[Array, "B C V"], top: Int[Array, "B k"],
                   rows: Bool[Array, "B"]) -> EntropyState:
-    """Rows `rows` got the log-probabilities after their last committed token (and
-    their argmax `token`): emit it, or fork there when the distribution is uncertain
-    enough."""
-    entropy, varentropy = _entropy_varentropy(logp)
+    """Rows `rows` got the log-probabilities after their last committed token (column
+    0 of the C fed; and their k most likely tokens `top`): emit the first, or fork there
+    when the distribution is uncertain enough.
+
+    The entropies are reduced over every column, then column 0 taken: on a GPU the
+    reductions of a column's slice read it from a product of its own (2 kernels more)."""
+    entropy, varentropy = (h[:, 0] for h in _entropy_varentropy(logp))  # [B]
     fork = rows & (entropy > self.branch_entropy) & (varentropy > self.branch_varentropy)
     if self.num_branches == 1 or self.branch_tokens == 1:
       fork = jnp.zeros_like(fork)
-    buffer, _ = emit(state.buffer, token[:, None], (rows & ~fork).astype(jnp.int32),
-                     state.limits)
-    top_logp, top = jax.lax.top_k(logp, self.num_branches)  # [B, k]
+    buffer, _ = emit(state.buffer, top[:, :1], (rows & ~fork).astype(jnp.int32), state.limits)
+    top_logp = jnp.take_along_axis(logp[:, 0], top, axis=1)  # [B, k]
     fed = state.cache.length  # the main token was just written: branches start here
     return dataclasses.replace(
         state, buffer=buffer, exploring=jnp.where(fork, 1, state.exploring),
