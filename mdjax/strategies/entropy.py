@@ -59,7 +59,8 @@ def _entropy_varentropy(logp: Float[Array, "... V"]) -> tuple[Float[Array, "..."
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EntropyState(DecodeState):
   """`DecodeState` (its cache: the text as segment 0, then an exploration's branches;
-  buffer rows R = B; `passes` None: in `tallies`) with k = num_branches, m =
+  buffer rows R = B; `passes` None: in `tallies`, per row: no sum over the rows, and on a
+  GPU its update shares the branch scores' kernel) with k = num_branches, m =
   branch_tokens. No topology is carried: each pass derives it from `next_pos` (the fork
   position of an exploring row). A step updates few arrays (on a GPU each is a kernel
   or more): what a row feeds next is read from the buffer (`last`) or the branches'
@@ -70,8 +71,8 @@ class EntropyState(DecodeState):
     fork_slot      int32[B]         the exploration's first slot (where compaction starts)
     branch_tokens  int32[B, k, m]   each branch's tokens so far
     branch_score   float32[B, k]    each branch's summed log-probability
-    tallies        int32[2]         target passes after prefill, explorations started
-                                    (over all rows)
+    tallies        int32[B, 2]      per row, its live passes after prefill (the most: the
+                                    target's passes) and the explorations it started
   """
 
   first_pos: Int[Array, "B"]
@@ -79,7 +80,7 @@ class EntropyState(DecodeState):
   fork_slot: Int[Array, "B"]
   branch_tokens: Int[Array, "B k m"]
   branch_score: Float[Array, "B k"]
-  tallies: Int[Array, "2"]
+  tallies: Int[Array, "B 2"]
 
   @property
   def last(self) -> Int[Array, "B"]:
@@ -136,7 +137,7 @@ class EntropyBranching(Strategy):
                          passes=None, first_pos=prompt.lengths, exploring=zeros, fork_slot=zeros,
                          branch_tokens=jnp.zeros((batch, k, self.branch_tokens), jnp.int32),
                          branch_score=jnp.zeros((batch, k), jnp.float32),
-                         tallies=jnp.zeros((2,), jnp.int32))
+                         tallies=jnp.zeros((batch, 2), jnp.int32))
     return self._after_main(state, log_softmax(logits), self._top(logits)[1],
                             jnp.ones((batch,), jnp.bool_))
 
@@ -155,7 +156,7 @@ class EntropyBranching(Strategy):
     logits, _, cache = self.model(params, state.cache, tokens, positions, segments,
                                   Topology.fan(fork_pos, k))  # [B, k, V]
     state = dataclasses.replace(state, cache=cache,
-                                tallies=state.tallies + jnp.asarray([1, 0], jnp.int32))
+                                tallies=state.tallies + jnp.stack([~done, jnp.zeros_like(done)], 1))
     # one log-softmax and one top-k over every column (on a GPU, each a few kernels):
     # column 0 is a linear row's
     logp, (token, top) = log_softmax(logits), self._top(logits)  # [B, k, V], [B, k], [B, k]
@@ -197,7 +198,7 @@ class EntropyBranching(Strategy):
         branch_tokens=jnp.where(fork[:, None, None], state.branch_tokens.at[:, :, 0].set(top),
                                 state.branch_tokens),
         branch_score=jnp.where(fork[:, None], top_logp, state.branch_score),
-        tallies=state.tallies + jnp.stack([0, fork.sum(dtype=jnp.int32)]))
+        tallies=state.tallies + jnp.stack([jnp.zeros_like(fork), fork], 1))
 
   def _after_branches(self, state: EntropyState, logp: Float[Array, "B k V"],
                       token: Int[Array, "B k"], rows: Bool[Array, "B"]) -> EntropyState:
@@ -230,4 +231,5 @@ class EntropyBranching(Strategy):
                              self.exploration_slots)
 
   def result(self, state: EntropyState) -> tuple[OutputBuffer, dict]:
-    return state.buffer, {"target_passes": state.tallies[0], "forks": state.tallies[1]}
+    return state.buffer, {"target_passes": state.tallies[:, 0].max(),
+                          "forks": state.tallies[:, 1].sum()}
