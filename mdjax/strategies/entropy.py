@@ -138,8 +138,9 @@ class EntropyBranching(Strategy):
                          branch_tokens=jnp.zeros((batch, k, self.branch_tokens), jnp.int32),
                          branch_score=jnp.zeros((batch, k), jnp.float32),
                          tallies=jnp.zeros((batch, 2), jnp.int32))
-    return self._after_main(state, log_softmax(logits), self._top(logits)[1],
-                            jnp.ones((batch,), jnp.bool_))
+    logp = log_softmax(logits)  # [B, 1, V]
+    token, top = self._choices(logits, logp)
+    return self._after_main(state, logp, token[:, 0], top, jnp.ones((batch,), jnp.bool_))
 
   def step(self, params, state: EntropyState) -> EntropyState:
     done, exploring = state.buffer.done, state.exploring > 0  # [B]
@@ -159,27 +160,34 @@ class EntropyBranching(Strategy):
                                 tallies=state.tallies + jnp.stack([~done, jnp.zeros_like(done)], 1))
     # one log-softmax and one top-k over every column (on a GPU, each a few kernels):
     # column 0 is a linear row's
-    logp, (token, top) = log_softmax(logits), self._top(logits)  # [B, k, V], [B, k], [B, k]
+    logp = log_softmax(logits)  # [B, k, V]
+    token, top = self._choices(logits, logp)  # [B, k], ([B, k], [B, k])
     linear = ~exploring & ~done
-    state = self._after_main(state, logp, top, linear)
+    state = self._after_main(state, logp, token[:, 0], top, linear)
     return self._after_branches(state, logp, token, exploring & ~done)
 
-  def _top(self, logits: Float[Array, "B C V"]) -> tuple[Int[Array, "B C"], Int[Array, "B k"]]:
-    """Each column's argmax, and column 0's k most likely tokens, most likely first (a
-    fork's branches; ties: the lower token, as argmax and a stable sort). On a GPU both
-    from one top-k over every column (an argmax beside it is 2 kernels more); XLA:CPU
-    runs a top-k of every column ~20% slower than the argmax (a 1-prompt generation)."""
+  def _choices(self, logits: Float[Array, "B C V"], logp: Float[Array, "B C V"]
+               ) -> tuple[Int[Array, "B C"], tuple[Float[Array, "B k"], Int[Array, "B k"]]]:
+    """Each column's argmax, and column 0's k most likely tokens, most likely first, with
+    their log-probabilities (a fork's branches). On a GPU both from one top-k of the
+    logits over every column (an argmax beside it is 2 kernels more; ties: the lower
+    token, as argmax and a stable sort); XLA:CPU runs that ~20% slower than an argmax
+    and column 0's top-k of its log-probabilities (a 1-prompt generation), and those
+    ~5% faster than a top-k of column 0's logits."""
+    k = self.num_branches
     if platform.current() == "gpu":
-      top = jax.lax.top_k(logits, self.num_branches)[1].astype(jnp.int32)  # [B, C, k]
-      return top[..., 0], top[:, 0]
-    return (jnp.argmax(logits, axis=-1).astype(jnp.int32),
-            jax.lax.top_k(logits[:, 0], self.num_branches)[1].astype(jnp.int32))
+      top = jax.lax.top_k(logits, k)[1].astype(jnp.int32)  # [B, C, k]
+      return top[..., 0], (jnp.take_along_axis(logp[:, 0], top[:, 0], axis=1), top[:, 0])
+    top_logp, top = jax.lax.top_k(logp[:, 0], k)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), (top_logp, top.astype(jnp.int32))
 
-  def _after_main(self, state: EntropyState, logp: Float[Array, "B C V"], top: Int[Array, "B k"],
-                  rows: Bool[Array, "B"]) -> EntropyState:
+  def _after_main(self, state: EntropyState, logp: Float[Array, "B C V"], token: Int[Array, "B"],
+                  top: tuple[Float[Array, "B k"], Int[Array, "B k"]], rows: Bool[Array, "B"]
+                  ) -> EntropyState:
     """Rows `rows` got the log-probabilities after their last committed token (column
-    0 of the C fed; and their k most likely tokens `top`): emit the first, or fork there
-    when the distribution is uncertain enough.
+    0 of the C fed; their argmax `token` and k most likely tokens with their
+    log-probabilities, `top`): emit it, or fork there when the distribution is uncertain
+    enough.
 
     On a GPU the entropies are reduced over every column, then column 0 taken: the
     reductions of a column's slice read it from a product of its own (2 kernels more).
@@ -189,8 +197,9 @@ class EntropyBranching(Strategy):
     fork = rows & (entropy > self.branch_entropy) & (varentropy > self.branch_varentropy)
     if self.num_branches == 1 or self.branch_tokens == 1:
       fork = jnp.zeros_like(fork)
-    buffer, _ = emit(state.buffer, top[:, :1], (rows & ~fork).astype(jnp.int32), state.limits)
-    top_logp = jnp.take_along_axis(logp[:, 0], top, axis=1)  # [B, k]
+    buffer, _ = emit(state.buffer, token[:, None], (rows & ~fork).astype(jnp.int32),
+                     state.limits)
+    top_logp, top = top  # [B, k]
     fed = state.cache.length  # the main token was just written: branches start here
     return dataclasses.replace(
         state, buffer=buffer, exploring=jnp.where(fork, 1, state.exploring),
