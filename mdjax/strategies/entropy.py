@@ -158,7 +158,7 @@ class EntropyBranching(Strategy):
                                   Topology.fan(fork_pos, k))  # [B, k, V]
     state = dataclasses.replace(state, cache=cache,
                                 tallies=state.tallies + jnp.stack([~done, jnp.zeros_like(done)], 1))
-    # one log-softmax and one top-k over every column (on a GPU, each a few kernels):
+    # one log-softmax and the choices over every column (on a GPU, each a few kernels):
     # column 0 is a linear row's
     logp = log_softmax(logits)  # [B, k, V]
     token, top = self._choices(logits, logp)  # [B, k], ([B, k], [B, k])
