@@ -165,10 +165,11 @@ class NgramPool:
   `stamp` int32[B, P] is t, or -1 where empty, a repeat of an earlier column of its
   pass, or produced again by a later pass. The G most recent n-grams of a first
   token are the paper's pool (at most G per key, least recently produced dropped).
-  A pass writes its own columns in place and clears the stamps of the n-grams it
-  produces again by compares over the row: no count of slots used, no scatter (on a
-  GPU 3 kernels with the n-grams' own, against 8 for a stamp refreshed in place and
-  only new n-grams appended)."""
+  A pass writes its own columns and clears the stamps of the n-grams it produces
+  again by selects and compares over the row: no count of slots used, no scatter, no
+  dynamic update slice (on a GPU 2 kernels with the n-grams' own, against 8 for a
+  stamp refreshed in place and only new n-grams appended, and 3 for dynamic update
+  slices: the loop's select that keeps a done state reads the slice they overwrite)."""
 
   grams: Int[Array, "B P N"]
   stamp: Int[Array, "B P"]
@@ -202,9 +203,13 @@ class NgramPool:
       again |= same_grams(self.grams, grams[:, w:w + 1])
       repeated |= same_grams(grams, grams[:, w:w + 1]) & (w < jnp.arange(width))
     stamp = jnp.where(live[:, None] & ~repeated, now, -1)  # [B, W]
-    cleared = jnp.where(again & live[:, None], -1, self.stamp)  # [B, P]
-    return NgramPool(grams=jax.lax.dynamic_update_slice(self.grams, grams, (0, now * width, 0)),
-                     stamp=jax.lax.dynamic_update_slice(cleared, stamp, (0, now * width)))
+    written = jnp.where(again & live[:, None], -1, self.stamp), self.grams  # [B, P], [B, P, N]
+    column = jnp.arange(size) - now * width  # [P]: the pass's column w at w
+    for w in range(width):
+      here = column == w
+      written = (jnp.where(here, stamp[:, w:w + 1], written[0]),
+                 jnp.where(here[:, None], grams[:, w:w + 1], written[1]))
+    return NgramPool(stamp=written[0], grams=written[1])
 
 
 def slide(window: Int[Array, "B L W"], top: Int[Array, "B W"], shift: Int[Array, "B"]
@@ -320,8 +325,7 @@ class Lookahead(Strategy):
     logits, _, cache = self.model(params, state.cache, tokens, positions, segments,
                                   topology)  # [B, T, V]
     choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T]
-    accepted, winner = self._verify(tokens, choice, found)  # [B, C], [B]
-    best = jnp.take_along_axis(accepted, winner[:, None], axis=1)[:, 0]  # [B]
+    accepted, winner, best = self._verify(tokens, choice, found)  # [B, C], [B], [B]
     emitted = jnp.take_along_axis(choice[:, plan.paths], winner[:, None, None],
                                   axis=1)[:, 0]  # [B, D + 1]: the argmax after c, then each guess
     top, grams = self._columns(window, choice)  # [B, W], [B, W, N]
@@ -333,7 +337,7 @@ class Lookahead(Strategy):
     return dataclasses.replace(
         self._tally(state, best, winner),
         buffer=emit(state.buffer, emitted, best + 1, state.limits)[0],
-        cache=self._commit(cache, state.cache.length, winner, best, done),
+        cache=self._commit(cache, winner, best, done),
         window=slide(window, top, accepted[:, 0]), pool=pool)
 
   def _columns(self, window: Int[Array, "B L W"], choice: Int[Array, "B T"]
@@ -354,8 +358,11 @@ class Lookahead(Strategy):
                                + counts.reshape(-1, 2, lengths))
 
   def _verify(self, tokens: Int[Array, "B T"], choice: Int[Array, "B T"], found: Bool[Array, "B G"]
-              ) -> tuple[Int[Array, "B C"], Int[Array, "B"]]:
-    """Accepted guesses of every candidate, and the winner (the first longest)."""
+              ) -> tuple[Int[Array, "B C"], Int[Array, "B"], Int[Array, "B"]]:
+    """Accepted guesses of every candidate, the winner (the first longest) and its
+    accepted guesses: C selects, not an argmax, which XLA:GPU fuses into what reads them
+    (a reduction's output is a kernel of its own; today `greedy_accept`'s own reduction
+    still ends a kernel before them)."""
     paths = self.plan.paths  # [C, D + 1]
     batch, (num, longest) = tokens.shape[0], paths.shape
     exists = jnp.concatenate([jnp.ones((batch, 1), jnp.bool_), found], axis=1)  # [B, C]
@@ -363,16 +370,25 @@ class Lookahead(Strategy):
     accepted = greedy_accept(tokens[:, paths[:, 1:]].reshape(batch * num, longest - 1),
                              count.reshape(-1),
                              choice[:, paths].reshape(batch * num, longest)).reshape(batch, num)
-    return accepted, jnp.argmax(accepted, axis=1).astype(jnp.int32)
+    winner, best = jnp.zeros((batch,), jnp.int32), accepted[:, 0]
+    for c in range(1, num):
+      longer = accepted[:, c] > best
+      winner, best = jnp.where(longer, c, winner), jnp.where(longer, accepted[:, c], best)
+    return accepted, winner, best
 
-  def _commit(self, cache: KVCache, cached: Int[Array, "B"], winner: Int[Array, "B"],
-              accepted: Int[Array, "B"], done: Bool[Array, "B"]) -> KVCache:
+  def _commit(self, cache: KVCache, winner: Int[Array, "B"], accepted: Int[Array, "B"],
+              done: Bool[Array, "B"]) -> KVCache:
     """Keeps c and the winner's accepted guesses, in order, right after the text: the
     fed slots of the winner's path (`FeedLayout.paths`) move there.
+
+    The text's length is read from the pass's cache (a live row's pass took T slots, a
+    done row's none), not from the cache before it: on a GPU the length before, read
+    after the pass wrote the new one in place, is a copy kept for the purpose.
 
     Without a pool (Jacobi) the winner is the level-0 chain, fed first: what it keeps
     is already in place, and the rollback alone drops the rest (no slot moves)."""
     plan = self.plan
+    cached = cache.length - jnp.where(done, 0, plan.offset.size)  # [B]
     keep = jnp.asarray(plan.owner)[winner]  # [B] the winner's segment joins segment 0
     segment = jnp.arange(plan.parent.size)[None, :]  # [1, S]
     cache = cache_ops.remap_segments(
