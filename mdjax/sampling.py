@@ -171,7 +171,13 @@ def greedy_accept(proposal: Int[Array, "B D"], count: Int[Array, "B"],
   exactly what greedy decoding would have produced.
   """
   agree = (proposal == choice[:, :-1]) & (jnp.arange(proposal.shape[1]) < count[:, None])
-  return jnp.cumprod(agree, axis=1).sum(axis=1, dtype=jnp.int32)
+  # a running AND over the D columns, unrolled (D is a draft's length: small): elementwise,
+  # so on a GPU it fuses into what reads it; a cumulative product is a reduction, a kernel
+  still, accepted = jnp.ones(agree.shape[:1], jnp.bool_), jnp.zeros(agree.shape[:1], jnp.int32)
+  for column in range(agree.shape[1]):
+    still = still & agree[:, column]
+    accepted = accepted + still
+  return accepted
 
 
 def speculative_accept(keys: jax.Array, chain: Int[Array, "B D"], count: Int[Array, "B"],
