@@ -57,17 +57,20 @@ def test_a_1b_decode_step_copies_no_weights_and_waits_for_no_host(batch, tokens)
 # hypotheses kept where they ended and one-pass log-softmax: beam 51; before lookahead's pool
 # wrote each pass's n-grams in columns of their own: lookahead 59; eagle's and self_speculative's
 # draft passes counted too (self_speculative drafts with 1 of the 2 layers; eagle 215 before its
-# tree's scores took the one-pass log-softmax, entropy_branching 60 before its own did); before
-# lookahead's pool was written by selects and its text's length read after the pass, and
-# entropy_branching's argmax came from its fork's top-k and its tallies were per row: lookahead
-# 53, entropy_branching 58; before the one-token strategies' steps left done rows as they were,
-# so that the token loop needed no select, nor a copy of the done flags it reads: greedy 34,
-# sample 56, multi_question, skeleton_fill and margin_notes 33, parallel_sample 35; a notch
-# lower, each fails)
+# tree's scores took the one-pass log-softmax, entropy_branching 60 before its own did; eagle
+# 207 and self_speculative 142 before the tree's levels and, on a GPU, the chain's passes were
+# unrolled, a tree ranked its tokens on the logits and kept its best nodes without a scatter,
+# and a greedy chain with no confidence threshold took no softmax); before lookahead's pool was
+# written by selects and its text's length read after the pass, and entropy_branching's argmax
+# came from its fork's top-k and its tallies were per row: lookahead 53, entropy_branching 58;
+# before the one-token strategies' steps left done rows as they were, so that the token loop
+# needed no select, nor a copy of the done flags it reads: greedy 34, sample 56,
+# multi_question, skeleton_fill and margin_notes 33, parallel_sample 35; a notch lower, each
+# fails)
 STEP_KERNELS_TODAY = {"greedy": 32, "sample": 54, "multi_question": 32, "parallel_sample": 34,
                       "skeleton_fill": 32, "margin_notes": 32, "medusa": 56, "lookahead": 50,
                       "beam": 42, "jacobi": 38, "prompt_lookup": 38, "entropy_branching": 50,
-                      "blockwise": 72, "eagle": 207, "self_speculative": 142}
+                      "blockwise": 72, "eagle": 158, "self_speculative": 104}
 FILTERS = dict(top_p=0.9, min_p=0.05)  # sample: every filter (the report's request: top-k)
 
 

@@ -337,14 +337,16 @@ def draft_chain(draft: ModelFn, params, cache: KVCache, logits: Float[Array, "B 
 
   def record(chain: Chain, logits: Float[Array, "B V"]) -> Chain:
     """Chain position `i` from the draft's `logits`, for the rows still drafting."""
-    i, active = chain.i, chain.active
-    q = probs(logits, sampling)
+    i, active, threshold = chain.i, chain.active, schedule.confidence_threshold
+    q = None if sampling.greedy and not threshold else probs(logits, sampling)
     token = choose(fold_in(chain_keys, i), logits, sampling)
-    confidence = jnp.take_along_axis(q, token[:, None], axis=1)[:, 0]
     length = chain.length + active
-    active = active & (length < budget) & (confidence >= schedule.confidence_threshold)
+    active = active & (length < budget)
+    if threshold:  # (every probability passes a threshold of 0: no softmax to find it)
+      active = active & (jnp.take_along_axis(q, token[:, None], axis=1)[:, 0] >= threshold)
     return dataclasses.replace(
-        chain, tokens=chain.tokens.at[:, i].set(token), length=length, active=active, i=i + 1,
+        chain, tokens=jnp.where(jnp.arange(longest) == i, token[:, None], chain.tokens),
+        length=length, active=active, i=i + 1,
         q=None if chain.q is None else chain.q.at[:, i].set(q))
 
   def extend(chain: Chain) -> Chain:
@@ -364,7 +366,11 @@ def draft_chain(draft: ModelFn, params, cache: KVCache, logits: Float[Array, "B 
   # Off the CPU a loop that stops when no row drafts on asks the host after every draft
   # pass; `longest` passes with the stopped rows fed as padding (segment -1: no cache
   # write, no length) ask nothing, and draft passes are cheap (a small draft model).
-  return jax.lax.fori_loop(1, longest, lambda _, c: extend(c), chain)
+  # Unrolled, the chain's position is a constant: no loop counter, and the small
+  # per-row arrays fuse into the passes that read them instead of being stored.
+  for _ in range(1, longest):
+    chain = extend(chain)
+  return chain
 
 
 def accept_chain(keys: jax.Array, chain: Chain, logits: Float[Array, "B D+1 V"],

@@ -32,7 +32,7 @@ Statistics: `drafted_at` / `accepted_at` count the nodes drafted and accepted pe
 depth; `mean_accepted_length` is the accepted nodes per verify of a row. Metadata:
 at a correction, `rejected` is the first child tried where the walk stopped.
 
-`TreeDrafter` holds all of this but the draft itself: its drafting loop runs any
+`TreeDrafter` holds all of this but the draft itself: its drafting runs any
 draft pass (`DraftPass`), so `eagle` drafts the same trees with its head.
 """
 
@@ -66,31 +66,16 @@ DEFAULT_DEPTH, DEFAULT_TOP_K = 4, 4  # the tree's shape with an integer tree_bud
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TreeDraft:
-  """The tree drafting loop's carry (N = num_drafted, F = num_fed, K = tree_top_k).
+  """What drafting a tree leaves besides the tree (N = num_drafted, F = num_fed).
 
-    cache         KVCache        the draft's cache, holding the nodes fed so far
-    tokens        int32[B, N]    every drafted node by level then rank (0 past the
-                                 levels drafted so far)
-    score         float32[B, N]  its cumulative log-probability (-inf past them)
-    parent        int32[B, N]    drafted index of its parent (-1: a child of `c`)
-    front         int32[B, K]    drafted index of the frontier: the nodes fed next
-    front_parent  int32[B, K]    fed index of each frontier node's parent (-1: level 1)
-    fed           int32[B, F]    drafted index of every node fed so far, by level
-    fed_parent    int32[B, F]    fed index of its parent (-1: level 1)
-    front_context [B, K, ...]    what each frontier node feeds besides its token (a
-                                 pytree; EAGLE: float[B, K, H], the feature its parent's
-                                 pass predicted); None for a draft model
+    cache  KVCache        the draft's cache, holding the fed nodes
+    score  float32[B, N]  each drafted node's cumulative log-probability
+    fed    int32[B, F]    drafted index of every fed node, by level (the frontiers)
   """
 
   cache: KVCache
-  tokens: Int[Array, "B N"]
   score: Float[Array, "B N"]
-  parent: Int[Array, "B N"]
-  front: Int[Array, "B K"]
-  front_parent: Int[Array, "B K"]
   fed: Int[Array, "B F"]
-  fed_parent: Int[Array, "B F"]
-  front_context: Any
 
 
 # One draft pass over a level's frontier (K nodes per row, each its own segment):
@@ -180,76 +165,77 @@ class TreeDrafter(Sampled):
     slots = prompt_len + capacity + 1 + max(self.tree_budget, self.num_fed)
     return -(-slots // SLOT_MULTIPLE) * SLOT_MULTIPLE
 
-  def _log_probs(self, logits: Float[Array, "... V"]) -> Float[Array, "... V"]:
-    return log_softmax(process_logits(logits, self.sampling))
+  def _top_k(self, logits: Float[Array, "... V"]) -> tuple[Float[Array, "... K"],
+                                                          Int[Array, "... K"]]:
+    """The `tree_top_k` likeliest tokens of each row and their log-probabilities. Ranked
+    on the logits (the same order): only those K log-probabilities are formed, so on a
+    GPU no [..., V] array of them is written (a kernel per draft pass)."""
+    processed = process_logits(logits, self.sampling)
+    _, token = jax.lax.top_k(processed, self.tree_top_k)
+    return jnp.take_along_axis(log_softmax(processed), token, axis=-1), token
 
   def draft_tree(self, draft_pass: DraftPass, state: DraftState, logits: Float[Array, "B V"],
                   draft_cache: KVCache, front_context: Any,
                   draft_ids: Int[Array, "Vd"] | None = None) -> tuple[Tree, TreeDraft]:
-    """Every drafted node (`Tree`, N = num_drafted, by level then rank), and the loop's
-    last carry: their cumulative log-probabilities, which of them were fed (by level)
-    and the draft cache holding those. Level 1 comes from the draft's `logits` after
-    `c` (level 1's `front_context` given); level d + 1 from one `draft_pass` over
+    """Every drafted node (`Tree`, N = num_drafted, by level then rank), their cumulative
+    log-probabilities, which of them were fed (by level) and the draft cache holding
+    those. Level 1 comes from the draft's `logits` after `c` (level 1's `front_context`
+    given: what each frontier node feeds besides its token, a pytree [B, K, ...]; EAGLE:
+    the feature its parent's pass predicted); level d + 1 from one `draft_pass` over
     level d's frontier, each node its own segment (`Tree.topology` over the fed nodes).
     Logits over a draft vocabulary (`draft_ids`: the target id of each column) rank
-    only its tokens, which the tree holds as target ids."""
+    only its tokens, which the tree holds as target ids.
+
+    The levels are unrolled (D - 1 passes): each level's nodes are arrays of their own,
+    joined once at the end, and the frontier's indices stay small values, where a loop
+    would store every carried array after each pass (a kernel each on a GPU)."""
     k, done, next_pos = self.tree_top_k, state.buffer.done, state.next_pos
-    batch, num_drafted, num_fed = done.shape[0], self.num_drafted, self.num_fed
-    score, token = jax.lax.top_k(self._log_probs(logits), k)  # [B, K]: level 1
+    batch, num_fed = done.shape[0], self.num_fed
+    score, token = self._top_k(logits)  # [B, K]: level 1, the frontier
     token = vocab.to_target(token, draft_ids)
-    pad = lambda x, value: jnp.pad(x, ((0, 0), (0, num_drafted - k)), constant_values=value)
+    tokens, scores, parents = [token], [score], [jnp.full((batch, k), -1, jnp.int32)]
+    front = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k))  # drafted index
+    front_parent = jnp.full((batch, k), -1, jnp.int32)  # fed index of its parent (-1: level 1)
+    fed, fed_parent = [], []  # per level: the frontier fed, and its parents
     fed_depth = jnp.broadcast_to(jnp.arange(num_fed) // k + 1, (batch, num_fed))
+    padded = lambda parts, value: jnp.concatenate(parts + [jnp.full(
+        (batch, num_fed - len(parts) * k), value, jnp.int32)], axis=1)  # [B, F]
     take = lambda x, i: jnp.take_along_axis(x, i.reshape(i.shape + (1,) * (x.ndim - 2)), axis=1)
-
-    def expand(level, carry: TreeDraft) -> TreeDraft:
-      front = carry.front  # [B, K] drafted index of the nodes fed now
-      fed = jax.lax.dynamic_update_slice_in_dim(carry.fed, front, level * k, axis=1)
-      fed_parent = jax.lax.dynamic_update_slice_in_dim(carry.fed_parent, carry.front_parent,
-                                                       level * k, axis=1)
-      segments = 1 + level * k + jnp.arange(k)[None, :]  # [1, K]
+    cache, context = draft_cache, front_context
+    for level in range(self.tree_depth - 1):
+      fed.append(front)
+      fed_parent.append(front_parent)
       logits, context, cache = draft_pass(
-          carry.cache, take(carry.tokens, front),
-          jnp.broadcast_to((next_pos + level + 1)[:, None], front.shape),
-          jnp.where(done[:, None], -1, segments),
-          Tree(tokens=fed, parent=fed_parent, depth=fed_depth).topology(next_pos),
-          carry.front_context)  # [B, K, V]
-      child_score, child = jax.lax.top_k(self._log_probs(logits), k)  # [B, K, K]
-      child = vocab.to_target(child, draft_ids)
-      score = (take(carry.score, front)[..., None] + child_score).reshape(batch, k * k)
-      start = k + level * k * k  # drafted index of the new level
-      put = lambda x, new: jax.lax.dynamic_update_slice_in_dim(x, new, start, axis=1)
-      _, best = jax.lax.top_k(score, k)  # [B, K] the next frontier, within the new level
-      return TreeDraft(cache=cache, tokens=put(carry.tokens, child.reshape(batch, k * k)),
-                       score=put(carry.score, score),
-                       parent=put(carry.parent, jnp.repeat(front, k, axis=1)),
-                       front=start + best, front_parent=level * k + best // k,
-                       fed=fed, fed_parent=fed_parent,
-                       front_context=jax.tree.map(lambda x: take(x, best // k), context))
-
-    carry = TreeDraft(cache=draft_cache, tokens=pad(token, 0), score=pad(score, -jnp.inf),
-                      parent=jnp.full((batch, num_drafted), -1, jnp.int32),
-                      front=jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k)),
-                      front_parent=jnp.full((batch, k), -1, jnp.int32),
-                      fed=jnp.zeros((batch, num_fed), jnp.int32),
-                      fed_parent=jnp.full((batch, num_fed), -1, jnp.int32),
-                      front_context=front_context)
-    if self.tree_depth > 1:  # (a zero-trip loop would still trace `expand` on empty arrays)
-      carry = jax.lax.fori_loop(0, self.tree_depth - 1, expand, carry)
+          cache, token, jnp.broadcast_to((next_pos + level + 1)[:, None], (batch, k)),
+          jnp.where(done[:, None], -1, 1 + level * k + jnp.arange(k)[None, :]),
+          Tree(tokens=padded(fed, 0), parent=padded(fed_parent, -1),
+               depth=fed_depth).topology(next_pos),
+          context)  # [B, K, V]
+      child_score, child = self._top_k(logits)  # [B, K, K]
+      child = vocab.to_target(child, draft_ids).reshape(batch, k * k)
+      child_score = (score[..., None] + child_score).reshape(batch, k * k)
+      tokens.append(child)
+      scores.append(child_score)
+      parents.append(jnp.repeat(front, k, axis=1))
+      score, best = jax.lax.top_k(child_score, k)  # [B, K] the next frontier, in this level
+      front, front_parent = k + level * k * k + best, level * k + best // k
+      token = take(child, best)
+      context = jax.tree.map(lambda x: take(x, best // k), context)
     depth = np.repeat(np.arange(1, self.tree_depth + 1), [k] + [k * k] * (self.tree_depth - 1))
-    tree = Tree(tokens=carry.tokens, parent=carry.parent,
-                depth=jnp.broadcast_to(jnp.asarray(depth, jnp.int32), (batch, num_drafted)))
-    return tree, carry
+    tree = Tree(tokens=jnp.concatenate(tokens, axis=1), parent=jnp.concatenate(parents, axis=1),
+                depth=jnp.broadcast_to(jnp.asarray(depth, jnp.int32), (batch, self.num_drafted)))
+    return tree, TreeDraft(cache=cache, score=jnp.concatenate(scores, axis=1), fed=padded(fed, 0))
 
   def _keep(self, drafted: Tree, score: Float[Array, "B N"]) -> tuple[Tree, Int[Array, "B M"]]:
     """The `tree_budget` best-scored nodes, still in drafting order, and their drafted
-    index. A stable sort puts a parent (earlier, never lower) before its children."""
-    batch = score.shape[0]
-    kept = jnp.sort(jnp.argsort(-score, axis=1, stable=True)[:, :self.tree_budget], axis=1)
-    rank = jnp.full(score.shape, -1, jnp.int32).at[jnp.arange(batch)[:, None], kept].set(
-        jnp.arange(self.tree_budget, dtype=jnp.int32))  # [B, N]: kept node of a drafted one
+    index. `top_k` ranks equal scores by index, so a parent (earlier, never lower)
+    comes before its children. A kept node's parent is kept: its new index is the
+    count of kept nodes before it (no scatter of every drafted node's rank)."""
+    kept = jnp.sort(jax.lax.top_k(score, self.tree_budget)[1], axis=1)  # [B, M]
     take = lambda x: jnp.take_along_axis(x, kept, axis=1)  # [B, M]
     parent = take(drafted.parent)
-    parent = jnp.where(parent >= 0, jnp.take_along_axis(rank, jnp.maximum(parent, 0), axis=1), -1)
+    parent = jnp.where(parent >= 0, (kept[:, None, :] < parent[:, :, None]).sum(
+        axis=2, dtype=jnp.int32), -1)  # [B, M, M] -> [B, M]
     return Tree(tokens=take(drafted.tokens), parent=parent, depth=take(drafted.depth)), kept
 
   def _tree_step(self, target_params, state: DraftState, draft_pass: DraftPass,
@@ -259,19 +245,19 @@ class TreeDrafter(Sampled):
     """A step after the draft caught up (its `logits` after `c`, its `draft_cache`, level
     1's `front_context`): the tree drafted, its best `tree_budget` nodes verified in one
     target pass and committed (`state.draft` untouched). Returns the state, the verified
-    tree, the drafting loop's last carry, and the drafted index of each accepted node
+    tree, what drafting left (`TreeDraft`), and the drafted index of each accepted node
     (-1 past them)."""
     keys = drafting.step_keys(state)
-    drafted, carry = self.draft_tree(draft_pass, state, logits, draft_cache, front_context,
-                                      draft_ids)
-    tree, kept = self._keep(drafted, carry.score)
+    drafted, left = self.draft_tree(draft_pass, state, logits, draft_cache, front_context,
+                                    draft_ids)
+    tree, kept = self._keep(drafted, left.score)
     verified = trees.verify(self.model, target_params, state, tree, self.tree_depth, keys,
                             self.sampling)
     path = verified.path  # [B, D]
     path_drafted = jnp.where(path >= 0, jnp.take_along_axis(kept, jnp.maximum(path, 0), axis=1),
                              -1)  # [B, D]
     state = trees.commit(state, tree, verified, self.sampling, draft_passes=self.tree_depth)
-    return state, verified, carry, path_drafted
+    return state, verified, left, path_drafted
 
   def result(self, state: DraftState):
     drafted, accepted = state.drafted_at, state.accepted_at
@@ -320,9 +306,9 @@ class SpeculativeTree(TreeDrafter):
       return logits, context, cache
 
     logits, draft_cache = drafting.catch_up(self.draft, params["draft"], state)
-    state, verified, carry, path = self._tree_step(params["target"], state, draft_pass, logits,
-                                                   draft_cache, None)
-    return dataclasses.replace(state, draft=self._draft_after(carry, draft_cache.length, path,
+    state, verified, left, path = self._tree_step(params["target"], state, draft_pass, logits,
+                                                  draft_cache, None)
+    return dataclasses.replace(state, draft=self._draft_after(left, draft_cache.length, path,
                                                               verified))
 
   def _draft_after(self, drafted: TreeDraft, caught_up: Int[Array, "B"], path: Int[Array, "B D"],
