@@ -68,10 +68,10 @@ def steps_per_check() -> int:
 
 def _step_unless_done(strategy, params, state):
   """`strategy.step(params, state)`, or `state` unchanged where every row was already
-  done (a select: the step still runs; none where the strategy's step leaves done rows
-  as they were, `done_rows_stay`: on a GPU, a kernel to read "all done" and the copy of
-  the flags it reads). KV caches are taken from the step either way: no one reads a
-  cache after the last row is done, and selecting one would copy it."""
+  done (a select: the step still runs; none where the strategy's step changes nothing
+  `result` reads of a done row, `done_rows_stay`: on a GPU, a kernel to read "all done"
+  and the copy of the flags it reads). KV caches are taken from the step either way: no
+  one reads a cache after the last row is done, and selecting one would copy it."""
   if strategy.done_rows_stay:
     return strategy.step(params, state)
   finished = strategy.done(state).all()

@@ -96,8 +96,8 @@ class Strategy:
   name: ClassVar[str]
   layout: ClassVar[Any]  # a `mdjax.strategies.prompt_layouts` layout
   streams: ClassVar[bool] = True  # `mdjax.stream` can show its tokens as they come
-  # a step leaves a done row's state as it was (the cache aside): once every row is done,
-  # steps change nothing without the token loop's select (`mdjax.generate`)
+  # a step changes nothing `result` reads of a row that is done: once every row is done,
+  # steps change no result without the token loop's select (`mdjax.generate`)
   done_rows_stay: ClassVar[bool] = False
 
   model: ModelFn = internal()

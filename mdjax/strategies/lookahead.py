@@ -274,6 +274,7 @@ class Lookahead(Strategy):
 
   name: ClassVar[str] = "lookahead"
   layout: ClassVar = prompt_layouts.Plain()
+  done_rows_stay: ClassVar = True  # a done row takes no token and tallies no pass
 
   window: int = 7
   ngram: int = 5
