@@ -343,10 +343,11 @@ class Medusa(Sampled):
   @staticmethod
   def _committed(state: HeadsState, verified: Verified) -> Feed:
     """Where each row's fed `c` and path sit, `[R, 1 + D]`: after `next_pos`, in the
-    branch's segment up to the last accepted node (-1 past it, and in finished rows)."""
+    branch's segment up to the last accepted node (-1 past it, and in finished rows,
+    whose positions are never read: 0, so that one kernel on a GPU writes both)."""
     column = jnp.arange(verified.path.shape[1] + 1)[None, :]
     committed = (column <= verified.accepted[:, None]) & ~state.buffer.done[:, None]
-    return Feed(state.next_pos[:, None] + column,
+    return Feed(jnp.where(committed, state.next_pos[:, None] + column, 0),
                 jnp.where(committed, state.branch_segment[:, None], -1), state.topology)
 
   def result(self, state: HeadsState):

@@ -171,7 +171,10 @@ def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, ke
                         axis=1)  # [R, 1 + M]: padding nodes are not fed
   fed = per_row(jnp.where(state.buffer.done[:, None], -1, fed))
   tokens = per_row(jnp.concatenate([state.last[:, None], tree.tokens], axis=1))
-  positions = per_row(state.next_pos[:, None] + jnp.pad(tree.depth, ((0, 0), (1, 0))))
+  # an unfed column's position is never read: 0, so that the positions are a function of
+  # `fed` and one kernel on a GPU writes both
+  positions = jnp.where(fed >= 0, per_row(state.next_pos[:, None]
+                                          + jnp.pad(tree.depth, ((0, 0), (1, 0)))), 0)
   argmax_only = narrow and sampling.greedy and not keep_logits
   if narrow:
     logits, hidden, cache = _narrowest_pass(model, params, state.cache, tokens, positions, fed,
