@@ -230,15 +230,15 @@ def greedy_path(tree: Tree, chosen: Int[Array, "B N+1"], depth: int
   accepted = hit  # [B, N] after i rounds, right for the nodes at most i + 1 levels deep
   for _ in range(depth - 1):
     accepted = hit & (under_root | take(accepted, jnp.maximum(tree.parent, 0)))
-  # one level per row, then any level: at most one accepted node each (siblings differ)
-  level = jnp.concatenate([jnp.arange(1, depth + 1), jnp.array([-1])])  # [D + 1]
-  at = accepted[:, None, :] & ((tree.depth[:, None, :] == level[None, :, None])
-                               | (level[None, :, None] < 0))  # [B, D + 1, N]
-  found = jnp.full(at.shape[:2], -1, jnp.int32)  # [B, D + 1]
+  # at most one accepted node per level (siblings differ)
+  at = accepted[:, None, :] & (tree.depth[:, None, :] == jnp.arange(1, depth + 1)[:, None])
+  path = jnp.full(at.shape[:2], -1, jnp.int32)  # [B, D]
   for n in range(nodes):
-    found = jnp.where(at[:, :, n], n, found)
-  last = found[:, depth]  # the deepest accepted node: parents come before children
-  return found[:, :depth], take(chosen, (last + 1)[:, None])[:, 0].astype(jnp.int32)
+    path = jnp.where(at[:, :, n], n, path)
+  last = path[:, 0]  # the deepest accepted node: parents come before children
+  for d in range(1, depth):
+    last = jnp.maximum(last, path[:, d])
+  return path, take(chosen, (last + 1)[:, None])[:, 0].astype(jnp.int32)
 
 
 def commit(state: State, tree: Tree, verified: Verified, sampling: SamplingParams, *,
