@@ -163,18 +163,23 @@ def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, ke
   node_segment = node_segments(rows, branches, shared, budget)  # [R, M]
   if parents is None:
     parents = pass_parents(state.topology.parent, tree.parent, segment)
-  topology = Topology(
-      parent=parents,
-      fork=jnp.concatenate([state.topology.fork, per_row(state.next_pos[:, None] + tree.depth)],
-                           axis=1))  # [B, G + N x M]
-  fed = jnp.concatenate([segment[:, None], jnp.where(tree.depth > 0, node_segment, -1)],
-                        axis=1)  # [R, 1 + M]: padding nodes are not fed
+  # the prompt's forks, then the nodes' (each at its own position): a select of two pads, which
+  # a GPU fuses into the kernels that read it, where a concatenate read by several is a kernel
+  fork = per_row(state.next_pos[:, None] + tree.depth)  # [B, N x M]
+  fork = jnp.where(jnp.arange(shared + fork.shape[1]) < shared,
+                   jnp.pad(state.topology.fork, ((0, 0), (0, fork.shape[1]))),
+                   jnp.pad(fork, ((0, 0), (shared, 0))))  # [B, G + N x M]
+  topology = Topology(parent=parents, fork=fork)
+  level = jnp.pad(tree.depth, ((0, 0), (1, 0)))  # [R, 1 + M]: c's 0, then each node's
+  # c in its branch's segment, the nodes in theirs; padding nodes are not fed (selects of
+  # pads, not concatenates: see `fork`)
+  fed = jnp.where(jnp.arange(budget + 1) == 0, segment[:, None],
+                  jnp.where(level > 0, jnp.pad(node_segment, ((0, 0), (1, 0))), -1))  # [R, 1 + M]
   fed = per_row(jnp.where(state.buffer.done[:, None], -1, fed))
   tokens = per_row(jnp.concatenate([state.last[:, None], tree.tokens], axis=1))
   # an unfed column's position is never read: 0, so that the positions are a function of
   # `fed` and one kernel on a GPU writes both
-  positions = jnp.where(fed >= 0, per_row(state.next_pos[:, None]
-                                          + jnp.pad(tree.depth, ((0, 0), (1, 0)))), 0)
+  positions = jnp.where(fed >= 0, per_row(state.next_pos[:, None] + level), 0)
   argmax_only = narrow and sampling.greedy and not keep_logits
   if narrow:
     logits, hidden, cache = _narrowest_pass(model, params, state.cache, tokens, positions, fed,
