@@ -60,9 +60,8 @@ def test_a_1b_decode_step_copies_no_weights_and_waits_for_no_host(batch, tokens)
 # tree's scores took the one-pass log-softmax, entropy_branching 60 before its own did); before
 # greedy tree acceptance without a walk, the verify's positions computed with its fed segments
 # and its forks and segments as selects of pads, the static tree's segment parents kept, and for
-# MTP heads their features in the unembedding's
-# dtype and a chain's hidden states fed as the verify left them: medusa 56, blockwise 72; a
-# notch lower, each fails)
+# MTP heads their features in the unembedding's dtype and a chain's hidden states fed as the
+# verify left them: medusa 56, blockwise 72; a notch lower, each fails)
 STEP_KERNELS_TODAY = {"greedy": 34, "sample": 56, "multi_question": 33, "parallel_sample": 35,
                       "skeleton_fill": 33, "margin_notes": 33, "medusa": 46, "lookahead": 53,
                       "beam": 42, "jacobi": 38, "prompt_lookup": 38, "entropy_branching": 58,
