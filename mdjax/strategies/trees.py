@@ -229,7 +229,8 @@ def greedy_path(tree: Tree, chosen: Int[Array, "B N+1"], depth: int
   node. No reduction: on a GPU it all fuses into the kernels that read the path, where
   the walk's reduction per level is a kernel (two with the step between levels)."""
   nodes = tree.tokens.shape[1]
-  take = lambda x, i: jnp.take_along_axis(x, i, axis=1)
+  # every index below is in bounds (a parent clipped at 0): the reads check no bounds
+  take = lambda x, i: jnp.take_along_axis(x, i, axis=1, mode="promise_in_bounds")
   under_root = tree.parent < 0
   hit = (tree.tokens == take(chosen, jnp.maximum(tree.parent + 1, 0))) & (tree.parent >= -1)
   accepted = hit  # [B, N] after i rounds, right for the nodes at most i + 1 levels deep
