@@ -61,7 +61,8 @@ class Tree:
   """Drafted nodes, parents before children: `tokens`, `parent` (node index, -1 for a
   child of the last emitted token), `depth` (1 for those children): int32[B, N]. A
   padding node has depth 0 and parent `PAD`: it is not fed and never accepted (a tree
-  of fewer nodes than its static width, `merge_trees`)."""
+  of fewer nodes than its static width, `merge_trees`). Siblings hold distinct tokens
+  (a drafter's top-k, a trie), which greedy acceptance relies on (`greedy_path`)."""
 
   tokens: Int[Array, "B N"]
   parent: Int[Array, "B N"]
@@ -110,7 +111,7 @@ class Verified:
                                axis=1)[:, 0]
 
 
-def node_segments(rows: int, branches: int, shared: int, budget: int) -> Int[Array, "R M"]:
+def _node_segments(rows: int, branches: int, shared: int, budget: int) -> Int[Array, "R M"]:
   """The segment of each node of a verify pass: node n of row r (branch j = r % N of
   its batch row) is segment `shared` + j M + n, after the prompt's G = `shared`."""
   return shared + (jnp.arange(rows) % branches)[:, None] * budget + jnp.arange(budget)
@@ -124,7 +125,7 @@ def pass_parents(prompt_parent: Int[Array, "B G"], parent: Int[Array, "R M"],
   rows, budget = parent.shape
   batch, shared = prompt_parent.shape
   under = jnp.where(parent >= 0, jnp.take_along_axis(
-      node_segments(rows, rows // batch, shared, budget), jnp.maximum(parent, 0), axis=1),
+      _node_segments(rows, rows // batch, shared, budget), jnp.maximum(parent, 0), axis=1),
                     segment[:, None])  # [R, M]
   return jnp.concatenate([prompt_parent, under.reshape(batch, -1)], axis=1)
 
@@ -160,7 +161,7 @@ def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, ke
   branches, shared = rows // batch, state.topology.parent.shape[1]
   segment = jnp.zeros((rows,), jnp.int32) if branch_segment is None else branch_segment  # [R]
   per_row = lambda x: x.reshape(batch, -1)  # [R, ...] -> [B, N x ...]: a cache row's branches
-  node_segment = node_segments(rows, branches, shared, budget)  # [R, M]
+  node_segment = _node_segments(rows, branches, shared, budget)  # [R, M]
   if parents is None:
     parents = pass_parents(state.topology.parent, tree.parent, segment)
   # the prompt's forks, then the nodes' (each at its own position): a select of two pads, which
@@ -198,8 +199,8 @@ def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, ke
   else:
     path, next_token = accept(drafting.fold_in(keys, drafting.ACCEPT_KEY), tree.tokens,
                               tree.parent, drafting.probs(logits, sampling), depth)
-  accepted = sum(path[:, d] >= 0 for d in range(depth)).astype(jnp.int32)  # [R] unrolled: a
-  #                                                   GPU runs a reduction as a kernel of its own
+  # unrolled, not a reduction (which a GPU runs as a kernel of its own)
+  accepted = sum(path[:, d] >= 0 for d in range(depth)).astype(jnp.int32)  # [R]
   path_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)  # [R, D]
   emitted = jnp.where(jnp.arange(depth + 1)[None, :] < accepted[:, None],
                       jnp.pad(path_tokens, ((0, 0), (0, 1))), next_token[:, None])  # [R, 1 + D]
