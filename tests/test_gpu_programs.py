@@ -66,11 +66,15 @@ def test_a_1b_decode_step_copies_no_weights_and_waits_for_no_host(batch, tokens)
 # before the one-token strategies' steps left done rows as they were, so that the token loop
 # needed no select, nor a copy of the done flags it reads: greedy 34, sample 56,
 # multi_question, skeleton_fill and margin_notes 33, parallel_sample 35, and (greedy_accept's
-# running AND too) lookahead 51, jacobi 38; a notch lower, each fails)
+# running AND too) lookahead 51, jacobi 38; before greedy tree acceptance without a walk, the
+# verify's positions computed with its fed segments and its forks and segments as selects of
+# pads, the static tree's segment parents kept, and for MTP heads their features in the
+# unembedding's dtype and a chain's hidden states fed as the verify left them: medusa 56,
+# blockwise 72, eagle 158; a notch lower, each fails)
 STEP_KERNELS_TODAY = {"greedy": 32, "sample": 54, "multi_question": 32, "parallel_sample": 34,
-                      "skeleton_fill": 32, "margin_notes": 32, "medusa": 56, "lookahead": 49,
+                      "skeleton_fill": 32, "margin_notes": 32, "medusa": 46, "lookahead": 49,
                       "beam": 42, "jacobi": 36, "prompt_lookup": 38, "entropy_branching": 50,
-                      "blockwise": 72, "eagle": 158, "self_speculative": 104}
+                      "blockwise": 60, "eagle": 158, "self_speculative": 104}
 FILTERS = dict(top_p=0.9, min_p=0.05)  # sample: every filter (the report's request: top-k)
 
 

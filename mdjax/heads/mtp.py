@@ -174,7 +174,8 @@ class MtpRead:
 
     cache     KVCache [B]     the heads' own (`mtp_cache_config`): the target's hidden
                               state at every committed token, at its position and segment
-    features  float[R, K, H]  each head's final-norm output at the token before `last`
+    features  float[R, K, H]  each head's final-norm output at the token before `last`,
+                              in the dtype the target's unembedding multiplies in
   """
 
   cache: KVCache
@@ -196,8 +197,14 @@ class MtpGuess:
 
   def features(self, params, cache: KVCache, hidden: Float[Array, "B T H"], feed: family.Feed
                ) -> tuple[Float[Array, "B T K H"], KVCache]:
-    return mtp_features(params["heads"], cache, hidden, feed.positions, feed.segments,
-                        feed.topology, model_config=self.model_config, attention=self.attention)
+    """The heads' outputs in the dtype the target's unembedding multiplies in (what
+    `lm_head` converts them to: converted where they are read, each step would spend a
+    kernel on it), and their cache."""
+    features, cache = mtp_features(params["heads"], cache, hidden, feed.positions, feed.segments,
+                                   feed.topology, model_config=self.model_config,
+                                   attention=self.attention)
+    unembedding = params["target"].get("lm_head", params["target"]["embed"])
+    return features.astype(unembedding.dtype), cache
 
   def start(self, params, hidden: Float[Array, "B P H"], last: Int[Array, "B N"],
             feed: family.Feed, slots: int, cache_dtype) -> MtpRead:

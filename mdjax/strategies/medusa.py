@@ -97,6 +97,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from mdjax.cache import KVCache
@@ -129,10 +130,13 @@ class HeadsState(DraftState):
                     `Guess` keeps (an array or a pytree, e.g. the target's hidden state
                     at the token before `last`)
     branch_segment  int32[R]     the segment branch r decodes in (-1: no such branch)
+    parents         int32[B, G + N M]  the verify pass's segment parents
+                                 (`trees.pass_parents`: the tree is the same every step)
   """
 
   read: Any
   branch_segment: Int[Array, "R"]
+  parents: Int[Array, "B G+N*M"]
 
 
 @register
@@ -287,6 +291,8 @@ class Medusa(Sampled):
            capacity: int) -> HeadsState:
     logits, hidden, cache, topology = prefill_with_hidden(self.model, params["target"], prompt,
                                                           cache)  # [B, N, V], [B, P, H]
+    branch_segment = prompt.branch_segment.reshape(-1)  # [R]
+    parent = self._every_row(self.arrays.parent, branch_segment.size)
     return drafting.start(HeadsState, self.model, None, params, prompt, cache, limits, capacity,
                           self.sampling, positions=self.arrays.max_depth,
                           return_metadata=self.return_metadata,
@@ -295,17 +301,22 @@ class Medusa(Sampled):
                                                 Feed(prompt.positions, prompt.segments,
                                                      prompt.topology()),
                                                 cache.num_slots, cache.k.dtype),
-                          branch_segment=prompt.branch_segment.reshape(-1))
+                          branch_segment=branch_segment,
+                          parents=trees.pass_parents(topology.parent, parent, branch_segment))
 
   def _tree(self, logits: Float[Array, "R K V"], draft_ids: Int[Array, "Vd"] | None) -> Tree:
     """The tree's tokens from the heads' logits: node n is head[n]'s rank[n] guess (a
     draft-vocabulary column mapped to its target id)."""
     arrays, rows = self.arrays, logits.shape[0]
     _, top = jax.lax.top_k(logits, arrays.num_ranks)  # [R, K, ranks]
-    broadcast = lambda a: jnp.broadcast_to(jnp.asarray(a), (rows, a.size))
     tokens = vocab.to_target(top[:, arrays.head, arrays.rank], draft_ids)  # [R, M]
-    return Tree(tokens=tokens.astype(jnp.int32), parent=broadcast(arrays.parent),
-                depth=broadcast(arrays.depth))
+    return Tree(tokens=tokens.astype(jnp.int32), parent=self._every_row(arrays.parent, rows),
+                depth=self._every_row(arrays.depth, rows))
+
+  @staticmethod
+  def _every_row(a: np.ndarray, rows: int) -> Int[Array, "R M"]:
+    """A row of the static tree's (`TreeArrays`) in each of `rows` rows."""
+    return jnp.broadcast_to(jnp.asarray(a), (rows, a.size))
 
   def step(self, params, state: HeadsState) -> HeadsState:
     used = self._used(params)
@@ -314,19 +325,29 @@ class Medusa(Sampled):
         typical_accept, epsilon=self.typical_epsilon, delta=self.typical_delta)
     verified = trees.verify(self.model, params["target"], state, tree, self.arrays.max_depth,
                             drafting.step_keys(state), self.sampling, accept,
-                            branch_segment=state.branch_segment)
-    read = self.guess.advance(used, state.read, verified.hidden_on_path(), verified.accepted,
-                              self._committed(state, verified))
+                            branch_segment=state.branch_segment, parents=state.parents)
+    read = self.guess.advance(used, state.read, self._committed_hidden(verified),
+                              verified.accepted, self._committed(state, verified))
     state = trees.commit(state, tree, verified, self.sampling, draft_passes=self.guess.passes)
     return dataclasses.replace(state, read=read)
+
+  def _committed_hidden(self, verified: Verified) -> Float[Array, "R D+1 H"]:
+    """The target's hidden states at `c` and each accepted node (`hidden_on_path`): of a
+    chain, the verify's columns as they are (its path is its first nodes, and the
+    columns past the path are not committed, which is all `advance` reads), saving a
+    gather."""
+    if len(self.nodes) == self.arrays.max_depth:  # a chain
+      return verified.hidden
+    return verified.hidden_on_path()
 
   @staticmethod
   def _committed(state: HeadsState, verified: Verified) -> Feed:
     """Where each row's fed `c` and path sit, `[R, 1 + D]`: after `next_pos`, in the
-    branch's segment up to the last accepted node (-1 past it, and in finished rows)."""
+    branch's segment up to the last accepted node (-1 past it, and in finished rows,
+    whose positions are never read: 0, so that one kernel on a GPU writes both)."""
     column = jnp.arange(verified.path.shape[1] + 1)[None, :]
     committed = (column <= verified.accepted[:, None]) & ~state.buffer.done[:, None]
-    return Feed(state.next_pos[:, None] + column,
+    return Feed(jnp.where(committed, state.next_pos[:, None] + column, 0),
                 jnp.where(committed, state.branch_segment[:, None], -1), state.topology)
 
   def result(self, state: HeadsState):

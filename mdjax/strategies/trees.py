@@ -44,7 +44,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
-from mdjax.sampling import SamplingParams, greedy_tree_accept, tree_accept
+from mdjax.sampling import SamplingParams, tree_accept
 from mdjax.strategies import drafting, metadata
 from mdjax.strategies.base import ModelFn, narrowest_width, run_narrowest
 from mdjax.strategies.drafting import DraftState, State
@@ -61,7 +61,8 @@ class Tree:
   """Drafted nodes, parents before children: `tokens`, `parent` (node index, -1 for a
   child of the last emitted token), `depth` (1 for those children): int32[B, N]. A
   padding node has depth 0 and parent `PAD`: it is not fed and never accepted (a tree
-  of fewer nodes than its static width, `merge_trees`)."""
+  of fewer nodes than its static width, `merge_trees`). Siblings hold distinct tokens
+  (a drafter's top-k, a trie), which greedy acceptance relies on (`greedy_path`)."""
 
   tokens: Int[Array, "B N"]
   parent: Int[Array, "B N"]
@@ -110,14 +111,33 @@ class Verified:
                                axis=1)[:, 0]
 
 
+def _node_segments(rows: int, branches: int, shared: int, budget: int) -> Int[Array, "R M"]:
+  """The segment of each node of a verify pass: node n of row r (branch j = r % N of
+  its batch row) is segment `shared` + j M + n, after the prompt's G = `shared`."""
+  return shared + (jnp.arange(rows) % branches)[:, None] * budget + jnp.arange(budget)
+
+
+def pass_parents(prompt_parent: Int[Array, "B G"], parent: Int[Array, "R M"],
+                 segment: Int[Array, "R"]) -> Int[Array, "B G+N*M"]:
+  """The parent of every segment of a verify pass (`verify`; R = B x N branches, M
+  nodes each): the prompt's G, then branch j's node n (segment G + j M + n) under its
+  parent node's segment, or under the branch's `segment` for a child of `c`."""
+  rows, budget = parent.shape
+  batch, shared = prompt_parent.shape
+  under = jnp.where(parent >= 0, jnp.take_along_axis(
+      _node_segments(rows, rows // batch, shared, budget), jnp.maximum(parent, 0), axis=1),
+                    segment[:, None])  # [R, M]
+  return jnp.concatenate([prompt_parent, under.reshape(batch, -1)], axis=1)
+
+
 def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, keys: jax.Array,
            sampling: SamplingParams, accept=tree_accept,
            branch_segment: Int[Array, "R"] | None = None, narrow: bool = False,
-           keep_logits: bool = True) -> Verified:
+           keep_logits: bool = True, parents: Int[Array, "B G+N*M"] | None = None) -> Verified:
   """One target pass over every row's last emitted token and its `tree` (at most
   `depth` levels deep), accepted with the target's distributions by `accept`
   (`tree_accept`'s signature; by default the exact rule), or when greedy by
-  `greedy_tree_accept` (what either rule gives on a one-hot p, with no draw over the
+  `greedy_path` (what either rule gives on a one-hot p, with no draw over the
   vocabulary), the rejected nodes dropped from the cache.
 
   Rows are output rows. With branches, `branch_segment` [R] is the segment each
@@ -132,24 +152,35 @@ def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, ke
   fed column inside the pass and pads that, not the logits (`Verified.logits` None):
   padding `[B, 1 + M, V]` logits and reducing them over the vocabulary costs what a
   few more fed columns do (SmolLM2's 49k tokens, 30 columns: ~5 ms on a 2-core CPU).
+
+  `parents`: the pass's `pass_parents`, where the caller keeps them (a tree of the same
+  parents every step: built once, not every step).
   """
   rows, budget = tree.tokens.shape
   batch = state.cache.length.shape[0]
   branches, shared = rows // batch, state.topology.parent.shape[1]
   segment = jnp.zeros((rows,), jnp.int32) if branch_segment is None else branch_segment  # [R]
   per_row = lambda x: x.reshape(batch, -1)  # [R, ...] -> [B, N x ...]: a cache row's branches
-  node_segment = shared + (jnp.arange(rows) % branches)[:, None] * budget + jnp.arange(budget)
-  parent_segment = jnp.where(tree.parent >= 0, jnp.take_along_axis(
-      node_segment, jnp.maximum(tree.parent, 0), axis=1), segment[:, None])  # [R, M]
-  topology = Topology(
-      parent=jnp.concatenate([state.topology.parent, per_row(parent_segment)], axis=1),
-      fork=jnp.concatenate([state.topology.fork, per_row(state.next_pos[:, None] + tree.depth)],
-                           axis=1))  # [B, G + N x M]
-  fed = jnp.concatenate([segment[:, None], jnp.where(tree.depth > 0, node_segment, -1)],
-                        axis=1)  # [R, 1 + M]: padding nodes are not fed
+  node_segment = _node_segments(rows, branches, shared, budget)  # [R, M]
+  if parents is None:
+    parents = pass_parents(state.topology.parent, tree.parent, segment)
+  # the prompt's forks, then the nodes' (each at its own position): a select of two pads, which
+  # a GPU fuses into the kernels that read it, where a concatenate read by several is a kernel
+  fork = per_row(state.next_pos[:, None] + tree.depth)  # [B, N x M]
+  fork = jnp.where(jnp.arange(shared + fork.shape[1]) < shared,
+                   jnp.pad(state.topology.fork, ((0, 0), (0, fork.shape[1]))),
+                   jnp.pad(fork, ((0, 0), (shared, 0))))  # [B, G + N x M]
+  topology = Topology(parent=parents, fork=fork)
+  level = jnp.pad(tree.depth, ((0, 0), (1, 0)))  # [R, 1 + M]: c's 0, then each node's
+  # c in its branch's segment, the nodes in theirs; padding nodes are not fed (selects of
+  # pads, not concatenates: see `fork`)
+  fed = jnp.where(jnp.arange(budget + 1) == 0, segment[:, None],
+                  jnp.where(level > 0, jnp.pad(node_segment, ((0, 0), (1, 0))), -1))  # [R, 1 + M]
   fed = per_row(jnp.where(state.buffer.done[:, None], -1, fed))
   tokens = per_row(jnp.concatenate([state.last[:, None], tree.tokens], axis=1))
-  positions = per_row(state.next_pos[:, None] + jnp.pad(tree.depth, ((0, 0), (1, 0))))
+  # an unfed column's position is never read: 0, so that the positions are a function of
+  # `fed` and one kernel on a GPU writes both
+  positions = jnp.where(fed >= 0, per_row(state.next_pos[:, None] + level), 0)
   argmax_only = narrow and sampling.greedy and not keep_logits
   if narrow:
     logits, hidden, cache = _narrowest_pass(model, params, state.cache, tokens, positions, fed,
@@ -164,11 +195,12 @@ def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, ke
     logits = logits.reshape(rows, budget + 1, -1)  # [R, 1 + M, V]
     chosen = jnp.argmax(logits, axis=-1) if sampling.greedy else None
   if sampling.greedy:  # `accept`'s result on a one-hot p, with no draw over the vocabulary
-    path, next_token = greedy_tree_accept(tree.tokens, tree.parent, chosen, depth)  # [R, D], [R]
+    path, next_token = greedy_path(tree, chosen, depth)  # [R, D], [R]
   else:
     path, next_token = accept(drafting.fold_in(keys, drafting.ACCEPT_KEY), tree.tokens,
                               tree.parent, drafting.probs(logits, sampling), depth)
-  accepted = (path >= 0).sum(axis=1, dtype=jnp.int32)  # [R]
+  # unrolled, not a reduction (which a GPU runs as a kernel of its own)
+  accepted = sum(path[:, d] >= 0 for d in range(depth)).astype(jnp.int32)  # [R]
   path_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)  # [R, D]
   emitted = jnp.where(jnp.arange(depth + 1)[None, :] < accepted[:, None],
                       jnp.pad(path_tokens, ((0, 0), (0, 1))), next_token[:, None])  # [R, 1 + D]
@@ -185,6 +217,35 @@ def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, ke
     cache = cache_ops.compact(cache, cached, branches * (budget + 1))
   return Verified(path=path, accepted=accepted, next_token=next_token, emitted=emitted,
                   logits=logits, hidden=hidden, cache=cache)
+
+
+def greedy_path(tree: Tree, chosen: Int[Array, "B N+1"], depth: int
+                ) -> tuple[Int[Array, "B D"], Int[Array, "B"]]:
+  """`mdjax.sampling.greedy_tree_accept`'s result (from the root, the child holding the
+  target's token `chosen` after its parent is accepted; then `chosen` after the last
+  accepted node) for a tree whose siblings hold distinct tokens (a drafter's top-k, a
+  trie), found for every node at once instead of by a walk: a node is accepted when it
+  and each of its ancestors hold the target's token after their parent, which `depth`
+  rounds of elementwise reads settle, and each level's accepted node is a select per
+  node. No reduction: on a GPU it all fuses into the kernels that read the path, where
+  the walk's reduction per level is a kernel (two with the step between levels)."""
+  nodes = tree.tokens.shape[1]
+  # every index below is in bounds (a parent clipped at 0): the reads check no bounds
+  take = lambda x, i: jnp.take_along_axis(x, i, axis=1, mode="promise_in_bounds")
+  under_root = tree.parent < 0
+  hit = (tree.tokens == take(chosen, jnp.maximum(tree.parent + 1, 0))) & (tree.parent >= -1)
+  accepted = hit  # [B, N] after i rounds, right for the nodes at most i + 1 levels deep
+  for _ in range(depth - 1):
+    accepted = hit & (under_root | take(accepted, jnp.maximum(tree.parent, 0)))
+  # at most one accepted node per level (siblings differ)
+  at = accepted[:, None, :] & (tree.depth[:, None, :] == jnp.arange(1, depth + 1)[:, None])
+  path = jnp.full(at.shape[:2], -1, jnp.int32)  # [B, D]
+  for n in range(nodes):
+    path = jnp.where(at[:, :, n], n, path)
+  last = path[:, 0]  # the deepest accepted node: parents come before children
+  for d in range(1, depth):
+    last = jnp.maximum(last, path[:, d])
+  return path, take(chosen, (last + 1)[:, None])[:, 0].astype(jnp.int32)
 
 
 def commit(state: State, tree: Tree, verified: Verified, sampling: SamplingParams, *,
