@@ -261,34 +261,6 @@ def tree_accept(keys: jax.Array, tokens: Int[Array, "B N"], parent: Int[Array, "
   return path.T, next_token.astype(jnp.int32)
 
 
-
-def greedy_tree_accept(tokens: Int[Array, "B N"], parent: Int[Array, "B N"],
-                       choice: Int[Array, "B N+1"], depth: int
-                       ) -> tuple[Int[Array, "B D"], Int[Array, "B"]]:
-  """`tree_accept`'s result when p is one-hot at the target's argmax `choice` (column 0
-  the root, column 1 + n after node n), without drawing from the vocabulary: from the
-  root, the first child whose token is the target's choice is accepted, and the next
-  token is the target's choice after the last accepted node. (`typical_accept` gives
-  the same on a one-hot p.) Returns (path [B, depth], next_token [B]) as `tree_accept`.
-  """
-  rows = jnp.arange(tokens.shape[0])
-
-  def level(carry, _):
-    node, walking = carry  # [B] current node (-1: root), [B] still accepting
-    wanted = choice[rows, node + 1]  # [B] the target's token after the current node
-    hit = (parent == node[:, None]) & (tokens == wanted[:, None]) & walking[:, None]
-    found = hit.any(axis=1)
-    node = jnp.where(found, jnp.argmax(hit, axis=1).astype(jnp.int32), node)
-    return (node, found), jnp.where(found, node, -1)
-
-  start = (jnp.full(rows.shape, -1, jnp.int32), jnp.ones(rows.shape, jnp.bool_))
-  # unrolled on a GPU, where a loop's every trip is a few kernels of its own (the CPU,
-  # which launches nothing, keeps the loop: a smaller program to compile)
-  (node, _), path = jax.lax.scan(level, start, length=depth,
-                                 unroll=not platform.is_cpu())  # path [D, B]
-  return path.T, choice[rows, node + 1].astype(jnp.int32)
-
-
 def typical_accept(keys: jax.Array, tokens: Int[Array, "B N"], parent: Int[Array, "B N"],
                    p: Float[Array, "B N+1 V"], depth: int, *, epsilon: float, delta: float
                    ) -> tuple[Int[Array, "B D"], Int[Array, "B"]]:

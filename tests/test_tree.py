@@ -11,10 +11,10 @@ import pytest
 
 import mdjax
 from mdjax.models.model import Model
-from mdjax.sampling import greedy_tree_accept, tree_accept, typical_accept
+from mdjax.sampling import tree_accept, typical_accept
 from mdjax.strategies.base import ModelFn
 from mdjax.strategies.speculative_tree import SpeculativeTree
-from mdjax.strategies.trees import Tree
+from mdjax.strategies.trees import Tree, greedy_path
 from tests.helpers import chi_square_p_value, random_model, target_law
 
 # Ragged rows; row 0 is a whole prompt bucket (16) and 64 new tokens a whole budget
@@ -179,9 +179,9 @@ def test_acceptance_rule_rows_are_independent():
 
 @pytest.mark.parametrize("seed", range(3))
 def test_greedy_tree_rule_is_the_exact_and_typical_rules_on_one_hot_targets(seed):
-  """`greedy_tree_accept` (greedy verification, no draw) gives what `tree_accept` and
-  `typical_accept` give on a one-hot p at the target's choice: random trees of 12 nodes
-  over 16 tokens (distinct among siblings, as a drafter's top-k), 3 levels, 64 rows."""
+  """`trees.greedy_path` (greedy verification: no draw, no walk) gives what `tree_accept`
+  and `typical_accept` give on a one-hot p at the target's choice: random trees of 12
+  nodes over 16 tokens (distinct among siblings, as a drafter's top-k), 3 levels, 64 rows."""
   rng = np.random.default_rng(seed)
   rows, nodes, vocab, depth = 64, 12, 16, 3
   parent = np.full((rows, nodes), -1)
@@ -202,7 +202,8 @@ def test_greedy_tree_rule_is_the_exact_and_typical_rules_on_one_hot_targets(seed
         choice[r, n + 1] = rng.choice(children)
   one_hot = jnp.asarray(np.eye(vocab, dtype=np.float32)[choice])  # [rows, nodes + 1, vocab]
   args = jnp.asarray(tokens, jnp.int32), jnp.asarray(parent, jnp.int32)
-  path, token = greedy_tree_accept(*args, jnp.asarray(choice, jnp.int32), depth)
+  path, token = greedy_path(Tree(*args, depth=jnp.asarray(level, jnp.int32)),
+                            jnp.asarray(choice, jnp.int32), depth)
   keys = jax.random.split(jax.random.key(seed), rows)
   for rule in (tree_accept, functools.partial(typical_accept, epsilon=0.3, delta=0.09)):
     expected_path, expected_token = rule(keys, *args, one_hot, depth)

@@ -48,7 +48,7 @@ drafting, not all a step costs beyond them (the verify's argmax over every node,
 commit; on an H200 the chosen trees' steps cost 5-17% more than counted). At batch 8
 on a 2-core CPU a one-node Medusa step costs 1.35x a greedy step where t(2) and the
 head make ~1.14x (1.41x before greedy verification stopped drawing a token over the
-vocabulary, `mdjax.sampling.greedy_tree_accept`; the rest is not yet found).
+vocabulary, `mdjax.strategies.trees.greedy_path`; the rest is not yet found).
 
 The profiles: Medusa heads carry `top_accuracy[k][j]` (head k's held-out top-(j+1)
 accuracy) and EAGLE heads the same per unrolled step; heads without one use

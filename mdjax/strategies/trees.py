@@ -221,14 +221,17 @@ def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, ke
 
 def greedy_path(tree: Tree, chosen: Int[Array, "B N+1"], depth: int
                 ) -> tuple[Int[Array, "B D"], Int[Array, "B"]]:
-  """`mdjax.sampling.greedy_tree_accept`'s result (from the root, the child holding the
-  target's token `chosen` after its parent is accepted; then `chosen` after the last
-  accepted node) for a tree whose siblings hold distinct tokens (a drafter's top-k, a
-  trie), found for every node at once instead of by a walk: a node is accepted when it
-  and each of its ancestors hold the target's token after their parent, which `depth`
-  rounds of elementwise reads settle, and each level's accepted node is a select per
-  node. No reduction: on a GPU it all fuses into the kernels that read the path, where
-  the walk's reduction per level is a kernel (two with the step between levels)."""
+  """`mdjax.sampling.tree_accept`'s result (path [B, depth], next token [B]) where p is
+  one-hot at the target's choice `chosen` (column 0 the root, 1 + n after node n),
+  without drawing from the vocabulary (`typical_accept` gives the same there): from the
+  root, the child holding the target's token after its parent is accepted; then
+  `chosen` after the last accepted node. For a tree whose siblings hold distinct tokens
+  (a drafter's top-k, a trie), found for every node at once instead of by a walk: a node
+  is accepted when it and each of its ancestors hold the target's token after their
+  parent, which `depth` rounds of elementwise reads settle, and each level's accepted
+  node is a select per node. No reduction: on a GPU it all fuses into the kernels that
+  read the path, where a walk's reduction per level is a kernel (two with the step
+  between levels)."""
   nodes = tree.tokens.shape[1]
   # every index below is in bounds (a parent clipped at 0): the reads check no bounds
   take = lambda x, i: jnp.take_along_axis(x, i, axis=1, mode="promise_in_bounds")
