@@ -261,6 +261,20 @@ def tree_accept(keys: jax.Array, tokens: Int[Array, "B N"], parent: Int[Array, "
   return path.T, next_token.astype(jnp.int32)
 
 
+def with_ancestors(passes: Bool[Array, "B N"], parent: Int[Array, "B N"], depth: int
+                   ) -> Bool[Array, "B N"]:
+  """Which nodes of a tree at most `depth` levels deep pass with every ancestor: node n
+  when `passes[n]` and its parent (`parent[n]`: a node index, negative under the root)
+  does, settled in `depth - 1` rounds of elementwise reads (after i rounds, right for the
+  nodes i + 1 levels deep): no walk, no reduction (on a GPU it fuses into what reads it)."""
+  under_root, up = parent < 0, jnp.maximum(parent, 0)  # every index in bounds: no checks
+  accepted = passes
+  for _ in range(depth - 1):
+    accepted = passes & (under_root | jnp.take_along_axis(accepted, up, axis=1,
+                                                          mode="promise_in_bounds"))
+  return accepted
+
+
 def typical_accept(keys: jax.Array, tokens: Int[Array, "B N"], parent: Int[Array, "B N"],
                    p: Float[Array, "B N+1 V"], depth: int, *, epsilon: float, delta: float
                    ) -> tuple[Int[Array, "B D"], Int[Array, "B"]]:
@@ -278,12 +292,11 @@ def typical_accept(keys: jax.Array, tokens: Int[Array, "B N"], parent: Int[Array
   threshold = jnp.minimum(epsilon, delta * jnp.exp(plogp.sum(axis=-1)))  # [B, N + 1]
   above = parent + 1  # [B, N] column of each node's parent
   passes = p[rows[:, None], above, tokens] > jnp.take_along_axis(threshold, above, axis=1)
+  accepted = with_ancestors(passes, parent, depth)
   under_root, up = parent < 0, jnp.maximum(parent, 0)
-  take = lambda x: jnp.take_along_axis(x, up, axis=1)
-  accepted, level = passes, jnp.ones_like(parent)
+  level = jnp.ones_like(parent)
   for _ in range(depth - 1):  # after i rounds, right for the nodes i + 1 levels deep
-    accepted = passes & (under_root | take(accepted))
-    level = jnp.where(under_root, 1, 1 + take(level))
+    level = jnp.where(under_root, 1, 1 + jnp.take_along_axis(level, up, axis=1))
   best = jnp.argmax(jnp.where(accepted, level, 0), axis=1)  # [B] the first deepest
   node = jnp.where(accepted[rows, best], best, -1).astype(jnp.int32)
   last = node

@@ -44,12 +44,11 @@ def trace_events(trace_dir: pathlib.Path) -> list[dict]:
   with gzip.open(paths[-1]) as f:
     data = json.load(f)
   events = data["traceEvents"] if isinstance(data, dict) else data
-  names = {(e["name"], e["pid"], e.get("tid")): e["args"]["name"]
-           for e in events if e.get("ph") == "M" and e.get("name") in ("process_name",
-                                                                       "thread_name")}
-  return [dict(e, process=names.get(("process_name", e["pid"], None),
-                                    names.get(("process_name", e["pid"], 0), "")),
-               thread=names.get(("thread_name", e["pid"], e.get("tid")), ""))
+  named = lambda kind: [e for e in events if e.get("ph") == "M" and e.get("name") == kind]
+  processes = {e["pid"]: e["args"]["name"] for e in named("process_name")}
+  threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in named("thread_name")}
+  return [dict(e, process=processes.get(e["pid"], ""),
+               thread=threads.get((e["pid"], e.get("tid")), ""))
           for e in events if e.get("ph") == "X"]
 
 

@@ -44,7 +44,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
-from mdjax.sampling import SamplingParams, tree_accept
+from mdjax.sampling import SamplingParams, tree_accept, with_ancestors
 from mdjax.strategies import drafting, metadata
 from mdjax.strategies.base import ModelFn, narrowest_width, run_narrowest
 from mdjax.strategies.drafting import DraftState, State
@@ -228,18 +228,15 @@ def greedy_path(tree: Tree, chosen: Int[Array, "B N+1"], depth: int
   `chosen` after the last accepted node. For a tree whose siblings hold distinct tokens
   (a drafter's top-k, a trie), found for every node at once instead of by a walk: a node
   is accepted when it and each of its ancestors hold the target's token after their
-  parent, which `depth` rounds of elementwise reads settle, and each level's accepted
+  parent (`mdjax.sampling.with_ancestors`), and each level's accepted
   node is a select per node. No reduction: on a GPU it all fuses into the kernels that
   read the path, where a walk's reduction per level is a kernel (two with the step
   between levels)."""
   nodes = tree.tokens.shape[1]
   # every index below is in bounds (a parent clipped at 0): the reads check no bounds
   take = lambda x, i: jnp.take_along_axis(x, i, axis=1, mode="promise_in_bounds")
-  under_root = tree.parent < 0
   hit = (tree.tokens == take(chosen, jnp.maximum(tree.parent + 1, 0))) & (tree.parent >= -1)
-  accepted = hit  # [B, N] after i rounds, right for the nodes at most i + 1 levels deep
-  for _ in range(depth - 1):
-    accepted = hit & (under_root | take(accepted, jnp.maximum(tree.parent, 0)))
+  accepted = with_ancestors(hit, tree.parent, depth)  # [B, N]
   # at most one accepted node per level (siblings differ)
   at = accepted[:, None, :] & (tree.depth[:, None, :] == jnp.arange(1, depth + 1)[:, None])
   path = jnp.full(at.shape[:2], -1, jnp.int32)  # [B, D]
