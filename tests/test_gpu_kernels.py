@@ -1,5 +1,5 @@
-"""A few-token pass on a GPU (`mdjax.models.decode_attention`): the Pallas kernel gives
-what its reference gives (run on this CPU in Pallas' interpret mode), a whole pass built
+"""A few-token pass on a GPU (`mdjax.models.decode_attention`,
+`mdjax.models.decode_products`): the Pallas kernels give what their references give (run on this CPU in Pallas' interpret mode), a whole pass built
 for a GPU (the reference standing in for the kernel) gives the CPU's logits and cache,
 and the 1B `decode_step` compiled for an H200 target (`mdjax.compile_targets`) launches
 for one token at batch 1 and 8 at most `KERNELS_IN_A_LAYER` kernels in each layer and
@@ -16,7 +16,7 @@ import pytest
 import mdjax
 from mdjax import compile_targets, platform, program_report
 from mdjax.cache import KVCache
-from mdjax.models import decode_attention
+from mdjax.models import decode_attention, decode_products
 from mdjax.models.config import ModelConfig
 from mdjax.models.layer_loop import default_layer_loop, with_layer_loop
 from mdjax.models.model import Model
@@ -26,9 +26,10 @@ from mdjax.step import decode_step
 from mdjax.topology import Topology, visibility_limits
 
 TARGET = "h200"
-KERNELS_IN_A_LAYER = 9
-KERNELS_PER_LAYER = 9.6  # today: 9.56 at batch 1, 9.5 at batch 8 (9 in each layer, and 8-9
-#                          per pass: the slot claim, the mask, the final norm and the head)
+KERNELS_IN_A_LAYER = 5  # before `mdjax.models.decode_products`: 9
+KERNELS_PER_LAYER = 5.6  # today: 5.56 at batch 1 and 8 (5 in each layer, and 9 per pass: the
+#                          embedding's gather, the slot claim, the mask, the last layer's
+#                          residual add, the final norm and the head); before: 9.56 and 9.5
 
 
 def _pass(rng, dtype, *, batch=2, slots=256, kv_heads=2, group=4, head_dim=64, tokens=3,
@@ -81,6 +82,41 @@ def test_the_kernel_gives_its_reference_past_16_tokens():
   for a, b in zip(got, expected):
     np.testing.assert_allclose(a, b, atol=1e-5)
   assert (np.asarray(expected[1] != cache_k).any(axis=(0, 3, 4)).sum()) == 2 * 24 - 1
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 1 / 64)])
+@pytest.mark.parametrize("batch, tokens", [(1, 1), (2, 3), (4, 8)])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("with_parts", [False, True], ids=["no_parts", "parts"])
+def test_the_normed_product_kernel_gives_its_reference(dtype, tolerance, batch, tokens, gated,
+                                                       with_parts):
+  """The new residual stream (with a product's parts added: a one-row product's come as
+  two rows, the second ignored) and the product of its norm, in tiles narrower than the
+  kernel's widest (96 wide in blocks of 32; 80 out in tiles of 16: 5 programs).
+  bfloat16's gated activations agree to a rounding or two (relatively 1/64: the kernel
+  rounds its own float32 sums, then the activation)."""
+  rng = np.random.default_rng(0)
+  width, out_width = 96, 80
+  parts = jnp.asarray(rng.normal(size=(2, max(2, batch * tokens), width)), jnp.float32)
+  residual = jnp.asarray(rng.normal(size=(batch, tokens, width)), dtype)
+  norm = jnp.asarray(rng.normal(size=(width,)), dtype)
+  weight = jnp.asarray(rng.normal(size=(width, out_width * (2 if gated else 1)),
+                                  scale=width**-0.5), dtype)
+  args = (parts if with_parts else None, residual, norm, weight)
+  got = decode_products.normed_product(*args, eps=1e-6, gated=gated, interpret=True)
+  expected = decode_products.reference(*args, eps=1e-6, gated=gated)
+  assert got[1].shape == expected[1].shape == (batch, tokens, out_width)
+  np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(expected[0], np.float32))
+  assert np.abs(np.asarray(expected[1], np.float32)).max() > 1
+  np.testing.assert_allclose(np.asarray(got[1], np.float32), np.asarray(expected[1], np.float32),
+                             rtol=tolerance if gated else 1e-5, atol=1e-5 if gated else 1e-4)
+
+
+def test_the_normed_product_kernel_takes_few_rows_in_whole_tiles():
+  assert decode_products.fits(1, 2048, 16384) and decode_products.fits(32, 576, 960)
+  assert not decode_products.fits(33, 2048, 8192) and not decode_products.fits(1, 2040, 8192)
+  assert decode_products.parts(2048) == 8 and decode_products.parts(576) == 4
+  assert decode_products.parts(72) == 1
 
 
 def test_the_kernel_takes_caches_in_blocks_of_a_power_of_two():
@@ -140,6 +176,27 @@ def test_a_pass_built_for_a_gpu_gives_the_cpus_logits_and_cache(model, layer_loo
     np.testing.assert_array_equal(getattr(cache, name), getattr(expected_cache, name))
 
 
+def test_the_residual_streams_an_eagle3_target_keeps_are_the_cpus():
+  """`aux_layers` (layer 1 twice, then 0) on the normed-product kernels' path: the
+  residual stream after a layer is its down product's parts added, as the CPU adds it."""
+  config = CONFIGS["llama"]
+  params = with_layer_loop(init_params(config, 0, jnp.float32), "unrolled")
+
+  def run(target: str, attention: str):
+    with platform.building_for(target):
+      cache = KVCache.create(config, 2, 64, jnp.float32)
+      tokens = jnp.array([[5, 6, 7], [8, 9, 10]], jnp.int32)
+      positions = jnp.broadcast_to(jnp.arange(3, dtype=jnp.int32), (2, 3))
+      return decode_step(params, cache, tokens, positions, jnp.zeros((2, 3), jnp.int32),
+                         Topology.causal(2), config=config, attention=attention,
+                         aux_layers=(1, 1, 0))
+
+  expected, got = run("cpu", "dense"), run("gpu", "fused")
+  assert got[3].shape == (2, 3, 3, config.hidden_size)
+  for index in (0, 1, 3):  # logits, hidden, aux
+    np.testing.assert_allclose(got[index], expected[index], atol=1e-5)
+
+
 @pytest.mark.parametrize("strategy, options", [
     ("multi_question", dict(questions=[[20, 21], [22], [23, 24, 25]])),
     ("parallel_sample", dict(num_samples=3, temperature=0.9, top_k=20, top_p=0.8))])
@@ -172,12 +229,13 @@ def _one_token_step(batch: int, num_layers: int = 16):
 def test_a_1b_one_token_step_launches_few_kernels_per_layer(batch):
   counts = _one_token_step(batch)
   assert counts.kernels <= KERNELS_PER_LAYER * 16, counts.kernels_by_kind
-  assert counts.kernels_by_kind["custom-call"] == 16  # one attention kernel per layer
+  assert counts.kernels_by_kind["custom-call"] == 3 * 16  # the attention and two normed
+  #                                                       products per layer
   assert counts.loop_copies == 0, counts.loop_copy_shapes
 
 
 @pytest.mark.parametrize("batch", [1, 8])
-def test_a_layer_of_a_one_token_step_launches_at_most_9_kernels(batch):
+def test_a_layer_of_a_one_token_step_launches_at_most_5_kernels(batch):
   """A layer's kernels: those of the 16-layer 1B shape less a 2-layer one's, per layer
   (XLA fuses the first and last layers with what is around them a little differently)."""
   in_a_layer = (_one_token_step(batch).kernels - _one_token_step(batch, 2).kernels) / 14

@@ -41,12 +41,10 @@ layers mix sliding-window and full attention, each kind with its own RoPE
 compile time flat in depth; on CPU slower per token, so "unrolled" is CPU's default).
 Both run each layer through `_layer`. The KV cache is stacked `[L, ...]` either way:
 each layer writes its new K/V into its slots in place, then attends over the cache.
-On a GPU a pass of a few tokens under the fused attention does not write before it
-attends: each layer's attention is one kernel that reads the cache as it was, with
-the new tokens beside it, and writes their K/V into the layer in place
-(`_layers_beside_cache`, `mdjax.models.decode_attention`). There an RMSNorm before a
-product is also split: its weight into the product's operand, its row scale after it
-(`_normed`).
+On a GPU a pass of a few tokens under the fused attention runs kernels of mdjax's own
+(`_layers_beside_cache`): the attention reads the cache as it was, with the new tokens
+beside it, and writes their K/V in place; an RMSNorm and the product after it are one
+kernel (`mdjax.models.decode_products`), or split by `_normed`.
 
 The model knows nothing of strategies: it maps tokens at explicit positions, in
 explicit segments, over an explicit cache, to logits.
@@ -65,7 +63,7 @@ from mdjax import cache as cache_ops
 from mdjax import platform
 from mdjax.cache import CacheRegions, KVCache
 from mdjax.errors import MdjaxError
-from mdjax.models import decode_attention
+from mdjax.models import decode_attention, decode_products
 from mdjax.models.attention import (ATTENTION_BLOCK, LayerAttention, Queries, attention_fn,
                                     masked_attention)
 from mdjax.models.config import ModelConfig
@@ -380,15 +378,11 @@ def _layers_beside_cache(config: ModelConfig, params: Params, x: Float[Array, "B
                          cache: KVCache, meta: dict, aux_layers: tuple[int, ...],
                          final_norm: bool):
   """The decoder layers of a few-token pass on a GPU (`mdjax.models.decode_attention`):
-  each layer's attention, RoPE, the norm's row scale and the sum of the q|k|v product's
-  parts included, is one kernel over the cache as it was before the pass (`cache`,
-  with this pass's slots claimed: their K/V not written yet) and the new tokens beside
-  it, which writes their K/V into the layer's slots in place. The mask is computed once
-  per pass::
-
-      before        mask (one per sliding window)
-      layer 0..L-1  out, cache.k, cache.v = attention(q|k|v parts of the layer, cache)
-  """
+  each layer's attention (RoPE, and the q|k|v product's norm scale and parts' sum when
+  they come unapplied) is one kernel over the cache as it was before the pass (this
+  pass's slots claimed, their K/V not written yet) and the new tokens beside it, which
+  writes their K/V in place; the mask is computed once per pass. Where
+  `decode_products.applies`, its products that begin with a norm are kernels too."""
   num_layers = count_layers(params)
   positions = meta["positions"]
   masks = {window: decode_attention.pass_mask(
@@ -403,8 +397,16 @@ def _layers_beside_cache(config: ModelConfig, params: Params, x: Float[Array, "B
         masks[spec.sliding_window], *kv, scale=spec.scale, eps=config.rms_norm_eps)
     return out, tuple(kv)
 
-  hidden, aux, (k, v) = decoder_layers(config, params, x, positions, attend, (cache.k, cache.v),
-                                       aux_layers, rope_in_attention=True, final_norm=final_norm)
+  if not decode_products.applies(config, params, x.shape[0] * x.shape[1]):
+    hidden, aux, (k, v) = decoder_layers(config, params, x, positions, attend,
+                                         (cache.k, cache.v), aux_layers, rope_in_attention=True,
+                                         final_norm=final_norm)
+    return hidden, aux, cache.replace(k=k, v=v)
+  _aux_buffer(num_layers, x, aux_layers)  # checks them
+  x, kept, (k, v) = decode_products.layers(config, params, x, lambda qkv, i, kv: attend(
+      qkv, i, layer_attention(config, i), kv), (cache.k, cache.v), aux_layers)
+  hidden = _norm(config, x, params["final_norm"]) if final_norm and "final_norm" in params else x
+  aux = jnp.stack([kept[i] for i in aux_layers], axis=2) if aux_layers else None
   return hidden, aux, cache.replace(k=k, v=v)
 
 
