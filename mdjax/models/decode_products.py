@@ -19,17 +19,21 @@ takes x's RMSNorm and multiplies it by a weight, in one kernel::
     gated: act = silu(gate) * up  with gate|up = out's halves  [M, F/2]
 
     program j (of F / TILE_F; gated: of F/2 / TILE_F)
-      pass 1   walk D in blocks: x's block (each program: M D values, from L2), its
-               squares summed -> scale; program 0 also writes x (when parts came)
-      pass 2   walk D in blocks: (x's block * norm) [Mt, BLOCK_D] @ w's tile(s)
-               [BLOCK_D, TILE_F] -> [Mt, TILE_F] (gated: gate's and up's tiles)
-      out      times scale (gated: silu(gate) * up) -> out's columns
+      walk D in blocks of BLOCK_D: x's block (the residual's, plus the parts' sum;
+           program 0 also writes it), its squares summed, and
+           (x's block * norm) [Mt, BLOCK_D] @ w's tile(s) [BLOCK_D, TILE_F] summed
+           (gated: gate's and up's tiles)
+      out  the sums times scale (a row's scale commutes with the product; gated:
+           silu(gate) * up) -> out's columns
 
-Each program reads x whole (a 1B llama's row: 4 KiB, against the 256-512 KiB of
-weights it reads), so that no kernel of its own computes the norm's scale; the weights
-are read once, by one program each, in place (an unrolled layer's own arrays: nothing
-copied). The output product's and the down product's parts are XLA's products split in
-K (`linear_parts`), summed by the kernel that reads them.
+Each program reads x whole, so that no kernel of its own computes the norm's scale:
+with a 1B llama's parts at one row, 16-32 KiB (from L2) beside the 256-512 KiB of
+weights it reads. The weights are read once, by one program each, in place (an
+unrolled layer's own arrays: nothing copied). The output product's and the down
+product's parts are XLA's products split in K (`linear_parts`, as few parts as XLA
+splits into itself: `part_count`), summed by the kernel that reads them; when the rows'
+parts would cost more to read in every program than a kernel to add them
+(`takes_parts`), XLA adds them first.
 
 Letters: B batch, T tokens, M = B T rows (Mt: padded to a Triton tile), D model
 width, F a product's width, Q a product's parts. Off a GPU, `reference` computes the
@@ -39,6 +43,7 @@ same with jnp.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -54,11 +59,16 @@ MAX_ROWS = 32  # rows (tokens times batch) per pass up to which the kernels repl
 TILE = 16  # the smallest side of a Triton product
 TILE_F = 64  # output columns per program (a 1B llama's gate|up: 128 programs)
 BLOCK_D = 128  # model-width columns per step of a program's walk, at most
-STAGE_BYTES = 100 * 1024  # what one step's loads may take of a program's shared memory
-#                           (Triton keeps two steps' in flight; an H100/H200 SM has 227 KiB)
-PARTS = 8  # a product's parts, at most: compiled for an H200, XLA:GPU splits a 2,048-wide
-#            few-row product in K in 8, an 8,192-wide one in 16 (`linear_parts`)
+SHARED_KIB = {(7, 0): 96, (7, 5): 64, (8, 0): 163, (8, 6): 99, (8, 7): 163, (8, 9): 99,
+              (9, 0): 227, (10, 0): 227, (12, 0): 99}  # KiB of shared memory a program
+#                may take (CUDA's opt-in limit), by compute capability: V100, T4, A100,
+#                A10/RTX 30, Orin, L4/RTX 40, H100/H200, B200, RTX 50
+PARTS = 8  # a product's parts, at most (`parts`)
+PARTS_SHARE = 4  # a kernel adds a product's parts itself while they are at most 1/4 of
+#                  the bytes a program reads of the weights (`takes_parts`)
 KERNEL_NAME = "mdjax_normed_product"  # the kernel's name in a compiled program (op_name)
+OFF_SWITCH = "MDJAX_PALLAS_PRODUCTS"  # set to 0: XLA's products and fusions instead (read
+#                                       when a program is traced: set it before the first)
 
 
 def _power_of_two_dividing(n: int, most: int) -> int:
@@ -74,28 +84,75 @@ def _tile(n: int) -> int:
   return max(TILE, 1 << (n - 1).bit_length())
 
 
-def parts(width: int) -> int:
-  """How many parts (`PARTS` at most) a product of `width` inputs comes in: whole Triton
-  tiles each."""
-  return _power_of_two_dividing(width // TILE, PARTS) if width % TILE == 0 else 1
+def part_count(width: int, rows: int) -> int:
+  """How many parts a product of `width` inputs and `rows` rows comes in: the fewest XLA
+  then splits no further itself, in whole Triton tiles, at most `PARTS`. Compiled for an
+  H200, XLA:GPU splits such a product (1,024-8,192 wide) in K into parts of at most 2,048
+  and 2 at least at 1 row (2 as `linear` runs it), of at most 1,024 and 4 at least at 17
+  to 32 rows (`tests/test_gpu_kernels.py` checks it)."""
+  fewest, most = (2, 2048) if rows <= 2 else (4, 1024)
+  wanted = max(fewest, -(-width // most))
+  count = 1 << (wanted - 1).bit_length()  # a power of two
+  return _power_of_two_dividing(width // TILE, min(count, PARTS)) if width % TILE == 0 else 1
 
 
-def _block(width: int, padded: int, num_parts: int, tile_f: int, tiles: int,
-           itemsize: int) -> int:
-  """Model-width columns per step: at most `BLOCK_D`, and one step's loads (`padded` rows
-  of `num_parts` float32 parts and of the residual, `tiles` weight tiles, in elements of
-  `itemsize` bytes) within `STAGE_BYTES`."""
-  per_column = padded * (4 * num_parts + itemsize) + tiles * itemsize * tile_f  # bytes
+def takes_parts(rows: int, num_parts: int, gated: bool, itemsize: int) -> bool:
+  """Whether the kernel adds a product's parts itself, or XLA adds them first (a kernel
+  more). Each program reads every row of every part (float32), where it reads its own
+  weight tiles (`itemsize` bytes each, two tiles `gated`): past `PARTS_SHARE` of those
+  bytes, the parts' reads (from L2) cost more than the kernel saved. A 1B llama in
+  bfloat16 adds them itself at 1-4 rows (gate|up) and 1-2 rows (q|k|v)."""
+  return rows * num_parts * 4 * PARTS_SHARE <= (2 if gated else 1) * TILE_F * itemsize
+
+
+@functools.cache
+def stage_bytes() -> int:
+  """What one step of a program's walk may load into shared memory: a quarter of what
+  the GPU lets a program take (`SHARED_KIB`) less 16 KiB, as Triton asks for 4.0 times
+  one step's loads (compiled for an H200 at 3 stages: 278,528 bytes for 69,632 a step,
+  427,008 for 106,496); this process's first GPU's, else a Hopper's (the compile
+  targets', `mdjax.compile_targets`); 99 KiB for a GPU the table does not list."""
+  try:
+    gpu = jax.devices("gpu")[0]
+    capability = tuple(int(v) for v in str(gpu.compute_capability).split("."))
+  except (RuntimeError, AttributeError, ValueError):  # no GPU here
+    capability = (9, 0)
+  return (SHARED_KIB.get(capability, 99) - 16) * 1024 // 4
+
+
+def _per_column(padded: int, num_parts: int, tile_f: int, tiles: int, itemsize: int) -> int:
+  """Bytes one step loads per model-width column: `padded` rows of `num_parts` float32
+  parts and of the residual, and `tiles` weight tiles `tile_f` wide."""
+  return padded * (4 * num_parts + itemsize) + tiles * itemsize * tile_f
+
+
+def block_columns(width: int, rows: int, num_parts: int, gated: bool, itemsize: int) -> int:
+  """Model-width columns per step of a program's walk over a product `width` wide in,
+  for `rows` rows, `num_parts` parts, weights of `itemsize` bytes: at most `BLOCK_D`,
+  and within `stage_bytes`."""
+  per_column = _per_column(_tile(rows), num_parts, TILE_F, 2 if gated else 1, itemsize)
   most = BLOCK_D
-  while most > TILE and most * per_column > STAGE_BYTES:
+  while most > TILE and most * per_column > stage_bytes():
     most //= 2
   return _power_of_two_dividing(width, most)
 
 
-def fits(rows: int, width: int, out_width: int) -> bool:
-  """Whether `rows` rows through a product `width` wide in and `out_width` out can run
-  the kernel: few rows, both widths in whole Triton tiles."""
-  return rows <= MAX_ROWS and width % TILE == 0 and out_width % TILE == 0
+def kernel_parts(rows: int, in_width: int, gated: bool, itemsize: int) -> int:
+  """How many parts of a product `in_width` wide in (`part_count`) the kernel after it
+  adds itself: all of them where it `takes_parts`, else 0 (XLA adds them first)."""
+  count = part_count(in_width, rows)
+  return count if takes_parts(rows, count, gated, itemsize) else 0
+
+
+def fits(rows: int, width: int, out_width: int, itemsize: int, num_parts: int,
+         gated: bool) -> bool:
+  """Whether `rows` rows through a product `width` wide in and `out_width` out (of
+  weights of `itemsize` bytes; `num_parts` parts added in the kernel; `gated`) can run
+  the kernel: few rows, both widths in whole Triton tiles, and a step of one tile's
+  width within `stage_bytes`."""
+  step = TILE * _per_column(_tile(rows), num_parts, TILE_F, 2 if gated else 1, itemsize)
+  return (rows <= MAX_ROWS and width % TILE == 0 and out_width % TILE == 0
+          and step <= stage_bytes())
 
 
 def _kernel(*refs, rows: int, num_parts: int, gated: bool, eps: float, precision):
@@ -110,7 +167,7 @@ def _kernel(*refs, rows: int, num_parts: int, gated: bool, eps: float, precision
   width, out_width = residual_ref.shape[1], out_ref.shape[1]
   tile_f = _power_of_two_dividing(out_width, TILE_F)
   padded = _tile(rows)
-  block = _block(width, padded, num_parts, tile_f, 2 if gated else 1, w_ref.dtype.itemsize)
+  block = block_columns(width, rows, num_parts, gated, w_ref.dtype.itemsize)
   row_ok = (jnp.arange(padded) < rows)[:, None]  # [Mt, 1]
   dtype = residual_ref.dtype
 
@@ -125,30 +182,28 @@ def _kernel(*refs, rows: int, num_parts: int, gated: bool, eps: float, precision
       x = x + out.astype(dtype).astype(jnp.float32)
     return x.astype(dtype), columns
 
-  def squares(k, total):  # [Mt]
+  starts = [j * tile_f] + ([out_width + j * tile_f] if gated else [])  # gate (and up)
+
+  def step(k, carry):  # x's squares summed [Mt], and [Mt, TILE_F] per weight tile
+    total, sums = carry
     x, columns = x_block(k)
     if num_parts:
       @pl.when(j == 0)
       def _():
         plgpu.store(x_ref.at[pl.ds(0, padded), columns], x, mask=row_ok)
 
-    x = x.astype(jnp.float32)
-    return total + (x * x).sum(axis=1)
-
-  steps = width // block
-  total = jax.lax.fori_loop(0, steps, squares, jnp.zeros((padded,), jnp.float32))
-  scale = jax.lax.rsqrt(total / width + eps)[:, None]  # [Mt, 1]
-  starts = [j * tile_f] + ([out_width + j * tile_f] if gated else [])  # gate (and up)
-
-  def product(k, acc):  # [Mt, TILE_F] per tile
-    x, columns = x_block(k)
     operand = (x * norm_ref[columns][None, :]).astype(w_ref.dtype)  # [Mt, BLOCK_D]
-    return tuple(total + plgpu.dot(operand, w_ref[columns, pl.ds(pl.multiple_of(start, tile_f),
-                                                                  tile_f)], precision=precision)
-                 for total, start in zip(acc, starts))
+    sums = tuple(acc + plgpu.dot(operand, w_ref[columns, pl.ds(pl.multiple_of(start, tile_f),
+                                                                tile_f)], precision=precision)
+                 for acc, start in zip(sums, starts))
+    x = x.astype(jnp.float32)
+    return total + (x * x).sum(axis=1), sums
 
-  empty = tuple(jnp.zeros((padded, tile_f), jnp.float32) for _ in starts)
-  sums = jax.lax.fori_loop(0, steps, product, empty)
+  empty = (jnp.zeros((padded,), jnp.float32),
+           tuple(jnp.zeros((padded, tile_f), jnp.float32) for _ in starts))
+  total, sums = jax.lax.fori_loop(0, width // block, step, empty)
+  scale = jax.lax.rsqrt(total / width + eps)[:, None]  # [Mt, 1]: the row scale commutes
+  #                                                     with the product
   if gated:  # rounded as `reference` rounds them
     gate, up = ((s * scale).astype(dtype).astype(jnp.float32) for s in sums)
     out = (gate * jax.nn.sigmoid(gate)).astype(dtype).astype(jnp.float32) * up
@@ -221,14 +276,16 @@ def applies(config, params: dict, rows: int) -> bool:
   `layers` (else XLA's products): unrolled layers (a scanned layer's weights are slices
   of the stack, which a kernel's operand would copy) of the llama family's plainest
   form (an attention norm, q|k|v and gate|up fused, SiLU, no biases, no q/k or post
-  norms), whose products `fits`."""
+  norms), whose products `fits`; unless the environment sets `OFF_SWITCH` to 0."""
   layers = params["layers"]
-  if (platform.current() != "gpu" or not isinstance(layers, list) or config.family == "gemma3"
+  if (os.environ.get(OFF_SWITCH, "1") == "0" or platform.current() != "gpu" or not isinstance(layers, list) or config.family == "gemma3"
       or config.qkv_bias or config.qk_norm or config.o_bias or config.mlp_bias):
     return False
-  return all({"attn_norm", "wqkv", "w_gate_up"} <= set(lp)
-             and fits(rows, *lp["wqkv"].shape) and fits(rows, *lp["w_gate_up"].shape)
-             for lp in layers)
+  return all({"attn_norm", "wqkv", "w_gate_up"} <= set(lp) and all(
+      fits(rows, *weight.shape, weight.dtype.itemsize,
+           kernel_parts(rows, feeding.shape[0], gated, weight.dtype.itemsize), gated)
+      for weight, feeding, gated in ((lp["wqkv"], lp["w_down"], False),
+                                     (lp["w_gate_up"], lp["wo"], True))) for lp in layers)
 
 
 def layers(config, params: dict, x: Float[Array, "B T D"], attend, carry,
@@ -238,15 +295,23 @@ def layers(config, params: dict, x: Float[Array, "B T D"], attend, carry,
   layer of `keep_after` (a dict by layer), and the last `carry`. `attend(qkv, index, carry) ->
   (out [B, T, N, H], carry)` is the attention of layer `index` on its q|k|v product
   `[1, M, N + 2K, H]` (normed, before RoPE)."""
+  rows = x.shape[0] * x.shape[1]
   pending, kept = None, {}  # pending: the last down product's parts, not added yet
+
+  def normed(parts_, x, norm, weight, gated=False):  # the parts added by the kernel or first
+    if parts_ is not None and not takes_parts(rows, parts_.shape[0], gated,
+                                              weight.dtype.itemsize):
+      parts_, x = None, _added(x, parts_)
+    return _anywhere(parts_, x, norm, weight, eps=config.rms_norm_eps, gated=gated)
+
   for index, lp in enumerate(params["layers"]):
-    x, qkv = _anywhere(pending, x, lp["attn_norm"], lp["wqkv"], eps=config.rms_norm_eps)
+    x, qkv = normed(pending, x, lp["attn_norm"], lp["wqkv"])
     out, carry = attend(qkv.reshape(1, -1, qkv.shape[-1] // config.head_dim, config.head_dim),
                         index, carry)  # [B, T, N, H]
     out = out.reshape(*out.shape[:2], -1)  # --> [B, T, N H]
-    x, act = _anywhere(linear_parts(out, lp["wo"], parts(out.shape[-1])), x, lp["mlp_norm"],
-                       lp["w_gate_up"], eps=config.rms_norm_eps, gated=True)  # [B, T, F]
-    pending = linear_parts(act, lp["w_down"], parts(act.shape[-1]))  # [Q, M, D]
+    x, act = normed(linear_parts(out, lp["wo"], part_count(out.shape[-1], rows)), x,
+                    lp["mlp_norm"], lp["w_gate_up"], gated=True)  # [B, T, F]
+    pending = linear_parts(act, lp["w_down"], part_count(act.shape[-1], rows))  # [Q, M, D]
     if index in keep_after:
       kept[index] = _added(x, pending)
   return _added(x, pending), kept, carry
