@@ -1,8 +1,9 @@
 """A few-token pass on a GPU (`mdjax.models.decode_attention`,
-`mdjax.models.decode_products`): the Pallas kernels give what their references give (run on this CPU in Pallas' interpret mode), a whole pass built
-for a GPU (the reference standing in for the kernel) gives the CPU's logits and cache,
-and the 1B `decode_step` compiled for an H200 target (`mdjax.compile_targets`) launches
-for one token at batch 1 and 8 at most `KERNELS_IN_A_LAYER` kernels in each layer and
+`mdjax.models.decode_products`): the Pallas kernels give what their references give
+(run on this CPU in Pallas' interpret mode) and compile for an H200; a whole pass built
+for a GPU (the references standing in for the kernels) gives the CPU's logits and cache;
+and the 1B `decode_step` compiled for an H200 target (`mdjax.compile_targets`) launches,
+for one token at batch 1 and 8, at most `KERNELS_IN_A_LAYER` kernels in each layer and
 `KERNELS_PER_LAYER` per layer all told, the pass's own included (issue 49's goal: 10;
 docs/results/programs/)."""
 

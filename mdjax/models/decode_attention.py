@@ -76,7 +76,7 @@ def parts_of(q: Float[Array, "B T N H"], k: Float[Array, "B T K H"],
   return qkv.reshape(1, -1, *qkv.shape[2:])
 
 
-def _tile(n: int) -> int:
+def tile(n: int) -> int:
   """`n` rounded up to a power of two of at least `TILE`."""
   return max(TILE, 1 << (n - 1).bit_length())
 
@@ -94,7 +94,7 @@ def pass_mask(limit: Int[Array, "B G G"], positions: Int[Array, "B T"],
   cache = visible(limit, segments, positions, seg, pos, window) & ~written[:, None]  # [B, T, S]
   kept = (segments >= 0) & (slots < num_slots)  # [B, T]: the new tokens the cache will hold
   new = visible(limit, segments, positions, segments, positions, window) & kept[:, None]
-  padding = jnp.zeros((*new.shape[:2], _tile(t) - t), jnp.bool_)
+  padding = jnp.zeros((*new.shape[:2], tile(t) - t), jnp.bool_)
   return jnp.concatenate([cache, new, padding], axis=2).astype(jnp.int8)  # [B, T, S + P]
 
 
@@ -105,7 +105,7 @@ def _row_scales(rows_ref, b, tokens: int, size: int, eps: float | None):
   if eps is None:
     return scales
   width = rows_ref.shape[2]
-  padded = _tile(width)
+  padded = tile(width)
   for t in range(tokens):
     row = plgpu.load(rows_ref.at[b, jnp.int32(t), pl.ds(0, padded)],
                      mask=jnp.arange(padded) < width, other=0).astype(jnp.float32)
@@ -129,7 +129,7 @@ def _kernel(qkv_ref, rows_ref, positions_ref, freqs_ref, slot_ref, length_ref, l
   num_q = out_ref.shape[2]
   half = out_ref.shape[3] // 2
   num_slots, num_kv = k_ref.shape[2], k_ref.shape[3]
-  rows = _tile(group)
+  rows = tile(group)
   keys_new = mask_ref.shape[2] - num_slots
   row_ok = (jnp.arange(rows) < group)[:, None]  # [Rt, 1]
   token_ok = jnp.arange(keys_new) < tokens  # [P]

@@ -1,7 +1,8 @@
 """A layer's products that begin with an RMSNorm, in a few-token pass on a GPU, one
 kernel each (Pallas, lowered to Triton), and the layers of such a pass built on them
-and on the attention kernel (`mdjax.models.decode_attention`): five kernels a layer,
-where XLA:GPU's own products and fusions take nine::
+and on the attention kernel (`mdjax.models.decode_attention`): five kernels a layer
+(seven where XLA adds the parts first: `takes_parts`), where XLA:GPU's own products and
+fusions take nine::
 
     layer l   q|k|v = normed_product(x, + down parts of l-1; attn_norm, wqkv)   kernel 1
               out   = attention(q|k|v, cache of layer l)                        kernel 2
@@ -52,18 +53,17 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float
 
 from mdjax import platform
-from mdjax.models import decode_attention
+from mdjax.models.decode_attention import TILE, tile  # the smallest side of a Triton product
 from mdjax.models.numerics import linear, linear_parts
 
 MAX_ROWS = 32  # rows (tokens times batch) per pass up to which the kernels replace XLA's
-TILE = 16  # the smallest side of a Triton product
 TILE_F = 64  # output columns per program (a 1B llama's gate|up: 128 programs)
 BLOCK_D = 128  # model-width columns per step of a program's walk, at most
 SHARED_KIB = {(7, 0): 96, (7, 5): 64, (8, 0): 163, (8, 6): 99, (8, 7): 163, (8, 9): 99,
               (9, 0): 227, (10, 0): 227, (12, 0): 99}  # KiB of shared memory a program
 #                may take (CUDA's opt-in limit), by compute capability: V100, T4, A100,
 #                A10/RTX 30, Orin, L4/RTX 40, H100/H200, B200, RTX 50
-PARTS = 8  # a product's parts, at most (`parts`)
+PARTS = 8  # a product's parts, at most (`part_count`)
 PARTS_SHARE = 4  # a kernel adds a product's parts itself while they are at most 1/4 of
 #                  the bytes a program reads of the weights (`takes_parts`)
 KERNEL_NAME = "mdjax_normed_product"  # the kernel's name in a compiled program (op_name)
@@ -77,11 +77,6 @@ def _power_of_two_dividing(n: int, most: int) -> int:
   while n % size:
     size //= 2
   return size
-
-
-def _tile(n: int) -> int:
-  """`n` rounded up to a power of two of at least `TILE`."""
-  return max(TILE, 1 << (n - 1).bit_length())
 
 
 def part_count(width: int, rows: int) -> int:
@@ -130,7 +125,7 @@ def block_columns(width: int, rows: int, num_parts: int, gated: bool, itemsize: 
   """Model-width columns per step of a program's walk over a product `width` wide in,
   for `rows` rows, `num_parts` parts, weights of `itemsize` bytes: at most `BLOCK_D`,
   and within `stage_bytes`."""
-  per_column = _per_column(_tile(rows), num_parts, TILE_F, 2 if gated else 1, itemsize)
+  per_column = _per_column(tile(rows), num_parts, TILE_F, 2 if gated else 1, itemsize)
   most = BLOCK_D
   while most > TILE and most * per_column > stage_bytes():
     most //= 2
@@ -150,7 +145,7 @@ def fits(rows: int, width: int, out_width: int, itemsize: int, num_parts: int,
   weights of `itemsize` bytes; `num_parts` parts added in the kernel; `gated`) can run
   the kernel: few rows, both widths in whole Triton tiles, and a step of one tile's
   width within `stage_bytes`."""
-  step = TILE * _per_column(_tile(rows), num_parts, TILE_F, 2 if gated else 1, itemsize)
+  step = TILE * _per_column(tile(rows), num_parts, TILE_F, 2 if gated else 1, itemsize)
   return (rows <= MAX_ROWS and width % TILE == 0 and out_width % TILE == 0
           and step <= stage_bytes())
 
@@ -166,7 +161,7 @@ def _kernel(*refs, rows: int, num_parts: int, gated: bool, eps: float, precision
   j = pl.program_id(0)
   width, out_width = residual_ref.shape[1], out_ref.shape[1]
   tile_f = _power_of_two_dividing(out_width, TILE_F)
-  padded = _tile(rows)
+  padded = tile(rows)
   block = block_columns(width, rows, num_parts, gated, w_ref.dtype.itemsize)
   row_ok = (jnp.arange(padded) < rows)[:, None]  # [Mt, 1]
   dtype = residual_ref.dtype
@@ -278,7 +273,8 @@ def applies(config, params: dict, rows: int) -> bool:
   form (an attention norm, q|k|v and gate|up fused, SiLU, no biases, no q/k or post
   norms), whose products `fits`; unless the environment sets `OFF_SWITCH` to 0."""
   layers = params["layers"]
-  if (os.environ.get(OFF_SWITCH, "1") == "0" or platform.current() != "gpu" or not isinstance(layers, list) or config.family == "gemma3"
+  if (os.environ.get(OFF_SWITCH, "1") == "0" or platform.current() != "gpu"
+      or not isinstance(layers, list) or config.family == "gemma3"
       or config.qkv_bias or config.qk_norm or config.o_bias or config.mlp_bias):
     return False
   return all({"attn_norm", "wqkv", "w_gate_up"} <= set(lp) and all(
