@@ -13,10 +13,12 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 LOG=$OUT/run.log
 { date; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import jax, transformers; print('jax', jax.__version__, jax.devices(), 'transformers', transformers.__version__)"; } > $LOG 2>&1
 # 1. The five files the last lease cut before pytest's summary, each its own pytest, all at
-#    once (3 workers each: 15 processes on 16 cores), on the GPU (JAX_PLATFORMS empty).
+#    once (3 workers each), on the GPU (JAX_PLATFORMS empty); and the GPU-built passes run
+#    there (the attention and normed-product kernels for real, against the CPU-built pass).
 T0=$(date +%s)
-for f in eagle3 branches generate accelerator eagle; do
-  ( JAX_PLATFORMS= timeout 240 python3 -m pytest -q -o addopts= -p no:cacheprovider -rfE -n 3 -m "not real_models" tests/test_$f.py > /tmp/t_$f.log 2>&1; echo "rc=$? file=$f seconds=$(( $(date +%s) - T0 ))" >> /tmp/t_$f.log ) &
+for f in eagle3 branches generate accelerator eagle gpu_kernels; do
+  pick=(); [ $f = gpu_kernels ] && pick=(-k "built_for_a_gpu or eagle3")
+  ( JAX_PLATFORMS= timeout 240 python3 -m pytest -q -o addopts= -p no:cacheprovider -rfE -n 3 -m "not real_models" ${pick[@]+"${pick[@]}"} tests/test_$f.py > /tmp/t_$f.log 2>&1; echo "rc=$? file=$f seconds=$(( $(date +%s) - T0 ))" >> /tmp/t_$f.log ) &
 done
 wait
 for f in /tmp/t_*.log; do echo "######## $f"; cat $f; done > $OUT/tests.log
