@@ -140,7 +140,7 @@ def test_the_normed_products_can_be_switched_off(monkeypatch):
                                          (32, 8192), (1, 576), (17, 1536)])
 def test_products_come_in_as_many_parts_as_xla_splits_them_into(rows, width):
   """`part_count` parts (`linear_parts`): one Triton product compiled for an H200, not
-  split in K again with a kernel to add the splits; and no fewer than XLA would split."""
+  split in K again with a kernel to add the splits."""
   count = decode_products.part_count(width, rows)
   x = jax.ShapeDtypeStruct((rows, width), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((width, 2048), jnp.bfloat16)

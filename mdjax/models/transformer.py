@@ -204,17 +204,20 @@ def decoder_layers(config: ModelConfig, params: Params, x: Float[Array, "B T D"]
   return hidden, (None if aux is None else jnp.moveaxis(aux, 0, 2)), carry
 
 
-def _aux_buffer(num_layers: int, x: Float[Array, "B T D"],
-                aux_layers: tuple[int, ...]) -> Float[Array, "A B T D"] | None:
-  """Zeros for the residual stream after each of `aux_layers` (checked), or None."""
-  if not aux_layers:
-    return None
+def _check_aux_layers(num_layers: int, aux_layers: tuple[int, ...]) -> None:
+  """`MdjaxError` naming the first of `aux_layers` that is not a layer of the model."""
   bad = [layer for layer in aux_layers
          if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers]
   if bad:
     raise MdjaxError(f"aux_layers {aux_layers!r}: {bad[0]!r} is not a layer of this "
                      f"{num_layers}-layer model (0 to {num_layers - 1})")
-  return jnp.zeros((len(aux_layers), *x.shape), x.dtype)
+
+
+def _aux_buffer(num_layers: int, x: Float[Array, "B T D"],
+                aux_layers: tuple[int, ...]) -> Float[Array, "A B T D"] | None:
+  """Zeros for the residual stream after each of `aux_layers` (checked), or None."""
+  _check_aux_layers(num_layers, aux_layers)
+  return jnp.zeros((len(aux_layers), *x.shape), x.dtype) if aux_layers else None
 
 
 def _keep(aux: Float[Array, "A B T D"] | None, aux_layers: tuple[int, ...], index,
@@ -398,11 +401,10 @@ def _layers_beside_cache(config: ModelConfig, params: Params, x: Float[Array, "B
     return out, tuple(kv)
 
   if not decode_products.applies(config, params, x.shape[0] * x.shape[1]):
-    hidden, aux, (k, v) = decoder_layers(config, params, x, positions, attend,
-                                         (cache.k, cache.v), aux_layers, rope_in_attention=True,
-                                         final_norm=final_norm)
+    hidden, aux, (k, v) = decoder_layers(config, params, x, positions, attend, (cache.k, cache.v),
+                                         aux_layers, rope_in_attention=True, final_norm=final_norm)
     return hidden, aux, cache.replace(k=k, v=v)
-  _aux_buffer(num_layers, x, aux_layers)  # checks them
+  _check_aux_layers(num_layers, aux_layers)
   x, kept, (k, v) = decode_products.layers(config, params, x, lambda qkv, i, kv: attend(
       qkv, i, layer_attention(config, i), kv), (cache.k, cache.v), aux_layers)
   hidden = _norm(config, x, params["final_norm"]) if final_norm and "final_norm" in params else x

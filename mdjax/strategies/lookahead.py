@@ -362,8 +362,7 @@ class Lookahead(Strategy):
               ) -> tuple[Int[Array, "B C"], Int[Array, "B"], Int[Array, "B"]]:
     """Accepted guesses of every candidate, the winner (the first longest) and its
     accepted guesses: C selects, not an argmax, which XLA:GPU fuses into what reads them
-    (a reduction's output is a kernel of its own; today `greedy_accept`'s own reduction
-    still ends a kernel before them)."""
+    (a reduction's output is a kernel of its own; `greedy_accept` is elementwise too)."""
     paths = self.plan.paths  # [C, D + 1]
     batch, (num, longest) = tokens.shape[0], paths.shape
     exists = jnp.concatenate([jnp.ones((batch, 1), jnp.bool_), found], axis=1)  # [B, C]
