@@ -28,12 +28,13 @@ from mdjax.step import decode_step
 from mdjax.topology import Topology, visibility_limits
 
 TARGET = "h200"
-KERNELS_IN_A_LAYER = {1: 5, 8: 7}  # by batch; before `mdjax.models.decode_products`: 9
-KERNELS_PER_LAYER = {1: 5.6, 8: 7.5}  # today: 5.56 and 7.5 (5 and 7 in each layer, 9 and 8 per
+KERNELS_IN_A_LAYER = {1: 5, 8: 5}  # by batch; before `mdjax.models.decode_products`: 9
+KERNELS_PER_LAYER = {1: 5.6, 8: 5.5}  # today: 5.56 and 5.5 (5 in each layer, 9 and 8 per
 #                                       pass: the embedding's gather, the slot claim, the
 #                                       mask, the last layer's residual add, the final
-#                                       norm and the head); before: 9.56 and 9.5. At batch
-#                                       8, XLA adds the products' parts (`takes_parts`)
+#                                       norm and the head); before: 9.56 and 9.5
+OWN_KERNELS = {1: 3, 8: 5}  # mdjax's per layer: the attention and the two normed products,
+#                             and at batch 8 two residual products (`takes_parts`: no parts)
 
 
 def _pass(rng, dtype, *, batch=2, slots=256, kv_heads=2, group=4, head_dim=64, tokens=3,
@@ -116,13 +117,49 @@ def test_the_normed_product_kernel_gives_its_reference(dtype, tolerance, batch, 
                              rtol=tolerance if gated else 1e-5, atol=1e-5 if gated else 1e-4)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("batch, tokens", [(1, 1), (2, 3), (4, 8)])
+def test_the_residual_product_kernel_gives_its_reference(dtype, batch, tokens):
+  """x + a @ w in tiles of 16 of 80 columns (5 programs), walking 96 inputs in blocks of
+  32: bfloat16 exactly (the product rounded, then added, as `linear` and the CPU do),
+  float32 up to the summation's order."""
+  rng = np.random.default_rng(1)
+  width, out_width = 96, 80
+  residual = jnp.asarray(rng.normal(size=(batch, tokens, out_width)), dtype)
+  a = jnp.asarray(rng.normal(size=(batch, tokens, width)), dtype)
+  weight = jnp.asarray(rng.normal(size=(width, out_width), scale=width**-0.5), dtype)
+  got = decode_products.residual_product(residual, a, weight, interpret=True)
+  expected = decode_products.residual_reference(residual, a, weight)
+  assert got.shape == expected.shape == residual.shape and got.dtype == dtype
+  assert decode_products.residual_block(width, batch * tokens, a.dtype.itemsize, 2) == 32
+  assert not np.allclose(np.asarray(expected, np.float32), np.asarray(residual, np.float32))
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32),
+                             rtol=0, atol=0 if dtype == jnp.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype, rows", [(jnp.bfloat16, 3), (jnp.float32, 32)])
+def test_the_residual_product_kernel_compiles_for_an_h200(dtype, rows):
+  """A 1B llama's down product, at the fewest rows that take it (3) and at the most rows
+  in float32, within the H200's shared memory, one kernel with nothing around it."""
+  args = (jax.ShapeDtypeStruct((1, rows, 2048), dtype),
+          jax.ShapeDtypeStruct((1, rows, 8192), dtype), jax.ShapeDtypeStruct((8192, 2048), dtype))
+  with platform.building_for("gpu"):
+    text = compile_targets.compile_for(jax.jit(decode_products.residual_product), TARGET,
+                                       *args).as_text()
+  assert decode_products.RESIDUAL_NAME in text
+  assert hlo_report.read(text).kernels == 1
+
+
 def test_the_normed_product_kernel_takes_few_rows_in_whole_tiles():
   assert decode_products.fits(1, 2048, 16384, 2, 2, True)
   assert decode_products.fits(32, 576, 960, 2, 0, False)
   assert not decode_products.fits(33, 2048, 8192, 2, 0, True)
   assert not decode_products.fits(1, 2040, 8192, 2, 0, True)
   assert decode_products.kernel_parts(1, 8192, False, 2) == 4  # a 1B llama's down parts
-  assert decode_products.kernel_parts(17, 2048, True, 2) == 0  # XLA adds them
+  assert decode_products.kernel_parts(17, 2048, True, 2) == 0  # a residual product first
+  assert decode_products.residual_fits(32, 8192, 2048)
+  assert not decode_products.residual_fits(33, 8192, 2048)
+  assert not decode_products.residual_fits(4, 8192, 2040)
 
 
 def test_the_normed_products_can_be_switched_off(monkeypatch):
@@ -299,8 +336,7 @@ def _one_token_step(batch: int, num_layers: int = 16):
 def test_a_1b_one_token_step_launches_few_kernels_per_layer(batch):
   counts = _one_token_step(batch)
   assert counts.kernels <= KERNELS_PER_LAYER[batch] * 16, counts.kernels_by_kind
-  assert counts.kernels_by_kind["custom-call"] == 3 * 16  # the attention and two normed
-  #                                                       products per layer
+  assert counts.kernels_by_kind["custom-call"] == OWN_KERNELS[batch] * 16
   assert counts.loop_copies == 0, counts.loop_copy_shapes
 
 

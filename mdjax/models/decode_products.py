@@ -1,15 +1,15 @@
-"""A layer's products that begin with an RMSNorm, in a few-token pass on a GPU, one
-kernel each (Pallas, lowered to Triton), and the layers of such a pass built on them
-and on the attention kernel (`mdjax.models.decode_attention`): five kernels a layer
-(seven where XLA adds the parts first: `takes_parts`), where XLA:GPU's own products and
-fusions take nine::
+"""A layer's products in a few-token pass on a GPU, one kernel each (Pallas, lowered to
+Triton), and the layers of such a pass built on them and on the attention kernel
+(`mdjax.models.decode_attention`): five kernels a layer at any row count up to
+`MAX_ROWS`, where XLA:GPU's own products and fusions take nine::
 
-    layer l   q|k|v = normed_product(x, + down parts of l-1; attn_norm, wqkv)   kernel 1
-              out   = attention(q|k|v, cache of layer l)                        kernel 2
-              parts = out @ wo, in parts (XLA: one split product)              kernel 3
-              x, act = normed_product(x, + parts; mlp_norm, w_gate_up, gated)   kernel 4
-              parts = act @ w_down, in parts (XLA)                             kernel 5
-    after L   x + the last down parts (then the final norm and the head, XLA)
+    layer l   q|k|v = normed_product(x (+ down parts of l-1); attn_norm, wqkv)  kernel 1
+              out   = attention(q|k|v, cache of layer l)                       kernel 2
+              x     += out @ wo: parts (XLA: one split product), or             kernel 3
+                       residual_product(x, out, wo)
+              x, act = normed_product(x (+ parts); mlp_norm, w_gate_up, gated)  kernel 4
+              x     += act @ w_down: parts, or residual_product                kernel 5
+    after L   x (+ the last down parts), then the final norm and the head (XLA)
 
 `normed_product` adds a product's parts to the residual stream (the new residual, x),
 takes x's RMSNorm and multiplies it by a weight, in one kernel::
@@ -30,15 +30,27 @@ takes x's RMSNorm and multiplies it by a weight, in one kernel::
 Each program reads x whole, so that no kernel of its own computes the norm's scale:
 with a 1B llama's parts at one row, 16-32 KiB (from L2) beside the 256-512 KiB of
 weights it reads. The weights are read once, by one program each, in place (an
-unrolled layer's own arrays: nothing copied). The output product's and the down
-product's parts are XLA's products split in K (`linear_parts`, as few parts as XLA
-splits into itself: `part_count`), summed by the kernel that reads them; when the rows'
-parts would cost more to read in every program than a kernel to add them
-(`takes_parts`), XLA adds them first.
+unrolled layer's own arrays: nothing copied).
+
+The output and down products come to the next normed product in one of two ways.
+At one or two rows, as XLA's product split in K, its parts left unsummed
+(`linear_parts`, as few parts as XLA splits into itself: `part_count`): the kernel
+that reads them adds them. Past the rows where reading every row of every part in
+every program costs more than a kernel (`takes_parts`), a kernel of its own adds the
+product to the residual stream, not split in K::
+
+    residual_product   x + a @ w    [M, D] + [M, K] @ [K, D]
+      program j (of D / TILE_OUT): walk K in blocks (`residual_block`), a's block
+        [Mt, block] @ w's [block, TILE_OUT] summed in float32, rounded as `linear`
+        rounds a product, added to x's columns -> the new x's columns
+
+Each of its programs reads all of a, as each of XLA's split products reads a's slice
+once per output tile (there 8 to 16 columns wide, here 16): no more L2 traffic than
+XLA's product, and no float32 parts written and read again.
 
 Letters: B batch, T tokens, M = B T rows (Mt: padded to a Triton tile), D model
-width, F a product's width, Q a product's parts. Off a GPU, `reference` computes the
-same with jnp.
+width, F a product's width, K a residual product's input width, Q a product's parts.
+Off a GPU, `reference` and `residual_reference` compute the same with jnp.
 """
 
 from __future__ import annotations
@@ -66,7 +78,11 @@ SHARED_KIB = {(7, 0): 96, (7, 5): 64, (8, 0): 163, (8, 6): 99, (8, 7): 163, (8, 
 PARTS = 8  # a product's parts, at most (`part_count`)
 PARTS_SHARE = 4  # a kernel adds a product's parts itself while they are at most 1/4 of
 #                  the bytes a program reads of the weights (`takes_parts`)
-KERNEL_NAME = "mdjax_normed_product"  # the kernel's name in a compiled program (op_name)
+TILE_OUT = 16  # output columns per program of `residual_product`: a Triton product's
+#               narrowest (a 1B llama's wo and w_down in 128 programs, on 132 SMs)
+RESIDUAL_BLOCK = 512  # input columns per step of its walk, at most
+KERNEL_NAME = "mdjax_normed_product"  # the kernels' names in a compiled program (op_name)
+RESIDUAL_NAME = "mdjax_residual_product"
 OFF_SWITCH = "MDJAX_PALLAS_PRODUCTS"  # set to 0: XLA's products and fusions instead (read
 #                                       when a program is traced: set it before the first)
 
@@ -92,11 +108,11 @@ def part_count(width: int, rows: int) -> int:
 
 
 def takes_parts(rows: int, num_parts: int, gated: bool, itemsize: int) -> bool:
-  """Whether the kernel adds a product's parts itself, or XLA adds them first (a kernel
-  more). Each program reads every row of every part (float32), where it reads its own
-  weight tiles (`itemsize` bytes each, two tiles `gated`): past `PARTS_SHARE` of those
-  bytes, the parts' reads (from L2) cost more than the kernel saved. A 1B llama in
-  bfloat16 adds them itself at 1-4 rows (gate|up) and 1-2 rows (q|k|v)."""
+  """Whether the kernel adds a product's parts itself, or a `residual_product` adds the
+  product first. Each program reads every row of every part (float32), where it reads
+  its own weight tiles (`itemsize` bytes each, two tiles `gated`): past `PARTS_SHARE`
+  of those bytes, the parts' reads (from L2) cost more than the kernel saved. A 1B
+  llama in bfloat16 adds them itself at 1-4 rows (gate|up) and 1-2 rows (q|k|v)."""
   return rows * num_parts * 4 * PARTS_SHARE <= (2 if gated else 1) * TILE_F * itemsize
 
 
@@ -126,7 +142,19 @@ def block_columns(width: int, rows: int, num_parts: int, gated: bool, itemsize: 
   for `rows` rows, `num_parts` parts, weights of `itemsize` bytes: at most `BLOCK_D`,
   and within `stage_bytes`."""
   per_column = _per_column(tile(rows), num_parts, TILE_F, 2 if gated else 1, itemsize)
-  most = BLOCK_D
+  return _largest_block(width, per_column, BLOCK_D)
+
+
+def residual_block(width: int, rows: int, in_itemsize: int, itemsize: int) -> int:
+  """Input columns per step of a `residual_product` program's walk over `width`, for
+  `rows` rows of `in_itemsize` bytes and weights of `itemsize`: at most `RESIDUAL_BLOCK`,
+  and within `stage_bytes`."""
+  return _largest_block(width, tile(rows) * in_itemsize + TILE_OUT * itemsize, RESIDUAL_BLOCK)
+
+
+def _largest_block(width: int, per_column: int, most: int) -> int:
+  """The most columns of `per_column` bytes each, a power of two dividing `width`, of
+  at most `most`, that one step loads within `stage_bytes` (a Triton tile at least)."""
   while most > TILE and most * per_column > stage_bytes():
     most //= 2
   return _power_of_two_dividing(width, most)
@@ -134,7 +162,7 @@ def block_columns(width: int, rows: int, num_parts: int, gated: bool, itemsize: 
 
 def kernel_parts(rows: int, in_width: int, gated: bool, itemsize: int) -> int:
   """How many parts of a product `in_width` wide in (`part_count`) the kernel after it
-  adds itself: all of them where it `takes_parts`, else 0 (XLA adds them first)."""
+  adds itself: all of them where it `takes_parts`, else 0 (a `residual_product` first)."""
   count = part_count(in_width, rows)
   return count if takes_parts(rows, count, gated, itemsize) else 0
 
@@ -148,6 +176,13 @@ def fits(rows: int, width: int, out_width: int, itemsize: int, num_parts: int,
   step = TILE * _per_column(tile(rows), num_parts, TILE_F, 2 if gated else 1, itemsize)
   return (rows <= MAX_ROWS and width % TILE == 0 and out_width % TILE == 0
           and step <= stage_bytes())
+
+
+def residual_fits(rows: int, width: int, out_width: int) -> bool:
+  """Whether `residual_product` takes `rows` rows through a product `width` wide in and
+  `out_width` out: few rows and both widths in whole tiles (a step of one tile, 3 KiB
+  at most, fits any GPU's shared memory)."""
+  return rows <= MAX_ROWS and width % TILE == 0 and out_width % TILE_OUT == 0
 
 
 def _kernel(*refs, rows: int, num_parts: int, gated: bool, eps: float, precision):
@@ -257,13 +292,59 @@ def reference(parts: Float[Array, "Q M2 D"] | None, residual: Float[Array, "B T 
   return x, jax.nn.silu(gate) * up
 
 
-def _anywhere(parts, residual, norm, weight, *, eps: float, gated: bool = False):
-  """`normed_product` where the program is lowered for an NVIDIA GPU, `reference`
-  elsewhere (a program built for a GPU but run on this host: the tests)."""
-  static = dict(eps=eps, gated=gated)
+def _residual_kernel(a_ref, w_ref, residual_ref, out_ref, *, rows: int, precision):
+  """Program j: the new residual stream's columns j TILE_OUT .. (the module's docstring)."""
+  j = pl.program_id(0)
+  padded = tile(rows)
+  width = a_ref.shape[1]
+  block = residual_block(width, rows, a_ref.dtype.itemsize, w_ref.dtype.itemsize)
+  row_ok = (jnp.arange(padded) < rows)[:, None]  # [Mt, 1]
+  columns = pl.ds(pl.multiple_of(j * TILE_OUT, TILE_OUT), TILE_OUT)
+
+  def step(k, total):  # [Mt, TILE_OUT]: a's block times w's
+    inputs = pl.ds(pl.multiple_of(k * block, block), block)
+    a = plgpu.load(a_ref.at[pl.ds(0, padded), inputs], mask=row_ok, other=0)
+    return total + plgpu.dot(a.astype(w_ref.dtype), w_ref[inputs, columns], precision=precision)
+
+  product = jax.lax.fori_loop(0, width // block, step,
+                              jnp.zeros((padded, TILE_OUT), jnp.float32))
+  dtype = residual_ref.dtype
+  x = plgpu.load(residual_ref.at[pl.ds(0, padded), columns], mask=row_ok, other=0)
+  out = x.astype(jnp.float32) + product.astype(dtype).astype(jnp.float32)  # as `linear` rounds
+  plgpu.store(out_ref.at[pl.ds(0, padded), columns], out.astype(dtype), mask=row_ok)
+
+
+def residual_product(residual: Float[Array, "B T D"], a: Float[Array, "B T K"],
+                     weight: Float[Array, "K D"], *, interpret: bool = False
+                     ) -> Float[Array, "B T D"]:
+  """The residual stream plus `a @ weight` (accumulated in float32, rounded to the
+  residual's dtype, then added), in one kernel, not split in K (the module's docstring)."""
+  b, t, out_width = residual.shape
+  rows, width = b * t, a.shape[-1]
+  precision = jax.lax.Precision.HIGHEST if weight.dtype == jnp.float32 else None
+  whole = pl.BlockSpec()  # the whole array: each program indexes its part
+  out = pl.pallas_call(
+      functools.partial(_residual_kernel, rows=rows, precision=precision),
+      grid=(out_width // TILE_OUT,), in_specs=[whole] * 3, out_specs=whole,
+      out_shape=jax.ShapeDtypeStruct((rows, out_width), residual.dtype),
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+      interpret=interpret, name=RESIDUAL_NAME,
+  )(a.reshape(rows, width), weight, residual.reshape(rows, out_width))
+  return out.reshape(b, t, out_width)
+
+
+def residual_reference(residual: Float[Array, "B T D"], a: Float[Array, "B T K"],
+                       weight: Float[Array, "K D"]) -> Float[Array, "B T D"]:
+  """What `residual_product` computes, as `mdjax.models.transformer` adds a product."""
+  return residual + linear(a, weight, residual.dtype)
+
+
+def _anywhere(kernel, kernel_reference, *args, **static):
+  """`kernel(*args, **static)` where the program is lowered for an NVIDIA GPU, its
+  reference elsewhere (a program built for a GPU but run on this host: the tests)."""
   return jax.lax.platform_dependent(
-      parts, residual, norm, weight, cuda=functools.partial(normed_product, **static),
-      default=functools.partial(reference, **static))
+      *args, cuda=functools.partial(kernel, **static),
+      default=functools.partial(kernel_reference, **static))
 
 
 def applies(config, params: dict, rows: int) -> bool:
@@ -277,9 +358,13 @@ def applies(config, params: dict, rows: int) -> bool:
       or not isinstance(layers, list) or config.family == "gemma3"
       or config.qkv_bias or config.qk_norm or config.o_bias or config.mlp_bias):
     return False
+  def takes(weight, feeding, gated):  # the product feeding the kernel: its parts, or
+    parts = kernel_parts(rows, feeding.shape[0], gated, weight.dtype.itemsize)
+    return fits(rows, *weight.shape, weight.dtype.itemsize, parts, gated) and (
+        parts or residual_fits(rows, *feeding.shape))  # a residual product first
+
   return all({"attn_norm", "wqkv", "w_gate_up"} <= set(lp) and all(
-      fits(rows, *weight.shape, weight.dtype.itemsize,
-           kernel_parts(rows, feeding.shape[0], gated, weight.dtype.itemsize), gated)
+      takes(weight, feeding, gated)
       for weight, feeding, gated in ((lp["wqkv"], lp["w_down"], False),
                                      (lp["w_gate_up"], lp["wo"], True))) for lp in layers)
 
@@ -292,28 +377,37 @@ def layers(config, params: dict, x: Float[Array, "B T D"], attend, carry,
   (out [B, T, N, H], carry)` is the attention of layer `index` on its q|k|v product
   `[1, M, N + 2K, H]` (normed, before RoPE)."""
   rows = x.shape[0] * x.shape[1]
+  stack = params["layers"]
+
+  def added(x, a, weight, reader, gated):  # (x, parts): the parts where `reader` adds them
+    count = part_count(a.shape[-1], rows)
+    if takes_parts(rows, count, gated, reader.dtype.itemsize):
+      return x, linear_parts(a, weight, count)  # [Q, M, D]
+    return _anywhere(residual_product, residual_reference, x, a, weight), None
+
+  def normed(parts, x, norm, weight, gated=False):
+    return _anywhere(normed_product, reference, parts, x, norm, weight,
+                     eps=config.rms_norm_eps, gated=gated)
+
   pending, kept = None, {}  # pending: the last down product's parts, not added yet
-
-  def normed(parts_, x, norm, weight, gated=False):  # the parts added by the kernel or first
-    if parts_ is not None and not takes_parts(rows, parts_.shape[0], gated,
-                                              weight.dtype.itemsize):
-      parts_, x = None, _added(x, parts_)
-    return _anywhere(parts_, x, norm, weight, eps=config.rms_norm_eps, gated=gated)
-
-  for index, lp in enumerate(params["layers"]):
+  for index, lp in enumerate(stack):
     x, qkv = normed(pending, x, lp["attn_norm"], lp["wqkv"])
     out, carry = attend(qkv.reshape(1, -1, qkv.shape[-1] // config.head_dim, config.head_dim),
                         index, carry)  # [B, T, N, H]
-    out = out.reshape(*out.shape[:2], -1)  # --> [B, T, N H]
-    x, act = normed(linear_parts(out, lp["wo"], part_count(out.shape[-1], rows)), x,
-                    lp["mlp_norm"], lp["w_gate_up"], gated=True)  # [B, T, F]
-    pending = linear_parts(act, lp["w_down"], part_count(act.shape[-1], rows))  # [Q, M, D]
+    x, parts = added(x, out.reshape(*out.shape[:2], -1), lp["wo"], lp["w_gate_up"], True)
+    x, act = normed(parts, x, lp["mlp_norm"], lp["w_gate_up"], gated=True)  # [B, T, F]
+    reader = stack[min(index + 1, len(stack) - 1)]["wqkv"]  # after the last: as if a layer
+    x, pending = added(x, act, lp["w_down"], reader, False)  # followed (XLA's final norm)
     if index in keep_after:
       kept[index] = _added(x, pending)
   return _added(x, pending), kept, carry
 
 
-def _added(x: Float[Array, "B T D"], parts: Float[Array, "Q M2 D"]) -> Float[Array, "B T D"]:
-  """`x` plus the sum of a product's `parts`, rounded as `linear` rounds a product."""
+def _added(x: Float[Array, "B T D"], parts: Float[Array, "Q M2 D"] | None
+           ) -> Float[Array, "B T D"]:
+  """`x` plus the sum of a product's `parts` (None: none), rounded as `linear` rounds a
+  product."""
+  if parts is None:
+    return x
   b, t, width = x.shape
   return x + parts.sum(axis=0)[:b * t].astype(x.dtype).reshape(b, t, width)
