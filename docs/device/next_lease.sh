@@ -27,7 +27,8 @@ grep -h "rc=\| passed\| failed" /tmp/t_*.log | grep -v "^E " >> $LOG
 #    cost as `auto` measures it (batches 1 and 8), and the roofline again.
 timeout 200 python3 -m experiments.device_check --sections=profile,pass_cost,roofline --batches=1,8 --out_dir=$OUT >> $LOG 2>&1; echo "device_check rc=$?" >> $LOG
 # 2b. The roofline with XLA's own products and fusions (nine kernels a layer where mdjax's
-#     normed-product kernels make five: `mdjax.models.decode_products`), to weigh them.
+#     make five: `mdjax.models.decode_products`; batch 8 runs its residual products), to
+#     weigh them.
 MDJAX_PALLAS_PRODUCTS=0 timeout 100 python3 -m experiments.device_check --sections=roofline --batches=1,8 --out_dir=$OUT/xla_products >> $LOG 2>&1; echo "device_check xla_products rc=$?" >> $LOG
 # 3. MultiDecode's own table in float32, the reference's two points only.
 timeout 120 python3 -m experiments.bench.reproduce_multidecode --model=random-llama-1b --ns=100 --new_tokens=2 --baselines=sequential --sequential_questions=4 --repeats=2 --out_dir=$OUT >> $LOG 2>&1; echo "multidecode rc=$?" >> $LOG
