@@ -278,11 +278,8 @@ def reference(parts: Float[Array, "Q M2 D"] | None, residual: Float[Array, "B T 
               gated: bool = False) -> tuple[Float[Array, "B T D"], Float[Array, "B T F"]]:
   """What `normed_product` computes, as `mdjax.models.transformer` computes it on a GPU
   without it (the norm's weight into the product's operand, its row scale after)."""
-  b, t, width = residual.shape
   dtype = residual.dtype
-  x = residual
-  if parts is not None:
-    x = x + parts.astype(jnp.float32).sum(axis=0)[:b * t].astype(dtype).reshape(b, t, width)
+  x = _added(residual, parts)
   x32 = x.astype(jnp.float32)
   scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)  # [B, T, 1]
   out = linear(norm * x, weight, jnp.float32) * scale
@@ -358,13 +355,15 @@ def applies(config, params: dict, rows: int) -> bool:
       or not isinstance(layers, list) or config.family == "gemma3"
       or config.qkv_bias or config.qk_norm or config.o_bias or config.mlp_bias):
     return False
-  def takes(weight, feeding, gated):  # the product feeding the kernel: its parts, or
+
+  def runs(weight, feeding, gated):  # the normed product of `weight`, and the product
+    #                                  `feeding` it: its parts, or a residual product
     parts = kernel_parts(rows, feeding.shape[0], gated, weight.dtype.itemsize)
     return fits(rows, *weight.shape, weight.dtype.itemsize, parts, gated) and (
-        parts or residual_fits(rows, *feeding.shape))  # a residual product first
+        parts > 0 or residual_fits(rows, *feeding.shape))
 
   return all({"attn_norm", "wqkv", "w_gate_up"} <= set(lp) and all(
-      takes(weight, feeding, gated)
+      runs(weight, feeding, gated)
       for weight, feeding, gated in ((lp["wqkv"], lp["w_down"], False),
                                      (lp["w_gate_up"], lp["wo"], True))) for lp in layers)
 
@@ -405,8 +404,8 @@ def layers(config, params: dict, x: Float[Array, "B T D"], attend, carry,
 
 def _added(x: Float[Array, "B T D"], parts: Float[Array, "Q M2 D"] | None
            ) -> Float[Array, "B T D"]:
-  """`x` plus the sum of a product's `parts` (None: none), rounded as `linear` rounds a
-  product."""
+  """`x` plus the sum of a product's float32 `parts` (None: none), rounded as `linear`
+  rounds a product."""
   if parts is None:
     return x
   b, t, width = x.shape
