@@ -19,7 +19,7 @@ import shutil
 
 from absl import app, flags
 
-from mdjax.models import hf
+from mdjax.checkpoints import hf
 from experiments.cli import one_line_errors
 from mdjax.train import export, grow
 

@@ -38,7 +38,7 @@ import jax
 from absl import app, flags
 
 from mdjax import compile_targets, files, platform, strategies
-from mdjax.models.registry import RANDOM_MODELS
+from mdjax.checkpoints.registry import RANDOM_MODELS
 from mdjax.hlo_products import LOSSLESS
 from mdjax.program_report import (DRAFT_LAYERS, abstract_model, decode_step_report,
                                   generation_counts, strategy_requests)

@@ -21,7 +21,7 @@ from absl import app, flags
 
 from mdjax.errors import MdjaxError
 from experiments.cli import one_line_errors
-from mdjax.models import hf
+from mdjax.checkpoints import hf
 from mdjax.train import export, soup
 
 _MODELS = flags.DEFINE_list("models", None, "shipped model names or model directories",

@@ -35,8 +35,10 @@ vocabulary rows of `embed` (and `lm_head`'s columns) are padded with zeros to a
 multiple of the tensor size; `lm_head` cuts the logits back to `vocab_size`.
 
 **Loading onto a mesh.** A checkpoint loader hands `WeightPlacement.place` recipes, not arrays
-(`mdjax.models.lazy`): split and padded like arrays, then read shard by shard, so
-each process reads only the slices of each tensor its own devices hold. E.g.
+(`mdjax.checkpoints.lazy`, a floor above this one: the rules reach them only through the
+array namespace they name, `__array_namespace__`, and the `put` the loader passes): split
+and padded like arrays, then read shard by shard, so each process reads only the slices
+of each tensor its own devices hold. E.g.
 `q_proj.weight [N*H, D]` on a 1x8 mesh over two processes of 4 devices::
 
     wq = q_proj.weight.T [D, N*H]     columns:  0 ... N*H/2 | N*H/2 ... N*H
@@ -62,7 +64,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from mdjax import distributed
 from mdjax.errors import MdjaxError
-from mdjax.models import lazy
 from mdjax.models.config import ModelConfig
 
 MESH_AXES = ("data", "tensor")
@@ -197,9 +198,10 @@ class WeightPlacement:
   def split(self, name: str, value) -> dict[str, Any]:
     """One stored weight as the mesh stores it: fused projections split (tensor > 1),
     the vocabulary padded. Works on numpy and jax arrays and on a loader's recipes
-    (`mdjax.models.lazy`) alike (last axis = outputs)."""
+    (`mdjax.checkpoints.lazy`) alike, through the namespace each names (the array API's
+    `__array_namespace__`: numpy, jax.numpy or the recipes' own); last axis = outputs."""
     c = self.config
-    xp = lazy if isinstance(value, lazy.Lazy) else np if isinstance(value, np.ndarray) else jnp
+    xp = value.__array_namespace__()
     if self.tensor > 1 and name in FUSED:
       q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
       cuts = [q, q + kv] if name in ("wqkv", "bqkv") else 2  # q|k|v, gate|up
@@ -210,21 +212,20 @@ class WeightPlacement:
       return {name: xp.pad(value, [(0, pad if i == axis else 0) for i in range(value.ndim)])}
     return {name: value}
 
-  def place(self, tree: dict[str, Any]) -> dict[str, Any]:
-    """A dict of named weights (a layer's, or the top-level ones; numpy, jax or recipe
-    leaves) split and put on their shardings one by one: a numpy weight goes from the
-    host to each device's shard, never whole onto one device; a recipe is read only in
-    the shards this process's devices hold (`lazy.put`)."""
+  def place(self, tree: dict[str, Any],
+            put: Callable[[Any, NamedSharding], jax.Array] = jax.device_put) -> dict[str, Any]:
+    """A dict of named weights (a layer's, or the top-level ones) split and `put` on their
+    shardings one by one: a numpy weight goes from the host to each device's shard, never
+    whole onto one device; a loader passes its own `put`, which reads a recipe only in the
+    shards this process's devices hold (`mdjax.checkpoints.lazy.put`)."""
     placed = {}
     for name, value in tree.items():
       if name == "layers":
-        placed[name] = ([self.place(layer) for layer in value] if isinstance(value, list)
-                        else self.place(value))
+        placed[name] = ([self.place(layer, put) for layer in value] if isinstance(value, list)
+                        else self.place(value, put))
         continue
       for part, array in self.split(name, value).items():
-        where = self.sharding(part, array.shape)
-        placed[part] = (lazy.put(array, where) if isinstance(array, lazy.Lazy)
-                        else jax.device_put(array, where))
+        placed[part] = put(array, self.sharding(part, array.shape))
     return placed
 
 
@@ -241,15 +242,6 @@ def shard(model, mesh: Mesh):
   layout = layout_for(mesh, model.config)
   params = one_device_layout(model.params, model.config) if model.layout else model.params
   return dataclasses.replace(model, params=layout.place(params), layout=layout)
-
-
-def placer(layout: WeightPlacement | None) -> Callable[[dict], dict]:
-  """What a checkpoint loader calls on each dict of weights it describes (recipes,
-  `mdjax.models.lazy`): read whole onto the default device, or, with a layout, read
-  by shard straight onto their shardings."""
-  if layout is None:
-    return lambda tree: {name: jnp.asarray(value) for name, value in lazy.materialize(tree).items()}
-  return layout.place
 
 
 def one_device_layout(params: dict, config: ModelConfig) -> dict:

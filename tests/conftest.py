@@ -17,7 +17,7 @@ import tempfile
 # The suite runs on the CPU, even where jax's CUDA plugin is installed (it is, for the
 # GPU program report's tests: requirements-compile-targets.txt), and every process it
 # starts inherits that; the accelerator checks on a GPU set JAX_PLATFORMS themselves
-# (experiments/device_check.py).
+# (experiments/device_check/).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Only on the CPU: a jaxlib that does not know a flag aborts at its backend's start
 # (jax 0.11.2 on an H100 lost every test worker to `--xla_cpu_use_fusion_emitters`).

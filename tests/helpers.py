@@ -23,11 +23,11 @@ import transformers
 from scipy import stats as scipy_stats
 
 from mdjax.cache import KVCache
+from mdjax.checkpoints.hf_layout import SafetensorsFile
+from mdjax.checkpoints.registry import RANDOM_MODELS
 from mdjax.models.config import ModelConfig
-from mdjax.models.hf_layout import SafetensorsFile
 from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
-from mdjax.models.registry import RANDOM_MODELS
 from mdjax.models.transformer import causal_logits, rms_norm
 from mdjax.step import decode_step
 from mdjax.topology import Topology

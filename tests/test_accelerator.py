@@ -1,5 +1,5 @@
 """What an accelerator can get wrong that a CPU does not: the checks
-`experiments/device_check.py` runs on a GPU (`pytest -m accelerator`), and the normal
+`experiments/device_check/` runs on a GPU (`pytest -m accelerator`), and the normal
 suite runs on the CPU.
 
 A GPU changes the numerics under the same program: float32 matmuls may run as TF32

@@ -25,7 +25,7 @@ import pytest
 
 import mdjax
 from experiments import decode
-from mdjax.models.registry import GGUF_MODELS
+from mdjax.checkpoints.registry import GGUF_MODELS
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.py")

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import mdjax
-from mdjax.models import hf
+from mdjax.checkpoints import hf
 from tests import helpers
 from tests.multidevice.process_checks import HEARTBEAT_S
 

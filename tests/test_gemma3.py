@@ -16,8 +16,8 @@ from transformers import masking_utils
 from transformers.models.gemma3 import modeling_gemma3
 
 import mdjax
+from mdjax.checkpoints import hf
 from mdjax.errors import CheckpointError, MdjaxError
-from mdjax.models import hf
 from mdjax.models.config import ModelConfig, RopeScaling
 from mdjax.models.model import Model
 from tests.helpers import (GEMMA3_MIXED, assert_same_greedy, edit_config, hf_greedy,

@@ -26,9 +26,9 @@ import transformers
 
 import mdjax
 from helpers import assert_same_greedy, hf_greedy, mdjax_logits, torch_logits, write_tiny_checkpoint
+from mdjax.checkpoints import gguf as mdjax_gguf
+from mdjax.checkpoints.registry import GGUF_MODELS
 from mdjax.errors import CheckpointError, MdjaxError
-from mdjax.models import gguf as mdjax_gguf
-from mdjax.models.registry import GGUF_MODELS
 
 torch.set_grad_enabled(False)
 
@@ -367,7 +367,7 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
 
 
 def test_gemma3_configs(written):
-  """What llama.cpp derives from a gemma3 GGUF's metadata (see mdjax.models.gguf)."""
+  """What llama.cpp derives from a gemma3 GGUF's metadata (see mdjax.checkpoints.gguf)."""
   plain = mdjax.load(str(written("gemma3")[0])).config
   assert plain.layer_types == ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
   assert (plain.sliding_window, plain.rope_theta, plain.sliding_rope_theta) == (5, 1e6, 1e4)

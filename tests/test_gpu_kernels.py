@@ -18,12 +18,12 @@ import pytest
 import mdjax
 from mdjax import compile_targets, hlo_report, platform, program_report
 from mdjax.cache import KVCache
+from mdjax.checkpoints.registry import RANDOM_MODELS
 from mdjax.models import decode_attention, decode_products, numerics
 from mdjax.models.config import ModelConfig
 from mdjax.models.layer_loop import default_layer_loop, with_layer_loop
 from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
-from mdjax.models.registry import RANDOM_MODELS
 from mdjax.step import decode_step
 from mdjax.topology import Topology, visibility_limits
 

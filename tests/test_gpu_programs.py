@@ -21,8 +21,8 @@ import functools
 import pytest
 
 from mdjax import compile_targets, platform, program_report
+from mdjax.checkpoints.registry import RANDOM_MODELS
 from mdjax.models.layer_loop import default_layer_loop
-from mdjax.models.registry import RANDOM_MODELS
 from mdjax.strategies import registry
 
 TARGET = "h200"

@@ -19,8 +19,8 @@ import torch
 import transformers
 
 from helpers import edit_config, mdjax_logits, torch_logits, write_tiny_checkpoint
+from mdjax.checkpoints import hf, hf_layout
 from mdjax.errors import CheckpointError, MdjaxError
-from mdjax.models import hf, hf_layout
 from mdjax.models.config import RopeScaling
 from mdjax.models.model import Model
 

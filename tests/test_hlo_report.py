@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import pytest
 
 from mdjax import compile_targets, hlo_products, hlo_report, platform, program_report
+from mdjax.checkpoints.registry import RANDOM_MODELS
 from mdjax.errors import MdjaxError
 from mdjax.models.attention import default_attention
 from mdjax.models.config import default_weight_dtype
 from mdjax.models.layer_loop import default_layer_loop
-from mdjax.models.registry import RANDOM_MODELS
 
 
 def _counts(fn, *args):

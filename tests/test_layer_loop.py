@@ -19,7 +19,7 @@ import pytest
 
 import mdjax
 from configs import lm_tiny_test
-from mdjax.models import hf
+from mdjax.checkpoints import hf
 from mdjax.models.layer_loop import (LAYER_LOOPS, layer_loop_of, stack_layers, take_layers,
                                      unstack_layers, with_layer_loop)
 from mdjax.models.model import Model

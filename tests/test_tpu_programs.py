@@ -22,9 +22,9 @@ import pytest
 
 from mdjax import compile_targets, hlo_products, platform, program_report
 from mdjax.cache import KVCache
+from mdjax.checkpoints.registry import RANDOM_MODELS
 from mdjax.generate import STEPS_PER_CHECK
 from mdjax.models.random_init import init_params
-from mdjax.models.registry import RANDOM_MODELS
 
 TARGET = "v5e"
 MiB = 2**20

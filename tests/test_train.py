@@ -26,7 +26,7 @@ import transformers
 import mdjax
 from configs import lm_tiny_test
 from mdjax import losses
-from mdjax.models import hf
+from mdjax.checkpoints import hf
 from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
 from mdjax.models.transformer import causal_logits

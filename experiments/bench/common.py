@@ -30,9 +30,9 @@ from jax.sharding import NamedSharding
 
 import mdjax
 from mdjax import files, sharding, strategies
+from mdjax.checkpoints import hf
 from mdjax.errors import MdjaxError, require
 from mdjax.heads import FAMILIES, HeadsConfig, get_family, init_heads, shipped_heads, store
-from mdjax.models import hf
 
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # noqa: E402 -- after choosing the headless backend

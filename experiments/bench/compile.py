@@ -28,8 +28,8 @@ from experiments.cli import one_line_errors
 from experiments.bench.common import (DRAFT_TOKENS, machine_info, machine_line,
                                       median_after_first_token, plt, random_llama, results_dir,
                                       save_figure, write_results)
+from mdjax.checkpoints.registry import RANDOM_MODELS
 from mdjax.models.layer_loop import LAYER_LOOPS, with_layer_loop
-from mdjax.models.registry import RANDOM_MODELS
 
 _DEPTHS = flags.DEFINE_list("depths", ["8", "32", "80"], "Layer counts (the first is also "
                             "where per-token decode time is measured).")

@@ -20,7 +20,7 @@ meaningful even when absolute times are not. Per-token times are per step of the
 whole batch: `ms_per_token` = wall / new_tokens (prefill included);
 `decode_ms_per_token` = (wall(new_tokens) - wall(1)) / (new_tokens - 1).
 
-A random model name (`mdjax.models.registry.RANDOM_MODELS`) is created in mdjax and
+A random model name (`mdjax.checkpoints.registry.RANDOM_MODELS`) is created in mdjax and
 exported with `save_hf` for transformers; anything else `mdjax.load` reads (a
 directory, a shipped name, a GGUF model such as `smollm2-135m-instruct`, read through
 its float32 Hugging Face copy) is loaded by both from the same directory. Writes

@@ -67,8 +67,8 @@ from experiments.bench.common import (DRAFT_TOKENS, LOOKUP, machine_info, machin
                                       memory_bandwidth, plt, random_ids, random_llama, results_dir,
                                       run_mdjax, save_figure, step_bytes, summarize, timed,
                                       write_results)
+from mdjax.checkpoints.registry import RANDOM_MODELS
 from mdjax.models.layer_loop import default_layer_loop, with_layer_loop
-from mdjax.models.registry import RANDOM_MODELS
 
 PRESETS = {
     # A 1B-class llama (Llama-3.2-1B's shape, untied, a 32k vocabulary): 1.1B parameters.

@@ -29,7 +29,7 @@ import pathlib
 import jax
 from jax.sharding import SingleDeviceSharding
 
-from mdjax import platform
+from mdjax import backends, platform
 from mdjax.errors import MdjaxError, MissingPackageError
 
 HERE = pathlib.Path(__file__).parent
@@ -50,6 +50,9 @@ class Target:
 
 
 GIB = 2**30
+# what libtpu would otherwise look up on a TPU host (it compiles for the named topology)
+COMPILE_ONLY_TPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-1",
+                        "TPU_WORKER_HOSTNAMES": "localhost"}
 TARGETS = {
     "h100": Target(name="h100", platform="gpu", topology="1x1x1", description="h100.txtpb",
                    memory_bandwidth=3.35e12, memory_bytes=80 * GIB),
@@ -82,6 +85,11 @@ def device(name: str) -> jax.Device:
       # never drive one TPU; compiling drives none, and another compiling process (a
       # test worker) or one whose jax found libtpu must not make this one fail
       os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+      # on a host without a TPU, libtpu looks for one (the cloud's metadata server, the
+      # TPU's type and workers) and warns at length; a compile-only topology needs none
+      if not backends.host_has_accelerator():
+        for variable, value in COMPILE_ONLY_TPU_ENV.items():
+          os.environ.setdefault(variable, value)
       topology = topologies.get_topology_desc(topology_name=target.topology, platform="tpu",
                                               chips_per_host_bounds=(1, 1, 1))
     else:

@@ -10,11 +10,12 @@ from mdjax.heads.base import Heads, HeadsConfig
 from mdjax.heads.decoder import decoder_config
 from mdjax.heads.eagle import EagleHead, eagle_causal, eagle_step, init_eagle
 from mdjax.heads.eagle3 import Eagle3Head
-from mdjax.heads.family import FAMILIES, HeadFamily, get as get_family, register
+from mdjax.heads.family import HeadFamily, register
 from mdjax.heads.formats import LAYOUTS, export_heads, import_heads
 from mdjax.heads.medusa import MedusaHeads, init_medusa, medusa_features, medusa_logits
 from mdjax.heads.mtp import (MtpHeads, check_mtp_params, init_mtp, mtp_cache_config, mtp_causal,
                              mtp_features, mtp_step)
+from mdjax.heads.registry import FAMILIES, get as get_family
 from mdjax.heads.store import load_heads, save_heads, shipped_heads
 from mdjax.models.config import ModelConfig, weight_dtype
 

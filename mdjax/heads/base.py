@@ -17,7 +17,7 @@ shipped set of heads is a few MB. A set of heads is plain data: a `HeadsConfig`
              stacked [K, ...]), final_norm [K, D] (see    h_0 .. h_t through its own
              `mdjax.heads.mtp`)                           attention (k = 1..K)
 
-The registered families (`mdjax.heads.family`) say what each family's params are,
+The registered families (`mdjax.heads.family`, `mdjax.heads.registry`) say what each family's params are,
 how it trains and which strategy decodes it; `mdjax.heads.store` saves and loads heads,
 `mdjax.heads.formats` reads and writes the public layouts.
 """
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from mdjax.errors import CheckpointError, MdjaxError, check_count
-from mdjax.heads import family
+from mdjax.heads import registry
 from mdjax.models.config import ModelConfig
 
 
@@ -62,11 +62,11 @@ class HeadsConfig:
   #                                      final-norm hidden state
 
   def __post_init__(self):
-    kind = family.get(self.family)
+    kind = registry.get(self.family)
     for name in ("hidden_size", "vocab_size", "num_heads", "num_layers"):
       check_count(f"heads {name}", getattr(self, name), 1)
     if self.own_unembedding and not kind.owns_unembedding:
-      raise MdjaxError(f"only {' and '.join(family.owning_unembeddings())} heads have their own "
+      raise MdjaxError(f"only {' and '.join(registry.owning_unembeddings())} heads have their own "
                        f"unembedding; {self.family} heads share the model's (own_unembedding "
                        "must be False)")
     object.__setattr__(self, "top_accuracy", tuple(tuple(map(float, row))
@@ -117,7 +117,7 @@ class Heads:
   def check_model(self, config: ModelConfig) -> None:
     """Raises `MdjaxError` naming what keeps the heads from running on `config`: their
     config's `check_model`, and whatever more their family checks (`HeadFamily.check`)."""
-    family.get(self.config.family).check(self, config)
+    registry.get(self.config.family).check(self, config)
 
 
 def cast_floats(params, dtype):

@@ -3,7 +3,7 @@ r"""Head families as plug-ins: what one kind of heads is, by the name in `HeadsC
 A family is one module that subclasses `HeadFamily` and decorates it with `@register`
 (plus its import in `mdjax.heads`); its params, their initialisation and their forward
 are a Flax NNX module of the same file (`mdjax.heads.module`). Everything else asks the
-registry (`get`) and never compares a family's name::
+registry (`mdjax.heads.registry.get`) and never compares a family's name::
 
     who asks                      what the family answers
     init_heads                    init(config, model_config, seed, dtype) -> params
@@ -36,13 +36,12 @@ import jax
 import numpy as np
 
 from mdjax.errors import MdjaxError
-from mdjax.heads import vocab
+from mdjax.heads import registry, vocab
 
 if TYPE_CHECKING:
   from jaxtyping import Array, Float, Int
 
   from mdjax.cache import KVCache
-  from mdjax.topology import Topology
   from mdjax.heads.base import Heads, HeadsConfig
   from mdjax.heads.objective import Objective
   from mdjax.models.config import ModelConfig
@@ -174,33 +173,12 @@ class HeadFamily:
     return self.strategies[0]
 
 
-FAMILIES: dict[str, HeadFamily] = {}
-
-
 def register(cls: type[HeadFamily]) -> type[HeadFamily]:
-  """Makes family `cls` known by its `name` (a class decorator)."""
+  """Makes family `cls` known by its `name` (a class decorator; `mdjax.heads.registry`)."""
   if not (isinstance(cls, type) and issubclass(cls, HeadFamily)):
     raise MdjaxError(f"{getattr(cls, '__name__', cls)!r} does not subclass HeadFamily")
   for attribute in ("name", "strategies"):
     if not hasattr(cls, attribute):
       raise MdjaxError(f"head family class {cls.__name__} does not declare its {attribute}")
-  FAMILIES[cls.name] = cls()
+  registry.FAMILIES[cls.name] = cls()
   return cls
-
-
-def get(name: str) -> HeadFamily:
-  """The family registered as `name`."""
-  if name not in FAMILIES:
-    raise MdjaxError(f"unknown heads family {name!r}; supported: {', '.join(FAMILIES)}")
-  return FAMILIES[name]
-
-
-def decoded_by(strategy: str) -> tuple[str, ...]:
-  """The families strategy `strategy` decodes."""
-  return tuple(name for name, family in FAMILIES.items() if strategy in family.strategies)
-
-
-def owning_unembeddings() -> tuple[str, ...]:
-  """The families whose heads may carry their own lm_head."""
-  return tuple(name for name, family in FAMILIES.items() if family.owns_unembedding)
-

@@ -24,7 +24,7 @@ import optax
 from jaxtyping import Array, Bool, Float, Int
 
 from mdjax import losses
-from mdjax.heads import family, vocab
+from mdjax.heads import registry, vocab
 from mdjax.models.config import ModelConfig
 from mdjax.models.transformer import Params, lm_head
 
@@ -47,7 +47,7 @@ class Objective:
   def __call__(self, params: Params, batch: dict, target: Params, ks: tuple[int, ...]):
     """(loss, {"hits": [depth, len(ks)] top-k hits, "count": [depth] targets}); `target`:
     the frozen target's params the heads read (`HeadFamily.loss`)."""
-    return family.get(self.family).loss(self, params, batch, target, ks)
+    return registry.get(self.family).loss(self, params, batch, target, ks)
 
   def token_losses(self, logits: Float[Array, "... V"], targets: Int[Array, "..."],
                    teacher_hidden: Float[Array, "... D"], target: Params) -> Float[Array, "..."]:

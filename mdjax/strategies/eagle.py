@@ -54,7 +54,7 @@ from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
 from mdjax.heads import Heads, HeadsConfig, get_family
-from mdjax.heads.family import decoded_by
+from mdjax.heads.registry import decoded_by
 from mdjax.strategies import drafting, prompt_layouts, tree_choice
 from mdjax.strategies.base import Limits, ModelFn, Prompt, prefill_with_hidden
 from mdjax.strategies.drafting import DraftState

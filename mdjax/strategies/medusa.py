@@ -105,7 +105,8 @@ from mdjax.errors import MdjaxError, check_count, check_real
 from mdjax.heads import tree as medusa_tree
 from mdjax.heads import vocab
 from mdjax.heads.base import Heads, HeadsConfig
-from mdjax.heads.family import Feed, Guess, HeadFamily, decoded_by, get as get_family
+from mdjax.heads.family import Feed, Guess, HeadFamily
+from mdjax.heads.registry import decoded_by, get as get_family
 from mdjax.sampling import tree_accept, typical_accept
 from mdjax.strategies import drafting, prompt_layouts, tree_choice, trees
 from mdjax.strategies.base import (Limits, ModelFn, Prompt, Sampled, internal,

@@ -24,8 +24,8 @@ import ml_collections
 import numpy as np
 
 from mdjax import programs
+from mdjax.checkpoints import hf
 from mdjax.errors import MdjaxError
-from mdjax.models import hf
 from mdjax.models.config import ModelConfig
 from mdjax.models.transformer import Params, causal_logits
 

@@ -1,7 +1,7 @@
 """A trained run -> a Hugging Face directory that `mdjax.load` and transformers both read.
 
     export/
-      config.json, generation_config.json, model.safetensors   (`mdjax.models.hf.save_hf`)
+      config.json, generation_config.json, model.safetensors   (`mdjax.checkpoints.hf.save_hf`)
       tokenizer.json, tokenizer_config.json
       heldout_files.json     the files no training token came from (evaluate on these)
       training_summary.json  data, tokens seen, and held-out loss / accuracy measured on
@@ -30,7 +30,7 @@ import jax
 import ml_collections
 
 from mdjax import distributed, sharding
-from mdjax.models import hf
+from mdjax.checkpoints import hf
 from mdjax.models.model import Model
 from mdjax.train import data, distill
 from mdjax.train.lm import Run, evaluate, evaluate_heldout

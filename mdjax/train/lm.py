@@ -59,8 +59,8 @@ import optax
 import orbax.checkpoint as ocp
 
 from mdjax import distributed, files, losses, programs, sharding
+from mdjax.checkpoints import hf
 from mdjax.errors import MdjaxError
-from mdjax.models import hf
 from mdjax.models.config import ModelConfig
 from mdjax.models.random_init import init_params
 from mdjax.models.transformer import Params, causal_logits

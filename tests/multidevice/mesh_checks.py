@@ -22,9 +22,9 @@ from jax.sharding import AxisType  # noqa: E402
 
 import mdjax  # noqa: E402
 from mdjax import sharding  # noqa: E402
-from mdjax.models import hf  # noqa: E402
+from mdjax.checkpoints import hf  # noqa: E402
+from mdjax.checkpoints.registry import RANDOM_MODELS  # noqa: E402
 from mdjax.models.layer_loop import with_layer_loop  # noqa: E402
-from mdjax.models.registry import RANDOM_MODELS  # noqa: E402
 from tests import helpers  # noqa: E402
 
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]

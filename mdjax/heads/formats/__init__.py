@@ -37,7 +37,7 @@ and onto mdjax's heads (`mdjax.heads.base`)::
                      head k's unembedding.T -> lm_head[k] [D, V] (own_unembedding=True);
                      vLLM's original_lm_head -> none: the model's lm_head, shared
     eagle            fc.weight.T, fc.bias   -> fc [2D, D], fc_bias [D]
-                     layers.{i}             -> layers[i], as `mdjax.models.hf` maps a model's
+                     layers.{i}             -> layers[i], as `mdjax.checkpoints.hf` maps a model's
                                                (layer 0 without attn_norm; no final_norm)
                      embed_tokens           -> not imported: the model's embedding is used
     eagle3 layouts   q, k, v_proj.T        -> layers[0].wqkv [2D, (N + 2K) H] (fused)
@@ -67,8 +67,8 @@ from mdjax.files import atomic_directory
 from mdjax.heads.formats import medusa, eagle, eagle3  # noqa: F401  (isort: skip)
 from mdjax.heads.formats.common import (CARD_FILE, CONFIG_FILE, FORMATS, WEIGHTS_FILE,
                                         CheckpointFormat, get)
-from mdjax.heads.formats.medusa import MEDUSA_FILE
 from mdjax.heads.base import Heads
+from mdjax.heads.formats.medusa import MEDUSA_FILE
 from mdjax.models.config import ModelConfig, weight_dtype
 from mdjax.models.model import Model
 

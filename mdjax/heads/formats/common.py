@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mdjax.checkpoints import hf, hf_layout
+from mdjax.checkpoints.registry import RANDOM_MODELS
 from mdjax.errors import CheckpointError, MdjaxError
 from mdjax.heads.base import Heads, HeadsConfig
-from mdjax.models import hf, hf_layout
 from mdjax.models.config import ModelConfig
 from mdjax.models.model import Model
-from mdjax.models.registry import RANDOM_MODELS
 from mdjax.models.transformer import Params
 
 CONFIG_FILE, CARD_FILE = "config.json", "README.md"

@@ -14,9 +14,9 @@ from mdjax.heads.formats.common import (CONFIG_FILE, TORCH_FILE, WEIGHTS_FILE, C
                                         base_model_of, cast, config_json, local_family,
                                         model_type_family, register, to_jax, weights_file,
                                         write_config)
-from mdjax.models import hf, hf_layout
+from mdjax.checkpoints import hf, hf_layout
+from mdjax.checkpoints.hf_layout import SafetensorsFile
 from mdjax.models.config import ModelConfig
-from mdjax.models.hf_layout import SafetensorsFile
 from mdjax.models.model import Model
 from mdjax.models.transformer import Params
 

@@ -1,7 +1,7 @@
 """Weights as recipes over checkpoint tensors, read only in the slices asked for.
 
 A loader describes each param of `mdjax.models.transformer` by how it is made from
-the tensors of a `TensorSource` (`mdjax.models.hf_layout.params_from_hf`): a tensor
+the tensors of a `TensorSource` (defined here; `mdjax.checkpoints.hf_layout.params_from_hf`): a tensor
 (cast to the load's dtype), transposed, concatenated, split, padded with zeros. Nothing
 is read until `read(index)` asks for a block; each step maps the index back onto its
 inputs, so a block reads only the slices of the checkpoint tensors it covers::
@@ -19,23 +19,50 @@ inputs, so a block reads only the slices of the checkpoint tensors it covers::
 `put` builds a `jax.Array` on a sharding from the blocks its process's own devices
 hold (`jax.make_array_from_callback`), each distinct block read once; `asarray` reads
 a recipe whole, with the same numpy operations (and bytes) an eager loader would use.
-The functions `concatenate`, `split` and `pad` follow numpy's, so
-`mdjax.sharding.WeightPlacement.split` applies to recipes as it does to arrays.
+The functions `concatenate`, `split` and `pad` follow numpy's, and a recipe names this
+module as its array namespace (`__array_namespace__`, as numpy and jax arrays name
+theirs), so `mdjax.sharding.WeightPlacement.split` applies to recipes as it does to
+arrays without the sharding rules importing this floor; `placer` hands them over.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-if TYPE_CHECKING:
-  from mdjax.models.hf_layout import SlicedTensorSource
+from mdjax.sharding import WeightPlacement
 
 Block = tuple[tuple[int, int], ...]  # [start, stop) per dimension
+
+
+class TensorSource(Protocol):
+  """Tensors by Hugging Face name: what `mdjax.checkpoints.hf_layout.params_from_hf` reads.
+
+  Sources that track what was read (`SafetensorsFile`, the GGUF reader) also offer
+  `check_all_read()`, which names the tensors a checkpoint holds and its config does
+  not describe.
+  """
+
+  def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Tensor `name`, checked to have `shape` (a `CheckpointError` naming it if not)."""
+    ...
+
+
+class SlicedTensorSource(TensorSource, Protocol):
+  """A `TensorSource` that also reads parts of a tensor without the rest: what loading
+  onto a mesh needs, where each process reads only the slices its own devices hold
+  (`put`). The safetensors sources are; a GGUF is loaded onto a mesh from its converted
+  safetensors copy (`mdjax.checkpoints.gguf`)."""
+
+  def get_slice(self, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+    """`get(name, shape)[index]`, reading only the slice."""
+    ...
 
 
 class Lazy:
@@ -51,6 +78,10 @@ class Lazy:
   @property
   def T(self) -> Lazy:  # noqa: N802 -- numpy's name
     return Transposed(self)
+
+  def __array_namespace__(self, api_version: str | None = None):
+    """This module: its `concatenate`, `split` and `pad` take recipes as numpy's take arrays."""
+    return sys.modules[__name__]
 
   def read(self, block: Block) -> np.ndarray:
     """The values in `block`, reading only what it covers."""
@@ -204,10 +235,12 @@ def materialize(tree: dict) -> dict:
   return {name: asarray(value) for name, value in tree.items()}
 
 
-def put(value: Lazy, sharding: jax.sharding.Sharding) -> jax.Array:
+def put(value: Lazy | Any, sharding: jax.sharding.Sharding) -> jax.Array:
   """`value` as a `jax.Array` on `sharding`: this process reads only the blocks its own
   devices hold, each distinct block once (a replicated weight is read once, not once
-  per device), and puts each on its device."""
+  per device), and puts each on its device. An array (not a recipe) is put as it is."""
+  if not isinstance(value, Lazy):
+    return jax.device_put(value, sharding)
   blocks: dict[Block, np.ndarray] = {}
 
   def block_of(index: tuple[slice, ...]) -> np.ndarray:
@@ -217,3 +250,12 @@ def put(value: Lazy, sharding: jax.sharding.Sharding) -> jax.Array:
     return blocks[block]
 
   return jax.make_array_from_callback(value.shape, sharding, block_of, dtype=value.dtype)
+
+
+def placer(layout: WeightPlacement | None) -> Callable[[dict], dict]:
+  """What a checkpoint loader calls on each dict of weights it describes (recipes): read
+  whole onto the default device, or, with a layout, read by shard straight onto their
+  shardings (`WeightPlacement.place` with `put`)."""
+  if layout is None:
+    return lambda tree: {name: jnp.asarray(value) for name, value in materialize(tree).items()}
+  return lambda tree: layout.place(tree, put)

@@ -18,7 +18,7 @@ ggml's types, most of them quantized blocks. Loading one:
    changed bytes are a new name, so a stale copy is never served. The conversion runs
    under a file lock (`files.exclusive_lock`): processes that race to load one file
    convert it once, the others wait and read the copy. Onto a mesh, each process reads
-   only its own devices' slices of the copy (`mdjax.models.lazy`); the conversion
+   only its own devices' slices of the copy (`mdjax.checkpoints.lazy`); the conversion
    itself dequantizes every tensor whole (ggml's quantized blocks are not read by
    slice), in the one process that converts.
 
@@ -69,12 +69,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from mdjax import files
+from mdjax.checkpoints import hf, lazy
+from mdjax.checkpoints.hf_layout import params_from_hf
+from mdjax.checkpoints.registry import GGUF_MODELS
 from mdjax.errors import CheckpointError
-from mdjax.models import hf, lazy
-from mdjax.models.hf_layout import params_from_hf
 from mdjax.models.config import ModelConfig, RopeScaling, rope_inv_freq, weight_dtype
 from mdjax.models.model import Model
-from mdjax.models.registry import GGUF_MODELS
 
 # GGUF `general.architecture` -> the Hugging Face model_type `hf.config_from_hf` reads.
 # llama.cpp stores mistral models as llama (and records no sliding window): they load as llama.
@@ -338,7 +338,7 @@ def _llama3_rope(divisors: np.ndarray, theta: float, head_dim: int,
 
 class _Tensors:
   """A GGUF's tensors by Hugging Face name, dequantized to float32 on `get` (a
-  `mdjax.models.hf_layout.TensorSource`), q/k rows unpermuted where llama.cpp permuted them."""
+  `mdjax.checkpoints.lazy.TensorSource`), q/k rows unpermuted where llama.cpp permuted them."""
 
   def __init__(self, reader: gguf.GGUFReader, file: pathlib.Path, arch: str):
     self.file, self.arch = file, arch

@@ -3,7 +3,7 @@
 A Hugging Face directory holds `config.json`, the weights as one `model.safetensors`
 or as shards listed in `model.safetensors.index.json`, and optionally
 `generation_config.json` and tokenizer files. Its tensors map onto mdjax's params as
-`mdjax.models.hf_layout` draws; this module reads and writes the config.json side and
+`mdjax.checkpoints.hf_layout` draws; this module reads and writes the config.json side and
 the directory.
 """
 
@@ -17,13 +17,14 @@ import re
 from typing import Any
 
 from mdjax import sharding
+from mdjax.checkpoints import lazy
+from mdjax.checkpoints.hf_layout import (SafetensorsCheckpoint, params_from_hf, params_to_hf,
+                                         write_weights)
+from mdjax.checkpoints.registry import RANDOM_MODELS
 from mdjax.errors import CheckpointError, MdjaxError
 from mdjax.files import atomic_directory
 from mdjax.models.config import LAYER_TYPES, ModelConfig, RopeScaling, weight_dtype
-from mdjax.models.hf_layout import (SafetensorsCheckpoint, params_from_hf, params_to_hf,
-                                    write_weights)
 from mdjax.models.model import Model
-from mdjax.models.registry import RANDOM_MODELS
 
 ASSETS_DIR = pathlib.Path(__file__).resolve().parent.parent / "assets"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -316,7 +317,7 @@ def load_hf_dir(path: str | os.PathLike, dtype="float32", *, name: str | None = 
   weights = SafetensorsCheckpoint(directory)
   weights.validate()
   layout = sharding.layout_for(mesh, config)
-  params = params_from_hf(config, weights, np_dtype, sharding.placer(layout))
+  params = params_from_hf(config, weights, np_dtype, lazy.placer(layout))
   tokenizer = None
   if any((directory / f).is_file() for f in TOKENIZER_FILES):
     import transformers  # only checkpoints with a tokenizer need it

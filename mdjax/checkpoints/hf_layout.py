@@ -22,13 +22,13 @@ Each HF tensor maps onto the per-layer, fused, transposed layout of
     model.layers.{i}.post_feedforward_layernorm.weight  -> layers[i].post_mlp_norm
 
 Loaders read through a `TensorSource`, tensors by HF name: a checkpoint directory's
-safetensors (`SafetensorsCheckpoint`, `mdjax.models.hf`), one safetensors file
-(`SafetensorsFile`: heads), a GGUF file dequantized (`mdjax.models.gguf`) or an EAGLE
+safetensors (`SafetensorsCheckpoint`, `mdjax.checkpoints.hf`), one safetensors file
+(`SafetensorsFile`: heads), a GGUF file dequantized (`mdjax.checkpoints.gguf`) or an EAGLE
 head seen as a model's layers (`mdjax.heads.formats`). A safetensors header is
 checked before any of its tensors is read, so a truncated or corrupt file is
 reported by name. `params_from_hf` describes each param as a recipe over the source's
-tensors (`mdjax.models.lazy`: the transposes, fusions and padding above), so a load
-onto a mesh reads only the slices each process's devices hold (`SlicedTensorSource`).
+tensors (`mdjax.checkpoints.lazy`: the transposes, fusions and padding above), so a load
+onto a mesh reads only the slices each process's devices hold (`lazy.SlicedTensorSource`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import pathlib
 from collections.abc import Callable
-from typing import Protocol
 
 import ml_dtypes  # noqa: F401 -- registers bfloat16 with numpy, which BF16 tensors need
 import numpy as np
@@ -44,8 +43,8 @@ import safetensors
 import safetensors.numpy
 
 from mdjax import sharding
+from mdjax.checkpoints import lazy
 from mdjax.errors import CheckpointError
-from mdjax.models import lazy
 from mdjax.models.config import ModelConfig
 from mdjax.models.layer_loop import unstack_layers
 from mdjax.models.transformer import Params
@@ -54,30 +53,6 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # the header metadata transformers writes into its own checkpoints
 WEIGHTS_METADATA = {"format": "pt"}
-
-
-class TensorSource(Protocol):
-  """Tensors by Hugging Face name: what `params_from_hf` reads.
-
-  Sources that track what was read (`SafetensorsFile`, the GGUF reader) also offer
-  `check_all_read()`, which names the tensors a checkpoint holds and its config does
-  not describe.
-  """
-
-  def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """Tensor `name`, checked to have `shape` (a `CheckpointError` naming it if not)."""
-    ...
-
-
-class SlicedTensorSource(TensorSource, Protocol):
-  """A `TensorSource` that also reads parts of a tensor without the rest: what loading
-  onto a mesh needs, where each process reads only the slices its own devices hold
-  (`mdjax.models.lazy.put`). The safetensors sources are; a GGUF is loaded onto a mesh
-  from its converted safetensors copy (`mdjax.models.gguf`)."""
-
-  def get_slice(self, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
-    """`get(name, shape)[index]`, reading only the slice."""
-    ...
 
 
 # --------------------------------------------------------------------------- safetensors
@@ -226,12 +201,12 @@ def _norms_after_attention(config: ModelConfig) -> dict[str, str]:
   return {"mlp_norm": "post_attention_layernorm"}
 
 
-def params_from_hf(config: ModelConfig, source: TensorSource, dtype,
-                    place: Callable[[dict], dict] = sharding.placer(None)) -> Params:
+def params_from_hf(config: ModelConfig, source: lazy.TensorSource, dtype,
+                    place: Callable[[dict], dict] = lazy.placer(None)) -> Params:
   """HF tensors -> the per-layer, fused, transposed params of `transformer`. Each is
-  described as a recipe over `source` (`mdjax.models.lazy`), read only when `place`
+  described as a recipe over `source` (`mdjax.checkpoints.lazy`), read only when `place`
   turns each layer's dict, then the rest, into arrays: on one device or on a mesh,
-  each process reading only its devices' slices (`mdjax.sharding.placer`), or on the
+  each process reading only its devices' slices (`mdjax.checkpoints.lazy.placer`), or on the
   host (`lazy.materialize`)."""
   c = config
   d, f, h = c.hidden_size, c.intermediate_size, c.head_dim
