@@ -10,7 +10,7 @@ target. Once the target copies, so must the draft: the shipped draft's later sta
 (copy rows whose repeat the target predicts, so the KL term teaches copying), which took
 its argmax agreement with target stage 9u from 0.488 to 0.619. Each stage's lr, steps,
 teacher and agreement are on `code-tiny-draft`'s card; the stages not shipped are in the
-findings of `docs/shipped_models.md`.
+history in `CHANGELOG.md`.
 """
 
 from configs import lm_draft

@@ -31,7 +31,7 @@ tokens in a row (`heldout_greedy_copy`: 0). Continued *untied*
 (`--config.model.tie_word_embeddings=False` with `init_from` a tied export), the same
 rows made the copy strong: random-id copy 0.855, 5 of 64 held-out repeats right 32
 tokens in a row, after 5,500 more steps (stage 9u). Continued at a peak lr of 1e-4
-(stage 11, shipped before stage 17): 0.884 and 8 of 64; see `docs/shipped_models.md` and the card.
+(stage 11, shipped before stage 17): 0.884 and 8 of 64; see `CHANGELOG.md` and the card.
 The same again from stage 11 (stage 12) gained 0.009 of loss but copied no better
 (6 of 64; `eval_lm`: 3 of 16 against stage 11's 4).
 Stage 13 traded random-id rows for framed copy rows (a comment between the original

@@ -137,7 +137,7 @@ def write_layer(cache: KVCache, layer: int, slot: Int[Array, "B T"], k: Float[Ar
   8 rows; at 32 rows of 64 tokens, a whole K or V 4 times in every layer). The selects
   read and write the layer's slice where it lies, in one pass over it; the token each
   slot takes (`src`, a scatter of ints `[B, S]`) follows the scatter's own rule
-  (docs/results/programs/, "The KV cache is copied")."""
+  (docs/benchmarks/programs.md, "The KV cache is not copied")."""
   rows = jnp.arange(slot.shape[0])[:, None]  # [B, 1]
   if platform.current() == "tpu":
     tokens = jnp.broadcast_to(jnp.arange(slot.shape[1], dtype=jnp.int32), slot.shape)  # [B, T]

@@ -8,7 +8,7 @@ import tempfile
 # The suite's models are tiny, so its time is XLA compiling hundreds of programs;
 # without LLVM's optimisation passes that is ~30% faster, and with XLA:CPU's older
 # fusion emitters (LLVM IR directly, not through MLIR) small programs take ~45% less
-# CPU again, a real model's ~15% more (docs/testing.md). Set before jax starts its
+# CPU again, a real model's ~15% more (CHANGELOG.md, 2026-11-27). Set before jax starts its
 # backend; subprocesses (benchmarks, the CLI) inherit it, all but the TPU notebook's
 # kernel, which runs more than it compiles (tests/test_notebooks.py takes these two
 # flags out of its environment). Results are checked between strategies under the same
@@ -49,7 +49,7 @@ REAL_MODEL_FIXTURES = {"smollm2", "gemma3_270m"}
 
 
 # The files that take longest (minutes each), longest first by the CPU seconds each
-# spends in one process (docs/testing.md). They start first, so that the two workers
+# spends in one process (docs/testing.md, "Time per file"). They start first, so that the two workers
 # (`--dist loadfile`) end together rather than one running the 8-device subprocess
 # alone at the end; the two multi-process files (three processes each, on heartbeat
 # timeouts) are five files apart, so that they do not run at the same time.

@@ -7,7 +7,7 @@ checks its output: the text, then one JSON summary line.
 
 The configs run here on models laid out for `layer_loop="scan"`, each model loaded once
 (`_scanned_models_loaded_once`): a real model's program then compiles one layer instead
-of 30, about 10 CPU s less each (docs/testing.md), and what these tests prove (a config
+of 30, about 10 CPU s less each (CHANGELOG.md), and what these tests prove (a config
 runs end to end and prints its text; a lossless one gives greedy's tokens) does not
 depend on the layer loop, which tests/test_layer_loop.py proves gives the same tokens
 for every strategy. The CLI run keeps the default loop (unrolled on the CPU) and its

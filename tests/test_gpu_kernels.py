@@ -4,8 +4,8 @@
 for a GPU (the references standing in for the kernels) gives the CPU's logits and cache;
 and the 1B `decode_step` compiled for an H200 target (`mdjax.compile_targets`) launches,
 for one token at batch 1 and 8, at most `KERNELS_IN_A_LAYER` kernels in each layer and
-`KERNELS_PER_LAYER` per layer all told, the pass's own included (issue 49's goal: 10;
-docs/results/programs/)."""
+`KERNELS_PER_LAYER` per layer all told, the pass's own included (the goal: 10;
+docs/benchmarks/programs.md)."""
 
 import dataclasses
 import functools

@@ -13,7 +13,7 @@ installed by requirements-dev.txt; no skip without it) by `mdjax.hlo_report`:
   unrolled stack adds the same kernels and passes: checked on greedy's 16 layers), so
   the test compiles those, cut to 2 and 3 layers; the smaller one's kernels also stay at
   today's count or fewer (the pass's own kernels, the choice of tokens and the state's
-  bookkeeping: docs/results/programs/ has the 16-layer counts)."""
+  bookkeeping: docs/benchmarks/programs.md has the 16-layer counts)."""
 
 import dataclasses
 import functools
@@ -144,7 +144,7 @@ def test_a_generation_step_launches_at_most_10_kernels_per_layer_pass(strategy):
   today's kernels or fewer in the smallest program: the sampling filters
   (`jax.lax.top_k`, one sort), the attention kernel over cache regions, the output
   buffer's selects. Greedy's extrapolation is checked against its 16-layer program
-  (the others' give docs/results/programs/' counts exactly: eagle 194 and 20,
+  (the others' give docs/benchmarks/programs.md's counts exactly: eagle 194 and 20,
   speculative, with a 30-layer draft, 738 and 136)."""
   smallest = _step_counts(strategy, FIRST_LAYERS.get(strategy, 2))[0]
   assert smallest <= STEP_KERNELS_TODAY[strategy], smallest

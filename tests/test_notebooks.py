@@ -16,7 +16,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 SIMULATED_DEVICES = {"tpu_colab.ipynb": 8}
 # The suite's XLA flags (tests/conftest.py) make compiling cheap and running slow. The TPU
 # notebook's time is running SmolLM2 on 8 simulated devices (a few programs, hundreds of
-# prompt tokens): its kernel runs with XLA's defaults, half the CPU (docs/testing.md).
+# prompt tokens): its kernel runs with XLA's defaults, half the CPU (CHANGELOG.md).
 COMPILE_CHEAP_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 RUN_BOUND = {"tpu_colab.ipynb"}
 

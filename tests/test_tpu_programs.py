@@ -11,7 +11,7 @@ by requirements-dev.txt; no skip without it) by `mdjax.hlo_report` and
   weights, waits for no host, fits a v5e and copies no part of its KV cache (a TPU
   writes a layer's new K/V by selects where the layer lies, `mdjax.cache.write_layer`:
   a scatter made XLA:TPU copy K and V into another layout before the layer loop and
-  back after it, twice the cache per pass: docs/results/programs/);
+  back after it, twice the cache per pass: docs/benchmarks/programs.md);
 - a float32 step computes every product in float32 (`mdjax.models.numerics`).
 
 Shapes are the smallest that show each property; one 1B compile (~15 s) per run."""

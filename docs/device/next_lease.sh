@@ -1,5 +1,5 @@
 #!/bin/bash
-# The next lease's one call (issue 49), prepared on the CPU. From the repository root:
+# The next lease's one call (the GPU program's kernels), prepared on the CPU. From the repository root:
 #   echo /.dev/ >> .git/info/exclude; mkdir -p .dev; cp docs/device/next_lease.sh .dev/run.sh
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --implementation cp --platform manylinux2014_x86_64 -d .dev ml-collections==1.1.0 gguf==0.19.0
