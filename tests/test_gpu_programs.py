@@ -1,4 +1,4 @@
-"""The GPU program's floors (issue 49), read on this CPU from programs compiled for an
+"""The GPU program's floors, read on this CPU from programs compiled for an
 H200 target (`mdjax.compile_targets`, jax's CUDA plugin: requirements-compile-targets.txt,
 installed by requirements-dev.txt; no skip without it) by `mdjax.hlo_report`:
 
@@ -7,7 +7,7 @@ installed by requirements-dev.txt; no skip without it) by `mdjax.hlo_report`:
   and waits for the host nowhere; its kernels per layer stay at today's count or fewer
   (5 inside a layer up to 32 rows, 9 past them: tests/test_gpu_kernels.py);
 - every registered strategy's whole-generation program, on the 1B shape, waits for the
-  host in no step and launches at most 10 kernels per layer pass (issue 49's goal: a
+  host in no step and launches at most 10 kernels per layer pass (the goal: a
   step's kernels over the layers its passes run, the target's, a draft's or a head's).
   The 16-layer counts follow from two programs one layer apart (each layer of the
   unrolled stack adds the same kernels and passes: checked on greedy's 16 layers), so
@@ -42,43 +42,8 @@ def test_a_1b_decode_step_copies_no_weights_and_waits_for_no_host(batch, tokens)
   assert counts.kernels <= KERNELS_PER_LAYER_TODAY * config.num_layers, counts.kernels_by_kind
 
 
-# kernels per step of the token loop, at random-llama-1b's shape with 2 layers (today's)
-# (before the GPU's top-k and top-p, the attention kernel over cache regions and the output
-# buffer's selects: 40, 286, 58, 60, 58 and 58; before the kernel took passes of 17-32
-# tokens, medusa's tree of 17 and lookahead's 24: 97 and 83; before the one-branch loop
-# updated fewer arrays (no last token, no pass counter; the columns fed counted only on
-# the CPU; no scatter of a full-width pass's logits) and a one-row head took the final
-# norm's row scale on its output: 38, 60, 37, 39, 37 and 37; before the cache operations
-# moved positions and segments by selects and a known path instead of compacting, tree
-# acceptance was unrolled and the own-loop strategies kept fewer state arrays: medusa 82,
-# lookahead 66, and off this list beam 57, jacobi 54, prompt_lookup 53, entropy_branching
-# 70, blockwise 100; before beam's one top-k over its candidates, parent pointers, finished
-# hypotheses kept where they ended and one-pass log-softmax: beam 51; before lookahead's pool
-# wrote each pass's n-grams in columns of their own: lookahead 59; eagle's and self_speculative's
-# draft passes counted too (self_speculative drafts with 1 of the 2 layers; eagle 215 before its
-# tree's scores took the one-pass log-softmax, entropy_branching 60 before its own did; eagle
-# 207 and self_speculative 142 before the tree's levels and, on a GPU, the chain's passes were
-# unrolled, a tree ranked its tokens on the logits and kept its best nodes without a scatter,
-# and a greedy chain with no confidence threshold took no softmax); before lookahead's pool was
-# written by selects and its text's length read after the pass, and entropy_branching's argmax
-# came from its fork's top-k and its tallies were per row: lookahead 53, entropy_branching 58;
-# before the one-token strategies' steps left done rows as they were, so that the token loop
-# needed no select, nor a copy of the done flags it reads: greedy 34, sample 56,
-# multi_question, skeleton_fill and margin_notes 33, parallel_sample 35, and (greedy_accept's
-# running AND too) lookahead 51, jacobi 38; before greedy tree acceptance without a walk, the
-# verify's positions computed with its fed segments and its forks and segments as selects of
-# pads, the static tree's segment parents kept, and for MTP heads their features in the
-# unembedding's dtype and a chain's hidden states fed as the verify left them: medusa 56,
-# blockwise 72, eagle 158; before a layer's products that begin with a norm were kernels of
-# mdjax's own (`mdjax.models.decode_products`: five kernels a layer, not nine): greedy 32,
-# sample 54, multi_question, skeleton_fill and margin_notes 32, parallel_sample 34, medusa 46,
-# lookahead 49, beam 42, jacobi 36, prompt_lookup 38, entropy_branching 50, blockwise 60,
-# eagle 148, self_speculative 104; before a product past the rows whose parts the next
-# kernel takes was one kernel of mdjax's own (`residual_product`), not XLA's split product
-# and its sum: multi_question 26, parallel_sample 28, medusa 42, lookahead 45, beam 36,
-# jacobi 30, prompt_lookup 34, blockwise 52, eagle 131, self_speculative 83 (at 2 layers,
-# drafting with 1; since then at 5, drafting with 4 as the report does); a notch lower,
-# each fails)
+# kernels per step of the token loop, at random-llama-1b's shape with 2 layers: today's
+# counts, a regression guard (a notch lower, each fails; how they came down: git log -p)
 STEP_KERNELS_TODAY = {"greedy": 24, "sample": 46, "multi_question": 24, "parallel_sample": 26,
                       "skeleton_fill": 24, "margin_notes": 24, "medusa": 38, "lookahead": 40,
                       "beam": 34, "jacobi": 28, "prompt_lookup": 30, "entropy_branching": 42,
@@ -88,7 +53,7 @@ STEP_KERNELS_TODAY = {"greedy": 24, "sample": 46, "multi_question": 24, "paralle
 FILTERS = dict(top_p=0.9, min_p=0.05)  # sample: every filter (the report's request: top-k)
 LAYERS, DRAFT_LAYERS = 16, program_report.DRAFT_LAYERS  # the report's: the 1B shape's and
 #                                                         a 30-layer draft model's
-GOAL = 10  # issue 49: kernels per layer pass, at most
+GOAL = 10  # kernels per layer pass, at most
 FIRST_LAYERS = {"self_speculative": 5}  # its draft, a quarter of 16 layers, takes fewer than
 #                                        the target's; the others from 2 layers
 
@@ -111,6 +76,7 @@ def _requests(num_layers: int, draft_layers: int):
                                                  draft_layers=draft_layers)
 
 
+@functools.cache  # the test reads the smallest program twice: once compiled
 def _step_counts(strategy: str, num_layers: int, draft_layers: int = 2) -> tuple[int, int]:
   """(kernels, layer passes) of a step of `strategy`'s whole-generation program at the
   1B shape cut to `num_layers`, a draft model cut to `draft_layers` (the report's
