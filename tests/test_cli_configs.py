@@ -1,7 +1,7 @@
 """Every decode config runs end to end on its model (a few tokens) and prints its
 text; the lossless ones reproduce greedy's tokens on the same model and prompt.
 
-The configs run in this process through `experiments.decode.decode` (what the CLI's
+The configs run at a few tokens and a few branches (`_config`), in this process through `experiments.decode.decode` (what the CLI's
 `main` calls), sharing compiled programs; one run goes through the CLI itself and
 checks its output: the text, then one JSON summary line.
 
@@ -33,14 +33,23 @@ CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.py")
 LOSSLESS = ("greedy", "prompt_lookup", "speculative", "self_speculative", "lookahead", "jacobi",
             "speculative_tree", "medusa", "blockwise", "eagle")
 NEW_TOKENS = 6
+# a config's other sizes, cut as its budget is: the pipelines' and branches' tokens, and
+# how many branches, candidates, samples or questions (two: still several, sharing a cache)
+SIZES = {"branch_tokens": NEW_TOKENS, "candidate_tokens": NEW_TOKENS, "num_branches": 2,
+         "num_candidates": 2, "num_samples": 2}
+QUESTIONS = 2
 
 
 def _config(name: str):
+  """configs/<name>.py at the test's sizes (`NEW_TOKENS`, `SIZES`, `QUESTIONS`)."""
   spec = importlib.util.spec_from_file_location(f"configs.{name}", REPO / "configs" / f"{name}.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   config = module.get_config()
   config.max_new_tokens = NEW_TOKENS
+  config.update({field: size for field, size in SIZES.items() if field in config})
+  if "questions" in config:
+    config.questions = tuple(config.questions)[:QUESTIONS]
   return config
 
 
