@@ -9,7 +9,13 @@
 
 from __future__ import annotations
 
+import os
+
 from mdjax import backends, xla_flags
+
+# mdjax reads tokenizers, chat templates and GGUF metadata through transformers, never its
+# PyTorch models: its advice that PyTorch is missing is noise to a user of mdjax
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 xla_flags.apply()  # before any JAX backend starts: `mdjax.xla_flags`
 backends.choose()  # the CPU alone on a host without a GPU or TPU: `mdjax.backends`
