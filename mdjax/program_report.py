@@ -171,7 +171,7 @@ def generation_counts(target: str, model: Model, strategy: str, prompts: list, o
   """Strategy `strategy`'s whole-generation program compiled for `target`: per step of
   its token loop (the loop under `mdjax.generate.STEP_LOOP`), kernels, host syncs and,
   on a GPU, layer passes (the target's layers, the draft's or a head's, one per pass
-  that runs them) with the kernels per layer pass, the unit of issue 49's goal;
+  that runs them) with the kernels per layer pass, the unit of the GPU program's goal;
   the host syncs of the program outside that loop, and how many steps run between
   them; the program's loops, memory and float32 products."""
   on = compile_targets.get(target).platform

@@ -148,7 +148,7 @@ def test_the_contract_options_are_declared_by_their_strategies():
 
 
 def test_sample_samples_and_greedy_is_greedy(model):
-  """`strategy="sample"` with no options samples at temperature 1 (issue 31)."""
+  """`strategy="sample"` with no options samples at temperature 1."""
   prompt = [3, 4, 5]
   greedy = mdjax.generate(model, prompt, max_new_tokens=12, eos_token_id=[]).sequences
   sampled = {tuple(mdjax.generate(model, prompt, strategy="sample", max_new_tokens=12,
