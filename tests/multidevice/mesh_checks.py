@@ -28,8 +28,12 @@ from mdjax.models.layer_loop import with_layer_loop  # noqa: E402
 from tests import helpers  # noqa: E402
 
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
+KV_HEADS = (1, 2, 8)
 VOCAB = 250  # not divisible by a tensor axis of 4 or 8: padded and masked
-PROMPTS = [[5, 6, 7, 8, 9, 10], [3, 4, 5], [7, 7, 7, 7], [1, 2]]  # 4 ragged rows
+# 8 ragged rows: every data axis here (2, 4, 8) splits them (a count that an axis does not
+# divide is replicated over it, `mdjax.sharding.spec`: 4 rows on 8x1 would shard nothing)
+PROMPTS = [[5, 6, 7, 8, 9, 10], [3, 4, 5], [7, 7, 7, 7], [1, 2], [11, 12, 13, 14, 15], [9],
+           [2, 8, 2, 8], [4, 6, 8]]
 
 
 def tiny_config(num_kv_heads: int, num_layers: int = 2):
@@ -45,14 +49,18 @@ def random_model(num_kv_heads: int, num_layers: int = 2, seed: int = 0) -> mdjax
 
 
 def requests(model: mdjax.Model, draft: mdjax.Model) -> dict:
-  """Every strategy family the issue names: name -> generate's keyword arguments."""
+  """Every strategy family the issue names: name -> generate's keyword arguments. A
+  request has a cache row per prompt (beam's beams and multi_question's questions are
+  branches in their prompt's row), 8 or 4: a data axis of 4 splits every one."""
   return {
       "greedy": dict(prompts=PROMPTS),
       "sample": dict(prompts=PROMPTS, strategy="sample", temperature=0.9, top_k=40, top_p=0.9,
                      min_p=0.02, seed=3),
-      "beam": dict(prompts=PROMPTS[:2], strategy="beam", num_beams=3),
-      "multi_question": dict(prompts=[[4, 5, 6, 7, 8]], strategy="multi_question",
-                             questions=[[[9, 10], [11], [12, 13, 14], [15]]]),
+      "beam": dict(prompts=PROMPTS[:4], strategy="beam", num_beams=3),
+      "multi_question": dict(prompts=[[4, 5, 6, 7, 8], [6, 5, 4], [9, 9], [3, 1, 4, 1, 5]],
+                             strategy="multi_question",
+                             questions=[[[9, 10], [11], [12, 13, 14], [15]], [[16, 17], [18]],
+                                        [[19], [20, 21], [22]], [[23, 24]]]),
       "speculative": dict(prompts=PROMPTS, strategy="speculative", draft=draft,
                           num_draft_tokens=3),
       "medusa": dict(prompts=PROMPTS, strategy="medusa", heads=helpers.random_medusa_heads(model, 2)),
@@ -90,26 +98,67 @@ def assert_same(got: dict, expected: dict):
 REFERENCE = ["greedy", "sample", "beam", "multi_question"]
 
 
+class References(dict):
+  """`REFERENCE` name -> one device's `outputs` of it, computed when a check first reads
+  it: only the references some mesh check compares with are compiled."""
+
+  def __init__(self, model: mdjax.Model, draft: mdjax.Model):
+    super().__init__()
+    self.model, self.draft = model, draft
+
+  def __missing__(self, name: str):
+    self[name] = outputs(self.model, self.draft, [name])[name]
+    return self[name]
+
+
 @pytest.fixture(scope="module")
 def one_device():
-  """Per KV-head count: the unsharded model, its draft, logits and the `REFERENCE` outputs."""
+  """Per KV-head count: the unsharded model, its draft, logits and `References`."""
   found = {}
-  for kv in (1, 2, 8):
+  for kv in KV_HEADS:
     model, draft = random_model(kv), random_model(kv, num_layers=1, seed=1)
-    found[kv] = (model, draft, mdjax.forward_logits(model, PROMPTS[0]),
-                 outputs(model, draft, REFERENCE))
+    found[kv] = (model, draft, mdjax.forward_logits(model, PROMPTS[0]), References(model, draft))
   return found
 
 
-# every strategy on three mesh shapes, each with another KV-head count; the logits and
-# greedy on every (mesh, KV heads) pair (the whole product compiles too long for CI). The
-# fourth, 2x4 with 2 KV heads, runs every registered strategy in tests/test_distributed.py
-# (two processes of 4 devices each): not again here.
-EVERY_STRATEGY = {(1, 8): 1, (4, 2): 8, (8, 1): 2}
+def split_axes(shape, kv: int) -> frozenset[str]:
+  """The axes of the layout mesh (data, tensor_kv, tensor_q) longer than 1 for `kv` KV
+  heads on the mesh `shape`: what the rules shard over."""
+  mesh = sharding.layout_mesh(jax.make_mesh(shape, ("data", "tensor")), kv)
+  return frozenset(axis for axis in sharding.LAYOUT_AXES if mesh.shape[axis] > 1)
 
 
-@pytest.mark.parametrize("kv", [1, 2, 8])
-@pytest.mark.parametrize("shape", MESHES)
+# The logits and greedy of one device on every kind of layout mesh that the three KV-head
+# counts make on the four meshes: each combination of split axes, and each mesh
+# (test_the_cases_...). Seven combinations: on 1x8, 1, 2 and 8 KV heads split tensor_q,
+# both tensor axes and tensor_kv; on 2x4, each of these and data; on 8x1, data alone
+# (there a KV-head count splits nothing). The other (mesh, count) pairs split the same
+# axes as one of these, in other sizes: they shard every weight, the cache and each step
+# alike, a compile more for no case. On 4x2, 1 KV head splits data and tensor_q, as on
+# 2x4; 2 and 8 split data and tensor_kv, as 8 on 2x4 (2 is kept: every strategy, below).
+CASES = [((1, 8), 1), ((1, 8), 2), ((1, 8), 8), ((2, 4), 1), ((2, 4), 2), ((2, 4), 8),
+         ((4, 2), 2), ((8, 1), 2)]
+# Every strategy family on two of them, with 2 KV heads. A strategy's own steps (sampling,
+# beam reordering, branches, drafts, heads) meet the mesh through its rows, split over
+# data, and its vocabulary and heads, split over tensor: 1x8 splits the tensor axis alone,
+# 8 ways (250 vocabulary rows padded to 256; the KV heads over tensor_kv 2, replicated
+# over tensor_q 4); 4x2 splits both (every request's rows over data 4, the KV heads over
+# tensor 2). A data-only mesh adds only a tensor axis of 1, which no strategy's step meets
+# otherwise than greedy's (8x1 above); the KV-head count changes only how the model's
+# attention reads the cache, the same for every strategy as for greedy (above); 2x4 runs
+# every registered strategy on two processes (test_distributed.py). So one device's
+# references are greedy for 1 and 8 KV heads, every family for 2.
+EVERY_STRATEGY = {(1, 8): 2, (4, 2): 2}
+
+
+def test_the_cases_split_every_combination_of_axes_on_every_mesh():
+  every = {split_axes(shape, kv) for shape in MESHES for kv in KV_HEADS}
+  assert len(every) == 7 and {split_axes(*case) for case in CASES} == every
+  assert {shape for shape, _ in CASES} == set(MESHES)
+  assert set(EVERY_STRATEGY.items()) <= set(CASES)
+
+
+@pytest.mark.parametrize("shape, kv", CASES, ids=[f"{d}x{t}-kv{kv}" for (d, t), kv in CASES])
 def test_a_mesh_gives_the_logits_and_tokens_of_one_device(one_device, shape, kv):
   model, draft, logits, expected = one_device[kv]
   mesh = jax.make_mesh(shape, ("data", "tensor"))  # JAX's default axis types: explicit
@@ -120,11 +169,12 @@ def test_a_mesh_gives_the_logits_and_tokens_of_one_device(one_device, shape, kv)
   assert_same(outputs(sharded, sharded_draft, names), expected)
 
 
-def test_an_auto_mesh_and_an_unsharded_draft_work_too(one_device):
-  model, draft, _, expected = one_device[2]
+def test_an_auto_mesh_gives_the_tokens_of_one_device(one_device):
+  """The layout mesh has auto axes whatever the user's were: greedy's program on an auto
+  2x4 mesh is the explicit one's. (An unsharded draft: the scan check below.)"""
+  model, _, _, expected = one_device[2]
   mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
-  got = outputs(mdjax.shard(model, mesh), draft, ["greedy", "speculative"])
-  assert_same(got, expected)  # the unsharded draft was replicated on the mesh
+  assert_same(outputs(mdjax.shard(model, mesh), None, ["greedy"]), expected)
 
 
 def assert_spec(x: jax.Array, *parts):
@@ -132,7 +182,9 @@ def assert_spec(x: jax.Array, *parts):
   assert spec + (None,) * (x.ndim - len(spec)) == parts + (None,) * (x.ndim - len(parts))
 
 
-def test_a_scan_model_on_a_mesh_equals_one_device(one_device):
+def test_a_scan_model_and_an_unsharded_draft_on_a_mesh_equal_one_device(one_device):
+  """Layers stacked (one more, replicated axis) and scanned over a sharded cache; the
+  speculative draft given unsharded, replicated onto the mesh by `generate`."""
   model, draft, logits, expected = one_device[2]
   scan = dataclasses.replace(model, params=with_layer_loop(model.params, "scan"))
   sharded = mdjax.shard(scan, jax.make_mesh((2, 4), ("data", "tensor")))
@@ -197,14 +249,15 @@ def test_no_step_gathers_a_weight_or_the_cache(kv):
   weights = {tuple(x.shape) for x in jax.tree.leaves(model.params)}
   weights |= {s[1:] for s in weights if len(s) > 1}  # a stacked layer's one layer
   c = model.config
-  slots = out.stats["kv_cache_bytes"] // (2 * c.num_layers * 4 * kv * c.head_dim * 4)
-  cache = {(c.num_layers, 4, slots, kv, 8), (4, slots, kv, 8), (1, 4, slots, kv, 8)}
+  rows = len(PROMPTS)
+  slots = out.stats["kv_cache_bytes"] // (2 * c.num_layers * rows * kv * c.head_dim * 4)
+  cache = {(c.num_layers, rows, slots, kv, 8), (rows, slots, kv, 8), (1, rows, slots, kv, 8)}
   assert not gathered & weights, f"weights all-gathered: {gathered & weights}"
   assert not gathered & cache, f"the cache all-gathered: {gathered & cache}"
 
 
 def test_a_program_compiled_for_one_mesh_is_not_reused_on_another(one_device):
-  model, _, _, expected = one_device[8]
+  model, _, _, expected = one_device[2]
   mdjax.clear_compiled()
   for shape in [(2, 4), (4, 2), (2, 4)]:
     sharded = mdjax.shard(model, jax.make_mesh(shape, ("data", "tensor")))

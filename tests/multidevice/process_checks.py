@@ -86,8 +86,8 @@ def main(role: str, port: str, out_dir: str):
     threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
   found["generating_since"] = time.time()
   write(out, found)
-  while True:
-    mdjax.generate(model, helpers.STRATEGY_PROMPTS, max_new_tokens=24, eos_token_id=[])
+  while True:  # greedy's program, compiled above: the death comes while it runs
+    mdjax.generate(model, helpers.STRATEGY_PROMPTS, max_new_tokens=12, eos_token_id=[])
 
 
 def local_reads(checkpoint: pathlib.Path) -> dict:
