@@ -19,6 +19,10 @@ import tempfile
 # starts inherits that; the accelerator checks on a GPU set JAX_PLATFORMS themselves
 # (experiments/device_check/).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The oracle (transformers on torch) and numpy's BLAS one thread each: the two workers
+# already fill the two cores, and torch's thread per core then stalls at every operation
+# (a benchmark's transformers calls: 10 s against 0.7 s with one thread, measured).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Only on the CPU: a jaxlib that does not know a flag aborts at its backend's start
 # (jax 0.11.2 on an H100 lost every test worker to `--xla_cpu_use_fusion_emitters`).
 if os.environ["JAX_PLATFORMS"] == "cpu":

@@ -39,9 +39,10 @@ import transformers
 
 import mdjax
 from experiments.cli import one_line_errors
-from experiments.bench.common import (load_pair, machine_info, machine_line, memory_bandwidth, plt,
-                                      random_ids, results_dir, save_figure, torch_oracle,
-                                      write_json, write_results)
+from experiments.bench.common import (PROBE_MIB, QUICK_PROBE_MIB, load_pair, machine_info,
+                                      machine_line, memory_bandwidth, plt, random_ids, results_dir,
+                                      save_figure, set_torch_threads, torch_oracle, write_json,
+                                      write_results)
 
 
 _MODEL = flags.DEFINE_string("model", "random-llama", "Anything `mdjax.load` takes: a random, "
@@ -143,7 +144,8 @@ def run(settings: Settings, partial: pathlib.Path | None = None) -> dict:
   so a long run that is stopped keeps what it measured."""
   with tempfile.TemporaryDirectory() as scratch:
     model, reference = load_pair(settings.model, 0, pathlib.Path(scratch))
-  results = dict(machine=machine_info(memory_bandwidth(256)), settings=dataclasses.asdict(settings),
+  bandwidth = memory_bandwidth(QUICK_PROBE_MIB if _QUICK.value else PROBE_MIB)
+  results = dict(machine=machine_info(bandwidth), settings=dataclasses.asdict(settings),
                  model=model.description, points=[])
   grid = list(itertools.product(settings.contexts, settings.new_tokens, settings.ns))
   for context_len, new_tokens, n in tqdm.tqdm(grid, desc="grid"):
@@ -208,6 +210,7 @@ def main(argv):
                       skip_sequential_above=_SKIP_SLOW.value)
   if _QUICK.value:
     settings = dataclasses.replace(settings, **QUICK)
+  set_torch_threads(0, _QUICK.value)  # before any work
   out_dir = pathlib.Path(_OUT_DIR.value)
   out_dir.mkdir(parents=True, exist_ok=True)
   results = run(settings, partial=out_dir / "bench_branches.json")

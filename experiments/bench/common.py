@@ -46,6 +46,14 @@ FIRST_PROMPT_ID = 3  # random prompts avoid the low special ids (pad, bos, eos o
 # defaults for prompt lookup; a chain of 4 drafted tokens).
 LOOKUP = dict(prompt_lookup_num_tokens=10, max_ngram_size=2)
 DRAFT_TOKENS = 4
+# The array (MiB) of the bandwidth probe a bench records beside its results
+# (`memory_bandwidth`), and its smoke test's (`--quick`: ~1 s less, the numbers unread).
+PROBE_MIB = 256
+QUICK_PROBE_MIB = 64
+# A smoke test's torch intra-op threads: it runs beside other processes (the test suite's
+# other worker), where torch's default of one thread per core stalls at every op's
+# barrier (10x slower transformers runs; their times are not read).
+QUICK_TORCH_THREADS = 1
 
 
 def results_dir(topic: str) -> str:
@@ -267,6 +275,15 @@ def torch_oracle():
   (requirements-dev.txt), imported only by the scripts that compare against transformers
   so that the others run without it; missing, a `MissingPackageError` naming it."""
   return require("torch", "the transformers oracle", "torch==2.13.0")
+
+
+def set_torch_threads(threads: int, quick: bool) -> None:
+  """Imports torch (`torch_oracle`) and sets its intra-op threads to `threads` (0: torch's
+  default, one per core), or in a smoke test (`quick`) to `QUICK_TORCH_THREADS`."""
+  threads = threads or (QUICK_TORCH_THREADS if quick else 0)
+  torch = torch_oracle()
+  if threads:
+    torch.set_num_threads(threads)
 
 
 def load_pair(name: str, seed: int, scratch: pathlib.Path):

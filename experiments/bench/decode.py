@@ -57,8 +57,8 @@ from mdjax import strategies
 from mdjax.cache import KVCache
 from experiments.bench.common import (FIRST_PROMPT_ID, agreement, load_pair, machine_info,
                                       machine_line, median_after_first_token, memory_bandwidth, plt,
-                                      random_ids, results_dir, save_figure, step_bytes,
-                                      torch_oracle, write_results)
+                                      random_ids, results_dir, save_figure, set_torch_threads,
+                                      step_bytes, torch_oracle, write_results)
 from mdjax.generate import cache_size
 from mdjax.prompts import bucket
 from mdjax.strategies.base import ModelFn
@@ -75,7 +75,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 7, "Timed repetitions of every conten
 _BANDWIDTH_MIB = flags.DEFINE_integer("bandwidth_mib", 1024, "Array size of the bandwidth probe.")
 _TORCH_THREADS = flags.DEFINE_integer(
     "torch_threads", 0, "torch intra-op threads (0: torch's default, one per core, which "
-    "stalls at every op's barrier when another process holds a core; 1 avoids that).")
+    "stalls at every op's barrier when another process holds a core; 1 avoids that, and "
+    "is --quick's).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the random weights and prompts.")
 _OUT_DIR = flags.DEFINE_string("out_dir", results_dir("decode"), "Where the JSON and PNG go.")
 _QUICK = flags.DEFINE_bool("quick", False, "Smoke test: tiny model, short runs, few repeats.")
@@ -314,9 +315,8 @@ def main(argv):
   settings = settings_from_flags()
   if settings.new_tokens < 2:
     raise app.UsageError("--new_tokens must be >= 2 (decode time is measured against 1)")
-  torch = torch_oracle()  # before any work, and before machine_info records its threads
-  if _TORCH_THREADS.value:
-    torch.set_num_threads(_TORCH_THREADS.value)
+  # before any work, and before machine_info records its threads
+  set_torch_threads(_TORCH_THREADS.value, _QUICK.value)
   results = run(settings)
   results["machine"]["load_average_after"] = os.getloadavg()[0]
   write_results(results, _OUT_DIR.value, "bench_decode", plot, table)

@@ -146,7 +146,9 @@ class Settings:
   seed: int
 
 
-QUICK = dict(model="", preset="tiny", draft="tiny", batches=(1, 4), questions=2, prompt_len=16,
+# The smoke test: a prompt of 12 tokens, so that greedy at batch 2 and the questions' batch
+# (12 + `QUESTION_LEN` tokens) run one compiled program (prompt bucket 16) on each mesh.
+QUICK = dict(model="", preset="tiny", draft="tiny", batches=(1, 2), questions=2, prompt_len=12,
              new_tokens=8, repeats=1, bandwidth_mib=64)
 
 

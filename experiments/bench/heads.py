@@ -58,10 +58,11 @@ import numpy as np
 
 import mdjax
 from experiments.cli import one_line_errors
-from experiments.bench.common import (LOOKUP, QUESTIONS, RATE_STATS, SUMMED_STATS, Prompt, Tree,
-                                      auto_choice, bars, divergence_gaps, groups_of, head_strategy,
-                                      machine_info, machine_line, memory_bandwidth, mismatch_line,
-                                      plt, random_heads, random_ids, read_questions, results_dir,
+from experiments.bench.common import (LOOKUP, PROBE_MIB, QUESTIONS, QUICK_PROBE_MIB, RATE_STATS,
+                                      SUMMED_STATS, Prompt, Tree, auto_choice, bars,
+                                      divergence_gaps, groups_of, head_strategy, machine_info,
+                                      machine_line, memory_bandwidth, mismatch_line, plt,
+                                      random_heads, random_ids, read_questions, results_dir,
                                       run_mdjax, save_figure, selected, summarize,
                                       takes_tree_shape, timed, tokens_per_pass, write_results)
 from mdjax import chat
@@ -292,7 +293,8 @@ def run(settings: Settings) -> dict:
   model, lines, prompts, source = setup(settings)
   batches = {str(batch): bench_batch(model, lines, prompts, batch, settings)
              for batch in settings.batches}
-  return dict(machine=machine_info(memory_bandwidth(256)), settings=dataclasses.asdict(settings),
+  bandwidth = memory_bandwidth(QUICK_PROBE_MIB if _QUICK.value else PROBE_MIB)
+  return dict(machine=machine_info(bandwidth), settings=dataclasses.asdict(settings),
               model=model.description, **source,
               kinds={kind: sum(p.kind == kind for p in prompts)
                      for kind in dict.fromkeys(p.kind for p in prompts)},

@@ -66,9 +66,10 @@ import transformers
 
 import mdjax
 from experiments.cli import one_line_errors
-from experiments.bench.common import (agreement, load_pair, machine_info, machine_line,
-                                      memory_bandwidth, plt, random_ids, results_dir, save_figure,
-                                      torch_oracle, write_json, write_results)
+from experiments.bench.common import (PROBE_MIB, QUICK_PROBE_MIB, agreement, load_pair,
+                                      machine_info, machine_line, memory_bandwidth, plt, random_ids,
+                                      results_dir, save_figure, set_torch_threads, torch_oracle,
+                                      write_json, write_results)
 from mdjax.chat import chat_questions
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Anything `mdjax.load` takes.")
@@ -87,7 +88,8 @@ _SEQUENTIAL_QUESTIONS = flags.DEFINE_integer(
     "sequential_questions", 0, "Time sequential on this many questions and scale to N (0: all N).")
 _WARMUP_BELOW_S = flags.DEFINE_float(
     "warmup_below_s", 30, "Warm up (one untimed call) only contenders estimated faster than this.")
-_TORCH_THREADS = flags.DEFINE_integer("torch_threads", 0, "torch intra-op threads (0: default).")
+_TORCH_THREADS = flags.DEFINE_integer("torch_threads", 0, "torch intra-op threads (0: default; "
+                                      "--quick: 1).")
 _OUT_DIR = flags.DEFINE_string("out_dir", results_dir("reproduce_multidecode"), "Where JSON and PNG go.")
 _QUICK = flags.DEFINE_bool("quick", False, "Smoke test: random tiny model, N 1 and 3, few tokens.")
 
@@ -343,7 +345,8 @@ def run(settings: Settings, partial: pathlib.Path | None = None) -> dict:
   with tempfile.TemporaryDirectory() as scratch:
     model, reference = load_pair(settings.model, 0, pathlib.Path(scratch))
   work = workload(model, settings.context_tokens, max(settings.ns))
-  results = dict(machine=machine_info(memory_bandwidth(256)), settings=dataclasses.asdict(settings),
+  bandwidth = memory_bandwidth(QUICK_PROBE_MIB if _QUICK.value else PROBE_MIB)
+  results = dict(machine=machine_info(bandwidth), settings=dataclasses.asdict(settings),
                  model=model.description, transformers_class=type(reference).__name__,
                  reference=dict(points=list(REFERENCE), setup="Llama-3.2-1B, one A100"),
                  context=dict(tokens=len(work.context), passage=work.passage),
@@ -461,9 +464,7 @@ def main(argv):
     raise app.UsageError("--ns, --new_tokens and --repeats must be >= 1")
   if not set(settings.baselines) <= set(BASELINES):
     raise app.UsageError(f"--baselines: choose among {', '.join(BASELINES)}")
-  torch = torch_oracle()  # before any work
-  if _TORCH_THREADS.value:
-    torch.set_num_threads(_TORCH_THREADS.value)
+  set_torch_threads(_TORCH_THREADS.value, _QUICK.value)  # before any work
   out_dir = pathlib.Path(_OUT_DIR.value)
   out_dir.mkdir(parents=True, exist_ok=True)
   results = run(settings, partial=out_dir / "reproduce_multidecode.json")

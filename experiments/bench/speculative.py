@@ -43,9 +43,10 @@ import transformers
 
 import mdjax
 from experiments.cli import one_line_errors
-from experiments.bench.common import (DRAFT_TOKENS, LOOKUP, agreement, load_pair, machine_info,
-                                      machine_line, memory_bandwidth, plt, results_dir, run_mdjax,
-                                      save_figure, summarize, timed, torch_oracle, write_results)
+from experiments.bench.common import (DRAFT_TOKENS, LOOKUP, PROBE_MIB, QUICK_PROBE_MIB, agreement,
+                                      load_pair, machine_info, machine_line, memory_bandwidth, plt,
+                                      results_dir, run_mdjax, save_figure, set_torch_threads,
+                                      summarize, timed, torch_oracle, write_results)
 from mdjax.train import data
 
 
@@ -59,9 +60,11 @@ _PROMPTS = flags.DEFINE_integer(
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 256, "Prompt tokens per row.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "Generated tokens per row.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions of every contender (median).")
-_TORCH_THREADS = flags.DEFINE_integer("torch_threads", 0, "torch intra-op threads (0: default).")
+_TORCH_THREADS = flags.DEFINE_integer("torch_threads", 0, "torch intra-op threads (0: default; "
+                                      "--quick: 1).")
 _OUT_DIR = flags.DEFINE_string("out_dir", results_dir("speculative"), "Where JSON and PNG go.")
-_QUICK = flags.DEFINE_bool("quick", False, "Smoke test: 1 row, gamma 2, 8 tokens, 1 repeat.")
+_QUICK = flags.DEFINE_bool("quick", False, "Smoke test: 1 row, gamma 2, 8 tokens, 1 repeat, "
+                           "smaller trees and windows.")
 
 COPY_INSTRUCTION = "\n# The code above, repeated exactly:\n"
 
@@ -77,6 +80,18 @@ class Settings:
 
 
 QUICK = dict(batches=(1,), gammas=(2,), prompts=1, prompt_len=64, new_tokens=8, repeats=1)
+# The options of the contenders but greedy and the chains of gamma tokens; the smoke
+# test's are smaller (the same strategies, each compiled in a second or two less).
+OPTIONS = dict(prompt_lookup=LOOKUP,
+               heuristic=dict(draft_schedule="heuristic", num_draft_tokens=DRAFT_TOKENS,
+                              max_draft_tokens=8),
+               tree=dict(tree_depth=4, tree_top_k=4, tree_budget=16),
+               lookahead=dict(window=7, ngram=5, guess_set=7))
+QUICK_OPTIONS = dict(prompt_lookup=dict(LOOKUP, prompt_lookup_num_tokens=4),
+                     heuristic=dict(draft_schedule="heuristic", num_draft_tokens=2,
+                                    max_draft_tokens=4),
+                     tree=dict(tree_depth=2, tree_top_k=2, tree_budget=4),
+                     lookahead=dict(window=3, ngram=3, guess_set=3))
 
 
 def heldout_prompts(model: mdjax.Model, count: int, length: int) -> np.ndarray:
@@ -135,20 +150,21 @@ def bench_batch(target, draft, reference, batch: int, settings: Settings) -> dic
   prompts = heldout_prompts(target, groups * batch, settings.prompt_len).reshape(groups, batch, -1)
   copies, copy_of_chunk = copy_prompts(target, groups * batch, settings.prompt_len)
   copies = copies.reshape(groups, batch, -1)
+  options = QUICK_OPTIONS if _QUICK.value else OPTIONS
   contenders = {"greedy": lambda: run_mdjax(target, prompts, n, "greedy"),
-                "prompt_lookup": lambda: run_mdjax(target, prompts, n, "prompt_lookup", **LOOKUP),
+                "prompt_lookup": lambda: run_mdjax(target, prompts, n, "prompt_lookup",
+                                                   **options["prompt_lookup"]),
                 "heuristic": lambda: run_mdjax(target, prompts, n, "speculative", draft=draft,
-                                               draft_schedule="heuristic",
-                                               num_draft_tokens=DRAFT_TOKENS, max_draft_tokens=8),
+                                               **options["heuristic"]),
                 "tree": lambda: run_mdjax(target, prompts, n, "speculative_tree", draft=draft,
-                                          tree_depth=4, tree_top_k=4, tree_budget=16),
+                                          **options["tree"]),
                 "self_speculative": lambda: run_mdjax(target, prompts, n, "self_speculative",
                                                       draft_layers=2, num_draft_tokens=3),
-                "lookahead": lambda: run_mdjax(target, prompts, n, "lookahead", window=7, ngram=5,
-                                               guess_set=7),
+                "lookahead": lambda: run_mdjax(target, prompts, n, "lookahead",
+                                               **options["lookahead"]),
                 "copy_greedy": lambda: run_mdjax(target, copies, n, "greedy"),
                 "copy_prompt_lookup": lambda: run_mdjax(target, copies, n, "prompt_lookup",
-                                                        **LOOKUP)}
+                                                        **options["prompt_lookup"])}
   for gamma in settings.gammas:
     contenders[f"gamma_{gamma}"] = (lambda g=gamma: run_mdjax(
         target, prompts, n, "speculative", draft=draft, num_draft_tokens=g))
@@ -157,9 +173,10 @@ def bench_batch(target, draft, reference, batch: int, settings: Settings) -> dic
   if batch == 1:
     contenders["hf_greedy"] = lambda: run_transformers(reference, prompts, n)
     contenders["hf_copy_greedy"] = lambda: run_transformers(reference, copies, n)
+    lookup = options["prompt_lookup"]
     contenders["hf_copy_prompt_lookup"] = lambda: run_transformers(
-        reference, copies, n, prompt_lookup_num_tokens=LOOKUP["prompt_lookup_num_tokens"],
-        max_matching_ngram_size=LOOKUP["max_ngram_size"])
+        reference, copies, n, prompt_lookup_num_tokens=lookup["prompt_lookup_num_tokens"],
+        max_matching_ngram_size=lookup["max_ngram_size"])
   results = timed(contenders, settings.repeats, f"batch {batch}")
   if batch == 1:  # assisted generation at mdjax's best gamma, timed in a second round
     best = max(settings.gammas, key=lambda g: -results[f"gamma_{g}"]["seconds"])
@@ -201,7 +218,8 @@ def bench_batch(target, draft, reference, batch: int, settings: Settings) -> dic
 def run(settings: Settings) -> dict:
   target, reference = load_pair(_TARGET.value, 0, pathlib.Path("."))
   draft = mdjax.load(_DRAFT.value)
-  results = dict(machine=machine_info(memory_bandwidth(256)), settings=dataclasses.asdict(settings),
+  bandwidth = memory_bandwidth(QUICK_PROBE_MIB if _QUICK.value else PROBE_MIB)
+  results = dict(machine=machine_info(bandwidth), settings=dataclasses.asdict(settings),
                  target=target.description, draft=draft.description, batches={})
   for batch in settings.batches:
     results["batches"][str(batch)] = bench_batch(target, draft, reference, batch, settings)
@@ -275,9 +293,7 @@ def main(argv):
   if settings.new_tokens < 2:
     raise app.UsageError(f"--new_tokens must be >= 2 (decode time is measured after the first "
                          f"token), got {settings.new_tokens}")
-  torch = torch_oracle()  # before any work
-  if _TORCH_THREADS.value:
-    torch.set_num_threads(_TORCH_THREADS.value)
+  set_torch_threads(_TORCH_THREADS.value, _QUICK.value)  # before any work
   results = run(settings)
   write_results(results, _OUT_DIR.value, "bench_speculative", plot, table)
 

@@ -78,6 +78,7 @@ from experiments.device_check.report import write_outputs
 from experiments.device_check.strategies import run_branches, run_heads
 from experiments.device_check.variants import run_variants
 from mdjax.models.layer_loop import default_layer_loop
+from mdjax.strategies import pass_cost
 
 SECTIONS = ("tests", "roofline", "pass_cost", "variants", "branches", "heads", "profile")
 SECTION_RUNS = dict(roofline=run_roofline, pass_cost=run_pass_cost, variants=run_variants,
@@ -166,7 +167,8 @@ def settings_from_flags() -> Settings:
       tests_k=_TESTS_K.value, batches=tuple(int(b) for b in FLAGS.batches),
       prompt_len=FLAGS.prompt_len, new_tokens=FLAGS.new_tokens, repeats=FLAGS.repeats,
       bandwidth_gbps=FLAGS.bandwidth_gbps, bandwidth_mib=FLAGS.bandwidth_mib,
-      pass_batches=tuple(int(b) for b in _PASS_BATCHES.value), contexts=tuple(int(c) for c in _CONTEXTS.value),
+      pass_batches=tuple(int(b) for b in _PASS_BATCHES.value), pass_widths=pass_cost.WIDTHS,
+      pass_rounds=pass_cost.ROUNDS, contexts=tuple(int(c) for c in _CONTEXTS.value),
       questions=FLAGS.questions, question_len=_QUESTION_LEN.value,
       context_len=_CONTEXT_LEN.value, head_batches=tuple(int(b) for b in _HEAD_BATCHES.value),
       head_trees=tuple(Tree.parse(text) for text in _HEAD_TREES.value),

@@ -53,10 +53,11 @@ def run_pass_cost(settings: Settings, placed) -> dict:
   target = ModelFn(config=model.config, attention=default_attention())
   batches = {}
   for batch in settings.pass_batches:
-    seconds = pass_cost.measure(target, model.params, batch)
+    seconds = pass_cost.measure(target, model.params, batch, settings.pass_widths,
+                                settings.pass_rounds)
     batches[str(batch)] = {str(n): dict(ms=t * 1e3, ratio_to_first=t / seconds[0],
                                         ms_per_token=t * 1e3 / n)
-                           for n, t in zip(pass_cost.WIDTHS, seconds)}
+                           for n, t in zip(settings.pass_widths, seconds)}
   return dict(prefix=pass_cost.PREFIX, attention=target.attention, batches=batches)
 
 

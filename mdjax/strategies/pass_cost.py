@@ -180,16 +180,18 @@ def _read(path, key: dict) -> tuple[float, ...] | None:
     return None
 
 
-def measure(model: ModelFn, params, batch: int) -> tuple[float, ...]:
-  """t(n) measured now, not cached: seconds per pass at every width of `WIDTHS`, each
-  pass run inside one compiled loop (no dispatch between passes): each width's program compiled and timed over one
-  pass, then `ROUNDS` rounds, each timing every width in turn over as many passes as
-  take about `MEASURE_S` (as many on every process); each width's fastest round kept.
-  Interleaved, a spell of load on the machine slows every width alike, not one."""
+def measure(model: ModelFn, params, batch: int, widths: tuple[int, ...] = WIDTHS,
+            rounds: int = ROUNDS) -> tuple[float, ...]:
+  """t(n) measured now, not cached: seconds per pass at every width of `widths` (a profile:
+  `WIDTHS`; a smoke test asks for fewer), each pass run inside one compiled loop (no
+  dispatch between passes): each width's program compiled and timed over one pass, then
+  `rounds` rounds, each timing every width in turn over as many passes as take about
+  `MEASURE_S` (as many on every process); each width's fastest round kept. Interleaved,
+  a spell of load on the machine slows every width alike, not one."""
   runs, repeats = [], []
-  bar = tqdm(total=len(WIDTHS) * (1 + ROUNDS), desc=f"mdjax: measuring t(n) at batch {batch}",
+  bar = tqdm(total=len(widths) * (1 + rounds), desc=f"mdjax: measuring t(n) at batch {batch}",
              unit="timing", delay=1.0, disable=not distributed.is_main_process(), file=sys.stderr)
-  for width in WIDTHS:
+  for width in widths:
     run = jax.jit(functools.partial(_passes, model=model, batch=batch, width=width,
                                     prefix=_prefix(model)))
     _timed(run, params, 1)  # compiles
@@ -198,8 +200,8 @@ def measure(model: ModelFn, params, batch: int) -> tuple[float, ...]:
     repeats.append(int(distributed.from_main(np.asarray(
         min(MAX_REPEATS, max(2, math.ceil(MEASURE_S / max(once, 1e-6)))), np.int64))))
     bar.update()
-  best = [math.inf] * len(WIDTHS)
-  for _ in range(ROUNDS):
+  best = [math.inf] * len(widths)
+  for _ in range(rounds):
     for i, (run, count) in enumerate(zip(runs, repeats)):
       best[i] = min(best[i], _timed(run, params, count) / count)
       bar.update()
