@@ -39,7 +39,7 @@ import transformers
 
 import mdjax
 from experiments.cli import one_line_errors
-from experiments.bench.common import (PROBE_MIB, QUICK_PROBE_MIB, load_pair, machine_info,
+from experiments.bench.common import (PROBE_MIB, load_pair, machine_info,
                                       machine_line, memory_bandwidth, plt, random_ids, results_dir,
                                       save_figure, set_torch_threads, torch_oracle, write_json,
                                       write_results)
@@ -144,7 +144,7 @@ def run(settings: Settings, partial: pathlib.Path | None = None) -> dict:
   so a long run that is stopped keeps what it measured."""
   with tempfile.TemporaryDirectory() as scratch:
     model, reference = load_pair(settings.model, 0, pathlib.Path(scratch))
-  bandwidth = memory_bandwidth(QUICK_PROBE_MIB if _QUICK.value else PROBE_MIB)
+  bandwidth = memory_bandwidth(PROBE_MIB)
   results = dict(machine=machine_info(bandwidth), settings=dataclasses.asdict(settings),
                  model=model.description, points=[])
   grid = list(itertools.product(settings.contexts, settings.new_tokens, settings.ns))

@@ -46,10 +46,8 @@ FIRST_PROMPT_ID = 3  # random prompts avoid the low special ids (pad, bos, eos o
 # defaults for prompt lookup; a chain of 4 drafted tokens).
 LOOKUP = dict(prompt_lookup_num_tokens=10, max_ngram_size=2)
 DRAFT_TOKENS = 4
-# The array (MiB) of the bandwidth probe a bench records beside its results
-# (`memory_bandwidth`), and its smoke test's (`--quick`: ~1 s less, the numbers unread).
+# The array (MiB) of the bandwidth probe a bench records beside its results (`memory_bandwidth`)
 PROBE_MIB = 256
-QUICK_PROBE_MIB = 64
 # A smoke test's torch intra-op threads: it runs beside other processes (the test suite's
 # other worker), where torch's default of one thread per core stalls at every op's
 # barrier (10x slower transformers runs; their times are not read).

@@ -58,7 +58,7 @@ import numpy as np
 
 import mdjax
 from experiments.cli import one_line_errors
-from experiments.bench.common import (LOOKUP, PROBE_MIB, QUESTIONS, QUICK_PROBE_MIB, RATE_STATS,
+from experiments.bench.common import (LOOKUP, PROBE_MIB, QUESTIONS, RATE_STATS,
                                       SUMMED_STATS, Prompt, Tree, auto_choice, bars,
                                       divergence_gaps, groups_of, head_strategy, machine_info,
                                       machine_line, memory_bandwidth, mismatch_line, plt,
@@ -293,7 +293,7 @@ def run(settings: Settings) -> dict:
   model, lines, prompts, source = setup(settings)
   batches = {str(batch): bench_batch(model, lines, prompts, batch, settings)
              for batch in settings.batches}
-  bandwidth = memory_bandwidth(QUICK_PROBE_MIB if _QUICK.value else PROBE_MIB)
+  bandwidth = memory_bandwidth(PROBE_MIB)
   return dict(machine=machine_info(bandwidth), settings=dataclasses.asdict(settings),
               model=model.description, **source,
               kinds={kind: sum(p.kind == kind for p in prompts)

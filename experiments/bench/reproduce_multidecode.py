@@ -66,7 +66,7 @@ import transformers
 
 import mdjax
 from experiments.cli import one_line_errors
-from experiments.bench.common import (PROBE_MIB, QUICK_PROBE_MIB, agreement, load_pair,
+from experiments.bench.common import (PROBE_MIB, agreement, load_pair,
                                       machine_info, machine_line, memory_bandwidth, plt, random_ids,
                                       results_dir, save_figure, set_torch_threads, torch_oracle,
                                       write_json, write_results)
@@ -345,7 +345,7 @@ def run(settings: Settings, partial: pathlib.Path | None = None) -> dict:
   with tempfile.TemporaryDirectory() as scratch:
     model, reference = load_pair(settings.model, 0, pathlib.Path(scratch))
   work = workload(model, settings.context_tokens, max(settings.ns))
-  bandwidth = memory_bandwidth(QUICK_PROBE_MIB if _QUICK.value else PROBE_MIB)
+  bandwidth = memory_bandwidth(PROBE_MIB)
   results = dict(machine=machine_info(bandwidth), settings=dataclasses.asdict(settings),
                  model=model.description, transformers_class=type(reference).__name__,
                  reference=dict(points=list(REFERENCE), setup="Llama-3.2-1B, one A100"),

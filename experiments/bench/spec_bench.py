@@ -65,7 +65,7 @@ import tqdm
 
 import mdjax
 from experiments.cli import one_line_errors
-from experiments.bench.common import (LOOKUP, PROBE_MIB, QUESTIONS, QUICK_PROBE_MIB, Prompt,
+from experiments.bench.common import (LOOKUP, PROBE_MIB, QUESTIONS, Prompt,
                                       agreement, bars, divergence_gaps, groups_of, machine_info,
                                       machine_line, memory_bandwidth, mismatch_line, plt,
                                       random_heads, random_ids, read_questions, results_dir,
@@ -450,7 +450,7 @@ def main(argv):
     raise MdjaxError(f"two methods share a label ({', '.join(labels)}): give LABEL=...")
   model, prompts = setup(settings, _QUICK.value)
   methods = {m.label: (m.strategy, m.options(model, _QUICK.value)) for m in parsed}
-  bandwidth = memory_bandwidth(QUICK_PROBE_MIB if _QUICK.value else PROBE_MIB)
+  bandwidth = memory_bandwidth(PROBE_MIB)
   header = dict(machine=machine_info(bandwidth),
                 command=" ".join(["python3 -m experiments.bench.spec_bench"]
                                  + [shlex.quote(a) for a in sys.argv[1:]]),

@@ -43,7 +43,7 @@ import transformers
 
 import mdjax
 from experiments.cli import one_line_errors
-from experiments.bench.common import (DRAFT_TOKENS, LOOKUP, PROBE_MIB, QUICK_PROBE_MIB, agreement,
+from experiments.bench.common import (DRAFT_TOKENS, LOOKUP, PROBE_MIB, agreement,
                                       load_pair, machine_info, machine_line, memory_bandwidth, plt,
                                       results_dir, run_mdjax, save_figure, set_torch_threads,
                                       summarize, timed, torch_oracle, write_results)
@@ -77,9 +77,9 @@ class Settings:
   prompt_len: int
   new_tokens: int
   repeats: int
+  options: dict  # the contenders' options but greedy's and the chains' (`OPTIONS`)
 
 
-QUICK = dict(batches=(1,), gammas=(2,), prompts=1, prompt_len=64, new_tokens=8, repeats=1)
 # The options of the contenders but greedy and the chains of gamma tokens; the smoke
 # test's are smaller (the same strategies, each compiled in a second or two less).
 OPTIONS = dict(prompt_lookup=LOOKUP,
@@ -92,6 +92,8 @@ QUICK_OPTIONS = dict(prompt_lookup=dict(LOOKUP, prompt_lookup_num_tokens=4),
                                     max_draft_tokens=4),
                      tree=dict(tree_depth=2, tree_top_k=2, tree_budget=4),
                      lookahead=dict(window=3, ngram=3, guess_set=3))
+QUICK = dict(batches=(1,), gammas=(2,), prompts=1, prompt_len=64, new_tokens=8, repeats=1,
+             options=QUICK_OPTIONS)
 
 
 def heldout_prompts(model: mdjax.Model, count: int, length: int) -> np.ndarray:
@@ -150,7 +152,7 @@ def bench_batch(target, draft, reference, batch: int, settings: Settings) -> dic
   prompts = heldout_prompts(target, groups * batch, settings.prompt_len).reshape(groups, batch, -1)
   copies, copy_of_chunk = copy_prompts(target, groups * batch, settings.prompt_len)
   copies = copies.reshape(groups, batch, -1)
-  options = QUICK_OPTIONS if _QUICK.value else OPTIONS
+  options = settings.options
   contenders = {"greedy": lambda: run_mdjax(target, prompts, n, "greedy"),
                 "prompt_lookup": lambda: run_mdjax(target, prompts, n, "prompt_lookup",
                                                    **options["prompt_lookup"]),
@@ -218,7 +220,7 @@ def bench_batch(target, draft, reference, batch: int, settings: Settings) -> dic
 def run(settings: Settings) -> dict:
   target, reference = load_pair(_TARGET.value, 0, pathlib.Path("."))
   draft = mdjax.load(_DRAFT.value)
-  bandwidth = memory_bandwidth(QUICK_PROBE_MIB if _QUICK.value else PROBE_MIB)
+  bandwidth = memory_bandwidth(PROBE_MIB)
   results = dict(machine=machine_info(bandwidth), settings=dataclasses.asdict(settings),
                  target=target.description, draft=draft.description, batches={})
   for batch in settings.batches:
@@ -287,7 +289,7 @@ def main(argv):
   settings = Settings(batches=tuple(int(b) for b in _BATCHES.value),
                       gammas=tuple(int(g) for g in _GAMMAS.value), prompts=_PROMPTS.value,
                       prompt_len=_PROMPT_LEN.value,
-                      new_tokens=_NEW_TOKENS.value, repeats=_REPEATS.value)
+                      new_tokens=_NEW_TOKENS.value, repeats=_REPEATS.value, options=OPTIONS)
   if _QUICK.value:
     settings = dataclasses.replace(settings, **QUICK)
   if settings.new_tokens < 2:
