@@ -25,6 +25,7 @@ import pytest
 
 import mdjax
 from experiments import decode
+from mdjax.checkpoints import load as checkpoints_load
 from mdjax.checkpoints.registry import GGUF_MODELS
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -67,7 +68,7 @@ def _scanned_models_loaded_once():
     return loaded[key]
 
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(mdjax, "default_layer_loop", lambda: "scan")
+    patch.setattr(checkpoints_load, "default_layer_loop", lambda: "scan")  # what load asks
     patch.setattr(mdjax, "load", load_once)
     yield
 
