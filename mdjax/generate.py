@@ -18,14 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mdjax import distributed, platform, programs, sharding, strategies
+from mdjax import controls, distributed, platform, programs, sharding, strategies
 from mdjax.cache import KVCache
+from mdjax.controls import CONTROL_OPTIONS
 from mdjax.errors import MdjaxError
 from mdjax.models.attention import ATTENTION_BLOCK
 from mdjax.models.model import Model
 from mdjax.prompts import bucket, eos_ids
 from mdjax.strategies import metadata
-from mdjax.strategies.base import Limits, Prompt
+from mdjax.strategies.base import Limits, Prompt, Sampled
 
 
 @dataclasses.dataclass
@@ -40,6 +41,11 @@ class GenerationOutput:
   metadata: list[dict] | None = None
   # pipelines (`mdjax.pipelines`): per prompt, what their phases produced
   intermediate: list[dict] | None = None
+  # logprobs=True: per output row, each token's log-probability under the distribution
+  # it was chosen from (after every processor: `mdjax.controls`)
+  logprobs: list[list[float]] | None = None
+  # top_logprobs=k: per output row, per token, the k likeliest (id, log-probability)
+  top_logprobs: list[list[list[tuple[int, float]]]] | None = None
 
 
 def _start(strategy, params, prompt: Prompt, limits: Limits, *, num_slots: int, capacity: int,
@@ -125,19 +131,40 @@ def _signature(tree) -> tuple:
 
 
 def _compile(strategy, params, prompt, limits, layout=None, **static):
-  """The compiled program for these shapes and placements (cached), and the seconds
-  compiling took; traced under `layout`'s mesh when the model lies on one."""
+  """The compiled program for these shapes and placements (cached), the seconds
+  compiling took and why it compiled (None: it did not); traced under `layout`'s mesh
+  when the model lies on one."""
   key = (strategy, layout, platform.current(), tuple(sorted(static.items())),
          _signature((params, prompt, limits)))
   program = _programs.get(key)
   if program is not None:
-    return program, 0.0
+    return program, 0.0, None
+  reason = _why_new(key, _programs.keys())
   start = time.perf_counter()
   with sharding.active(layout):  # a jit of its own: see `mdjax.programs`
     program = jax.jit(functools.partial(_run, strategy, **static)).lower(
         params, prompt, limits).compile()
   _programs.put(key, program)
-  return program, time.perf_counter() - start
+  return program, time.perf_counter() - start, reason
+
+
+def _why_new(key: tuple, earlier: list[tuple]) -> str:
+  """What differs from the last program of the same strategy (`_compile`'s keys)."""
+  strategy = key[0]
+  same = [k for k in earlier if type(k[0]) is type(strategy)]
+  if not same:
+    return f"the first {strategy.name} program (of those kept)"
+  last = same[-1]
+  if last[0] != strategy:
+    changed = [f.name for f in dataclasses.fields(strategy)
+               if f.compare and getattr(strategy, f.name) != getattr(last[0], f.name)]
+    return "options that shape the program: " + ", ".join(changed)
+  if last[3] != key[3]:
+    return "the cache's size or dtype (a longer prompt or max_new_tokens bucket)"
+  if last[1:3] != key[1:3]:
+    return "the mesh or platform"
+  return ("the inputs' shapes: the prompt bucket, the batch, or the controls set and their "
+          "shapes (stop strings, bad words, top_logprobs)")
 
 
 def program(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int = 32,
@@ -170,6 +197,7 @@ class _Plan:
   prompt_tokens: int
   output_rows: list[int]  # buffer rows that are real branches, prompt-major
   eos: tuple[int, ...]  # the ids that end a row
+  stop_strings: tuple[str, ...] = ()  # the strings that end a row (`mdjax.stop_strings`)
 
 
 def _plain(option) -> bool:
@@ -186,6 +214,7 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_toke
   cls = strategies.get(strategy)
   strategies.check_options(strategy, options)
   options, layout = dict(options), cls.layout
+  control_options = {name: options.pop(name) for name in CONTROL_OPTIONS if name in options}
   layout_value = options.pop(layout.option, None) if layout.option else None
   decoder, params = cls.build(model, options)
   params = sharding.on_layout(params, model.layout)  # a draft's or heads' weights too
@@ -195,20 +224,57 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_toke
   eos = eos_ids(model, eos_token_id)
   distributed.check_same("generate's arguments (prompts, strategy, options)",
                          *jax.tree.leaves(laid.prompt), strategy, max_new_tokens, eos or [], seed,
-                         repr(sorted((k, v) for k, v in options.items() if _plain(v))))
-  limits = Limits(max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
-                  eos_ids=jnp.asarray(eos or (-1,), jnp.int32), key=jax.random.key(seed))
+                         repr(sorted((k, v) for k, v in options.items() if _plain(v))),
+                         repr(sorted(control_options.items())))
   capacity = bucket(max_new_tokens)
   num_branches = laid.prompt.branch_segment.shape[1]
   with sharding.active(model.layout):  # `auto` may time passes of the model as it will run
     decoder = decoder.for_request(params, laid.prompt, capacity)
+  sampling = None
+  if isinstance(decoder, Sampled):
+    sampling = decoder.sampling_data(len(laid.branch_counts), num_branches,
+                                     model.config.vocab_size)
+  request_controls = controls.build(
+      {k: v for k, v in control_options.items() if v is not None},
+      vocab_size=model.config.vocab_size, tokenizer=model.tokenizer,
+      num_prompts=len(laid.branch_counts), branches=num_branches,
+      row_prompts=lambda: row_prompts(laid.prompt), max_new_tokens=max_new_tokens)
+  limits = Limits(max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
+                  eos_ids=jnp.asarray(eos or (-1,), jnp.int32), key=jax.random.key(seed),
+                  sampling=sampling, controls=request_controls)
   static = dict(num_slots=cache_size(decoder, laid.prompt.tokens.shape[1], capacity, num_branches),
                 capacity=capacity,
                 cache_dtype=str(model.params["embed"].dtype))  # K/V in the weights' dtype
   output_rows = [i * num_branches + j for i, n in enumerate(laid.branch_counts) for j in range(n)]
   return _Plan(decoder=decoder, params=params, layout=model.layout, prompt=laid.prompt,
                limits=limits, static=static,
-               prompt_tokens=laid.prompt_tokens, output_rows=output_rows, eos=tuple(eos or ()))
+               prompt_tokens=laid.prompt_tokens, output_rows=output_rows, eos=tuple(eos or ()),
+               stop_strings=_strings(control_options.get("stop_strings")))
+
+
+def _strings(stop_strings) -> tuple[str, ...]:
+  """The stop strings as a tuple (one string: one)."""
+  if stop_strings is None:
+    return ()
+  return (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
+
+
+def row_prompts(prompt: Prompt) -> list[list[int]]:
+  """(host) The prompt tokens each output row continues, in order: those its branch's
+  segment sees (its own, then each ancestor's before the fork), as the branch decoded
+  alone would have them (`mdjax.topology`); row b * N + j is branch j of prompt row b."""
+  tokens, positions, segments, parent, fork, branch_segment = (np.asarray(x) for x in (
+      prompt.tokens, prompt.positions, prompt.segments, prompt.parent, prompt.fork,
+      prompt.branch_segment))
+  rows = []
+  for b, branch_row in enumerate(branch_segment):
+    for segment in branch_row:
+      seen, limit = np.zeros(tokens.shape[1], bool), np.inf
+      while segment >= 0:
+        seen |= (segments[b] == segment) & (positions[b] < limit)
+        segment, limit = parent[b, segment], fork[b, segment]
+      rows.append(tokens[b][seen][np.argsort(positions[b][seen], kind="stable")].tolist())
+  return rows
 
 
 def cache_size(decoder, prompt_width: int, capacity: int, branches: int) -> int:
@@ -251,19 +317,24 @@ def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: in
   early_stopping for "beam", which also fills `beams`).
   """
   plan = _prepare(model, prompts, strategy, max_new_tokens, eos_token_id, seed, options)
-  program, compile_s = _compile(plan.decoder, plan.params, plan.prompt, plan.limits,
-                                plan.layout, **plan.static)
+  program, compile_s, compiled_because = _compile(plan.decoder, plan.params, plan.prompt,
+                                                  plan.limits, plan.layout, **plan.static)
   start = time.perf_counter()
   buffer, stats = program(plan.params, plan.prompt, plan.limits)
-  (tokens, counts, scores), stats = distributed.to_host(
-      ((buffer.tokens, buffer.count, buffer.scores), stats))
+  buffer, stats = distributed.to_host((buffer, stats))
   wall_s = time.perf_counter() - start
+  tokens, counts, scores = buffer.tokens, buffer.count, buffer.scores
   sequences = [tokens[r, :counts[r]].tolist() for r in plan.output_rows]
   token_metadata = stats.pop("metadata", None)
   stats = {k: v.tolist() for k, v in stats.items()}
   stats.update(generated_tokens=sum(len(s) for s in sequences), prompt_tokens=plan.prompt_tokens,
                kv_cache_bytes=_kv_cache_bytes(model, plan), wall_s=wall_s, compile_s=compile_s,
+               compiled=compiled_because is not None, compiled_because=compiled_because,
                **(plan.decoder.request_stats or {}))
+  if buffer.stopped_by is not None:
+    stops = plan.stop_strings
+    stats["stopped_by"] = [None if buffer.stopped_by[r] < 0 else stops[buffer.stopped_by[r]]
+                           for r in plan.output_rows]
   stats["tokens_per_pass"] = stats["generated_tokens"] / max(1, stats["target_passes"] + 1)
   texts = None
   if model.tokenizer is not None:
@@ -272,8 +343,15 @@ def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: in
                                                           len(plan.output_rows))
   if token_metadata is not None:
     token_metadata = metadata.per_row(token_metadata, counts, plan.output_rows)
+  logprobs = top_logprobs = None
+  if buffer.logprobs is not None:
+    logprobs = [buffer.logprobs[r, :counts[r]].tolist() for r in plan.output_rows]
+  if buffer.top_ids is not None:
+    top_logprobs = [[list(zip(ids.tolist(), values.tolist())) for ids, values in
+                     zip(buffer.top_ids[r, :counts[r]], buffer.top_logprobs[r, :counts[r]])]
+                    for r in plan.output_rows]
   return GenerationOutput(sequences=sequences, stats=stats, texts=texts, beams=beams,
-                          metadata=token_metadata)
+                          metadata=token_metadata, logprobs=logprobs, top_logprobs=top_logprobs)
 
 
 def _stepper(decoder, static: dict):

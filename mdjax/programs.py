@@ -55,6 +55,10 @@ class Table:
     self._entries.move_to_end(key)
     self._trim()
 
+  def keys(self) -> list:
+    """The stored programs' keys, least recently used first."""
+    return list(self._entries)
+
   def values(self) -> list:
     """The stored programs, least recently used first."""
     return list(self._entries.values())

@@ -18,11 +18,13 @@ from mdjax.errors import MdjaxError, check_count, check_real
 
 
 SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p")
+FILTERS = ("top_k", "top_p", "min_p")  # the processors after temperature, in their order
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-  """temperature 0 means greedy (argmax); top_k 0, top_p 1 and min_p 0 disable a filter."""
+  """One row's sampling values, validated (host side). temperature 0 means greedy
+  (argmax); top_k 0, top_p 1 and min_p 0 disable a filter."""
 
   temperature: float = 1.0
   top_k: int = 0
@@ -43,20 +45,92 @@ class SamplingParams:
   def greedy(self) -> bool:
     return self.temperature == 0
 
+  @property
+  def filters(self) -> tuple[str, ...]:
+    """The filters that remove tokens with these values."""
+    off = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    return tuple(name for name in FILTERS if getattr(self, name) != off[name])
 
-def process_logits(logits: Float[Array, "... V"], params: SamplingParams) -> Float[Array, "... V"]:
-  """Temperature-scaled float32 logits with filtered-out tokens at -inf."""
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sampling:
+  """How a run draws its tokens, as a jitted program sees it: which processors run
+  (static: they shape the program) and their values (data: one per output row, so a
+  new temperature, top_k, top_p or min_p never recompiles).
+
+    greedy       bool (static)         argmax; the values are not read
+    filters      tuple[str] (static)   the filters that run (`FILTERS`, in order)
+    temperature  float32[R]            > 0 when sampling
+    top_k        int32[R]              tokens kept (the vocabulary where off)
+    top_p        float32[R]            1 where off
+    min_p        float32[R]            0 where off
+
+  A processor broadcasts a row's value over the logits' middle axes: logits
+  [R, ..., V] (the rows first, e.g. [R, D, V] for the positions of a draft chain).
+  """
+
+  temperature: Float[Array, "R"]
+  top_k: Int[Array, "R"]
+  top_p: Float[Array, "R"]
+  min_p: Float[Array, "R"]
+  greedy: bool = dataclasses.field(metadata=dict(static=True))
+  filters: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
+
+  @classmethod
+  def of(cls, rows: list[SamplingParams], vocab_size: int) -> "Sampling":
+    """The values of `rows` (one `SamplingParams` per output row) as data."""
+    greedy, filters = program_shape(rows)
+    column = lambda name, dtype: jnp.asarray([getattr(row, name) for row in rows], dtype)
+    top_k = [min(row.top_k or vocab_size, vocab_size) for row in rows]
+    return cls(temperature=column("temperature", jnp.float32),
+               top_k=jnp.asarray(top_k, jnp.int32), top_p=column("top_p", jnp.float32),
+               min_p=column("min_p", jnp.float32), greedy=greedy, filters=filters)
+
+  @classmethod
+  def argmax(cls) -> "Sampling":
+    """Greedy choice, for a draft that always proposes its argmax."""
+    zero = jnp.zeros((), jnp.float32)
+    return cls(temperature=zero, top_k=jnp.zeros((), jnp.int32), top_p=zero, min_p=zero,
+               greedy=True, filters=())
+
+
+def program_shape(rows: list[SamplingParams]) -> tuple[bool, tuple[str, ...]]:
+  """What the values of `rows` decide about the program: greedy or not (every row
+  samples or every row is greedy), and the filters some row uses."""
+  modes = {row.greedy for row in rows}
+  if len(modes) > 1:
+    raise MdjaxError("temperature must be 0 in every row or in none: a greedy row and a "
+                     "sampled row run different programs (make two calls)")
+  return modes.pop(), tuple(name for name in FILTERS if any(name in row.filters for row in rows))
+
+
+def per_row(value, like: Array) -> Array:
+  """`value` (a scalar, or one per row [R]) broadcastable against `like` [R, ...]."""
+  value = jnp.asarray(value)
+  if value.ndim == 0:
+    return value
+  if value.shape[0] != like.shape[0]:
+    raise ValueError(f"{value.shape[0]} row values for {like.shape[0]} rows of {like.shape}")
+  return value.reshape(value.shape + (1,) * (like.ndim - 1))
+
+
+def process_logits(logits: Float[Array, "R ... V"],
+                   params: SamplingParams | Sampling) -> Float[Array, "R ... V"]:
+  """Temperature-scaled float32 logits with filtered-out tokens at -inf (the values
+  per row for a `Sampling`)."""
   logits = logits.astype(jnp.float32)
   if params.greedy:
     return logits
-  logits = logits / params.temperature
-  if params.top_k and params.top_k < logits.shape[-1]:
-    logits = jnp.where(logits < kth_largest(logits, params.top_k), -jnp.inf, logits)
-  if params.top_p < 1:
-    logits = _top_p(logits, params.top_p)
-  if params.min_p > 0:
+  logits = logits / per_row(params.temperature, logits)
+  if "top_k" in params.filters:
+    top_k = per_row(params.top_k, logits)
+    logits = jnp.where(logits < kth_largest(logits, top_k), -jnp.inf, logits)
+  if "top_p" in params.filters:
+    logits = _top_p(logits, per_row(params.top_p, logits))
+  if "min_p" in params.filters:
     probs = jax.nn.softmax(logits, axis=-1)
-    threshold = params.min_p * probs.max(axis=-1, keepdims=True)
+    threshold = per_row(params.min_p, logits) * probs.max(axis=-1, keepdims=True)
     logits = jnp.where(probs < threshold, -jnp.inf, logits)
   return logits
 
@@ -84,10 +158,12 @@ def log_softmax(logits: Float[Array, "... V"]) -> Float[Array, "... V"]:
   return x - (top + jnp.log(total))[..., None]
 
 
-def kth_largest(x: Float[Array, "... V"], k: int) -> Float[Array, "... 1"]:
-  """The k-th largest value of each row of float32 `x` (duplicates counted), exactly.
+def kth_largest(x: Float[Array, "... V"], k: int | Int[Array, "... 1"]) -> Float[Array, "... 1"]:
+  """The k-th largest value of each row of float32 `x` (duplicates counted), exactly;
+  `k` one count, or one per row (data: e.g. `Sampling.top_k`, 1 <= k <= V).
 
-  Built for a GPU: `jax.lax.top_k(x, k)[0][..., -1:]`, one or two kernels. Elsewhere by
+  Built for a GPU: `jax.lax.top_k(x, k)[0][..., -1:]` for one static k, one or two
+  kernels; for counts as data, the row sorted once and read at V - k. Elsewhere by
   32 bisection steps over float32's order-preserving integer keys: 32 compare-and-count
   passes over the row; inside a decode program XLA:CPU's top_k with k = 64 over a 49k
   vocabulary costs more than the model's whole pass at batch 64 (10 ms a row; these
@@ -95,7 +171,11 @@ def kth_largest(x: Float[Array, "... V"], k: int) -> Float[Array, "... 1"]:
   sampled step's 397 at the 1B shape). Both give the same threshold for `x < kth`: they
   differ only where the k-th value is a zero (-0.0 against 0.0), which compare equal."""
   if platform.current() == "gpu":
-    return jax.lax.top_k(x.astype(jnp.float32), k)[0][..., -1:]
+    if isinstance(k, int):
+      return jax.lax.top_k(x.astype(jnp.float32), k)[0][..., -1:]
+    ascending = jnp.sort(x.astype(jnp.float32), axis=-1)
+    at = jnp.broadcast_to(x.shape[-1] - k, x.shape[:-1] + (1,))
+    return jnp.take_along_axis(ascending, at, axis=-1)
   keys = _order_keys(x)
   low = jnp.full((*x.shape[:-1], 1), jnp.iinfo(jnp.int32).min, jnp.int32)  # count >= k
   high = jnp.full((*x.shape[:-1], 1), jnp.iinfo(jnp.int32).max, jnp.int32)
@@ -117,10 +197,12 @@ def _order_keys(x: Float[Array, "..."]) -> Int[Array, "..."]:
   return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int32, increasing with x
 
 
-def _top_p(logits: Float[Array, "... V"], top_p: float) -> Float[Array, "... V"]:
-  """Keeps the smallest most-likely set whose probability reaches top_p (at least one).
-  Tokens are ranked by logit, ties by index (the lower first): at a tie across the
-  boundary the lower indices are kept."""
+def _top_p(logits: Float[Array, "... V"], top_p: float | Float[Array, "... 1"]
+           ) -> Float[Array, "... V"]:
+  """Keeps the smallest most-likely set whose probability reaches top_p (at least one;
+  every token where top_p is 1: a sum rounded below 1 drops nothing). Tokens are ranked
+  by logit, ties by index (the lower first): at a tie across the boundary the lower
+  indices are kept."""
   if platform.current() == "gpu":
     return _top_p_sorted_once(logits, top_p)
   order = jnp.argsort(-logits, axis=-1)  # [..., V] most likely first
@@ -129,10 +211,11 @@ def _top_p(logits: Float[Array, "... V"], top_p: float) -> Float[Array, "... V"]
   keep_sorted = mass_before < top_p  # the most likely token always: 0 < top_p
   keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1,
                             inplace=False)
-  return jnp.where(keep, logits, -jnp.inf)
+  return jnp.where(keep | (top_p >= 1), logits, -jnp.inf)
 
 
-def _top_p_sorted_once(logits: Float[Array, "... V"], top_p: float) -> Float[Array, "... V"]:
+def _top_p_sorted_once(logits: Float[Array, "... V"], top_p: float | Float[Array, "... 1"]
+                       ) -> Float[Array, "... V"]:
   """`_top_p`'s set by one sort and no scatter (a GPU's way): the kept tokens are a
   prefix of the ranking, so they are those ranked no lower than the last kept one,
   compared by (logit's order key, index) as `jnp.argsort`'s stable ranking orders them."""
@@ -144,11 +227,12 @@ def _top_p_sorted_once(logits: Float[Array, "... V"], top_p: float) -> Float[Arr
   last = (mass_before < top_p).sum(axis=-1, keepdims=True) - 1  # [..., 1] >= 0: 0 < top_p
   last_down = jnp.take_along_axis(ranked_down, last, axis=-1)
   last_index = jnp.take_along_axis(ranked_index, last, axis=-1)
-  keep = (down < last_down) | ((down == last_down) & (index <= last_index))
+  keep = (down < last_down) | ((down == last_down) & (index <= last_index)) | (top_p >= 1)
   return jnp.where(keep, logits, -jnp.inf)
 
 
-def choose(keys: jax.Array, logits: Float[Array, "B V"], params: SamplingParams) -> Int[Array, "B"]:
+def choose(keys: jax.Array, logits: Float[Array, "B V"],
+           params: SamplingParams | Sampling) -> Int[Array, "B"]:
   """Argmax when greedy, else one sample per row from its own key (`keys`: [B])."""
   if params.greedy:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)

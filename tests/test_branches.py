@@ -151,7 +151,7 @@ def test_bad_branch_options(models, kwargs, match):
 def test_the_decode_loop_writes_the_cache_in_place(models):
   """XLA:CPU copies the KV cache inside `lax.switch`/`lax.cond` branches; the pass
   that picks its width (N = 8: widths 8, 4, 2) must not run inside one
-  (`strategies.base.switch_in_place`). Counts, in the compiled program, the copies
+  (`strategies.widths.switch_in_place`). Counts, in the compiled program, the copies
   of a whole K or V cache outside its entry computation (the loop's body)."""
   model = models[0]
   mdjax.clear_compiled()

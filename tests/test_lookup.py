@@ -10,9 +10,10 @@ from tests.helpers import random_model
 from mdjax.cache import KVCache
 from mdjax.sampling import greedy_accept
 from mdjax.step import decode_step
-from mdjax.strategies.base import ModelFn, chain_widths, decode_chains
-from mdjax.topology import Topology
+from mdjax.strategies.base import ModelFn
 from mdjax.strategies.lookup import lookup_matches, propose_by_lookup
+from mdjax.strategies.widths import chain_widths, decode_chains
+from mdjax.topology import Topology
 
 
 def test_lookup_matches_by_hand():

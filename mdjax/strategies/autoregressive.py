@@ -32,15 +32,16 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from mdjax import platform
+from mdjax import controls, platform
 from mdjax.cache import CacheRegions, KVCache
 from mdjax.prompts import bucket
 from mdjax.sampling import choose, row_keys
 from mdjax.strategies import prompt_layouts
-from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Sampled,
+from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Sampled, Scored,
                                    branch_token_counts, emit, internal, last_emitted, prefill,
-                                   region_prompt_slots, region_slot_base, run_narrowest)
+                                   region_prompt_slots, region_slot_base, sampling_value)
 from mdjax.strategies.registry import register
+from mdjax.strategies.widths import run_narrowest
 from mdjax.topology import Topology
 
 
@@ -112,7 +113,8 @@ class Autoregressive(Sampled):
     slots = None if self.regions is None else region_prompt_slots(prompt, self.regions)
     logits, cache, topology = prefill(self.model, params, prompt, cache, slots)
     absent = (prompt.branch_segment < 0).reshape(-1)  # [B * N] rows of missing branches
-    buffer = dataclasses.replace(OutputBuffer.empty(absent.shape[0], capacity), done=absent)
+    buffer = dataclasses.replace(OutputBuffer.empty(absent.shape[0], capacity, limits),
+                                 done=absent)
     state = AutoregressiveState(
         cache=cache, topology=topology, limits=limits, buffer=buffer,
         passes=None, branch_segment=prompt.branch_segment,
@@ -162,10 +164,15 @@ class Autoregressive(Sampled):
   def _commit(self, state: AutoregressiveState,
               logits: Float[Array, "B N V"]) -> AutoregressiveState:
     """Chooses every branch's next token from `logits` and emits it."""
-    rows = state.buffer.count.shape[0]  # B * N
-    keys = row_keys(state.limits.key, jnp.arange(rows), state.buffer.count)
-    token = choose(keys, logits.reshape(rows, -1), self.sampling)  # [B * N]
-    buffer, _ = emit(state.buffer, token[:, None], jnp.ones_like(token), state.limits)
+    limits, buffer = state.limits, state.buffer
+    rows = buffer.count.shape[0]  # B * N
+    logits = logits.reshape(rows, 1, -1)  # [R, 1, V]
+    logits = controls.process(logits, limits.controls,
+                              controls.Context.plain(buffer.tokens, buffer.count), limits.eos_ids)
+    keys = row_keys(limits.key, jnp.arange(rows), buffer.count)
+    token = choose(keys, logits[:, 0], limits.sampling)  # [R]
+    buffer, _ = emit(buffer, token[:, None], jnp.ones_like(token), limits,
+                     Scored.requested(logits, token[:, None], limits, limits.sampling))
     return dataclasses.replace(state, buffer=buffer)
 
   def result(self, state: AutoregressiveState):
@@ -207,7 +214,7 @@ class Sample(Autoregressive):
   """Sampling, at temperature 1 unless set."""
 
   name: ClassVar[str] = "sample"
-  temperature: float | None = 1.0
+  temperature: float | list | None = sampling_value(1.0)
 
 
 @register

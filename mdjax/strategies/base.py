@@ -34,7 +34,6 @@ of known trip count between two such checks, so no step waits for the host. `sta
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, ClassVar
 
 import jax
@@ -42,11 +41,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from mdjax import platform
 from mdjax.cache import CacheRegions, KVCache, set_columns
+from mdjax.errors import MdjaxError
 from mdjax.models.attention import check_attention, default_attention
 from mdjax.models.config import ModelConfig
-from mdjax.sampling import SAMPLING_OPTIONS, SamplingParams
+from mdjax.controls import CONTROL_OPTIONS, Controls
+from mdjax.sampling import (SAMPLING_OPTIONS, Sampling, SamplingParams, log_softmax,
+                            process_logits, program_shape)
+from mdjax.stop_strings import completed
 from mdjax.step import decode_step
 from mdjax.topology import Topology
 
@@ -99,6 +101,9 @@ class Strategy:
   # a step changes nothing `result` reads of a row that is done: once every row is done,
   # steps change no result without the token loop's select (`mdjax.generate`)
   done_rows_stay: ClassVar[bool] = False
+  # the controls (`mdjax.controls.CONTROL_OPTIONS`) this strategy honors; `generate`
+  # refuses the others by name
+  controls: ClassVar[tuple[str, ...]] = ()
 
   model: ModelFn = internal()
   # host-side facts about choices `for_request` made (e.g. the tree `auto` chose), merged
@@ -112,7 +117,8 @@ class Strategy:
     fields = [f.name for f in dataclasses.fields(cls) if f.init and f.metadata.get("option", True)]
     own = tuple(name for name in fields if name not in SAMPLING_OPTIONS)
     sampling = tuple(name for name in fields if name in SAMPLING_OPTIONS)
-    return own + sampling + ((cls.layout.option,) if cls.layout.option else ()) + ("attention",)
+    return (own + sampling + ((cls.layout.option,) if cls.layout.option else ()) + cls.controls
+            + ("attention",))
 
   @classmethod
   def build(cls, model, options: dict) -> tuple["Strategy", Any]:
@@ -152,25 +158,57 @@ class Strategy:
     return state.buffer, {"target_passes": state.passes}
 
 
+def sampling_value(default=None):
+  """A sampling option: a value, or a list of one value per prompt. Values are data
+  (`mdjax.sampling.Sampling`, in `Limits`): not part of the strategy's equality, so
+  a new value reuses the compiled program; `Sampled.greedy` and `Sampled.filters`,
+  which shape the program, are."""
+  return dataclasses.field(default=default, compare=False)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sampled(Strategy):
   """A strategy with the sampling options (Hugging Face's names and order). It decodes
   greedily unless one of them is set; then it samples, at temperature 1 unless set
-  (temperature 0 is greedy)."""
+  (temperature 0 is greedy). Each option is one value or a list of one per prompt.
+  Every sampled strategy honors every control (`mdjax.controls`): its choices, drafts
+  and verifications read the processed logits."""
 
-  temperature: float | None = None
-  top_k: int | None = None
-  top_p: float | None = None
-  min_p: float | None = None
+  controls: ClassVar = CONTROL_OPTIONS
+
+  temperature: float | list | None = sampling_value()
+  top_k: int | list | None = sampling_value()
+  top_p: float | list | None = sampling_value()
+  min_p: float | list | None = sampling_value()
+  # what the values decide about the program (compared: part of the compiled key)
+  greedy: bool = dataclasses.field(init=False, default=True)
+  filters: tuple[str, ...] = dataclasses.field(init=False, default=())
 
   def __post_init__(self):
-    self.sampling  # validates the options
+    greedy, filters = program_shape(self.per_prompt(None))  # validates the options
+    object.__setattr__(self, "greedy", greedy)
+    object.__setattr__(self, "filters", filters)
 
-  @property
-  def sampling(self) -> SamplingParams:
+  def per_prompt(self, num_prompts: int | None) -> list[SamplingParams]:
+    """Each prompt's validated values (every given list's values when `num_prompts` is
+    None); a list must hold one value per prompt."""
     given = {name: getattr(self, name) for name in SAMPLING_OPTIONS
              if getattr(self, name) is not None}
-    return SamplingParams(**given) if given else SamplingParams(temperature=0.0)
+    lengths = {name: len(v) for name, v in given.items() if isinstance(v, (list, tuple))}
+    for name, length in lengths.items():
+      if length == 0 or (num_prompts is not None and length != num_prompts):
+        raise MdjaxError(f"{name} has {length} values for {num_prompts} prompts: give one "
+                         "value, or one per prompt")
+    count = num_prompts if num_prompts is not None else max(lengths.values(), default=1)
+    at = lambda v, i: v[i % len(v)] if isinstance(v, (list, tuple)) else v
+    if not given:
+      return [SamplingParams(temperature=0.0)] * count
+    return [SamplingParams(**{name: at(v, i) for name, v in given.items()}) for i in range(count)]
+
+  def sampling_data(self, num_prompts: int, branches: int, vocab_size: int) -> Sampling:
+    """The values as data, one per output row (row b * branches + j: prompt b)."""
+    rows = self.per_prompt(num_prompts)
+    return Sampling.of([row for row in rows for _ in range(branches)], vocab_size)
 
 
 @jax.tree_util.register_dataclass
@@ -214,23 +252,45 @@ class Limits:
   max_new_tokens: Int[Array, ""]
   eos_ids: Int[Array, "E"]  # -1 entries never match
   key: jax.Array  # PRNG key of the whole run
+  sampling: Sampling | None = None  # a `Sampled` strategy's values, one per output row
+  controls: Controls | None = None  # the request's controls (`mdjax.controls`)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class OutputBuffer:
   """Generated tokens per output row: `tokens` int32[R, N] (-1 past `count`); `scores`
-  float32[R] for strategies that score their outputs (beam search), else None."""
+  float32[R] for strategies that score their outputs (beam search), else None. With the
+  controls that ask for them (`mdjax.controls`), else None:
+
+    logprobs      float32[R, N]     each token's log-probability under the distribution
+                                    it was chosen from (after every processor)
+    top_ids       int32[R, N, k]    the k likeliest tokens there (top_logprobs = k)
+    top_logprobs  float32[R, N, k]
+    stopped_by    int32[R]          the stop string that ended the row (-1: none)
+  """
 
   tokens: Int[Array, "R N"]
   count: Int[Array, "R"]
   done: Bool[Array, "R"]
   scores: Float[Array, "R"] | None = None
+  logprobs: Float[Array, "R N"] | None = None
+  top_ids: Int[Array, "R N k"] | None = None
+  top_logprobs: Float[Array, "R N k"] | None = None
+  stopped_by: Int[Array, "R"] | None = None
 
   @classmethod
-  def empty(cls, rows: int, capacity: int) -> "OutputBuffer":
+  def empty(cls, rows: int, capacity: int, limits: "Limits | None" = None) -> "OutputBuffer":
+    """No token yet; room for what `limits`' controls record."""
+    controls = None if limits is None else limits.controls
+    top = -1 if controls is None else controls.logprobs
     return cls(tokens=jnp.full((rows, capacity), -1, jnp.int32),
-               count=jnp.zeros((rows,), jnp.int32), done=jnp.zeros((rows,), jnp.bool_))
+               count=jnp.zeros((rows,), jnp.int32), done=jnp.zeros((rows,), jnp.bool_),
+               logprobs=jnp.zeros((rows, capacity), jnp.float32) if top >= 0 else None,
+               top_ids=jnp.zeros((rows, capacity, top), jnp.int32) if top > 0 else None,
+               top_logprobs=jnp.zeros((rows, capacity, top), jnp.float32) if top > 0 else None,
+               stopped_by=(None if controls is None or controls.stops is None
+                           else jnp.full((rows,), -1, jnp.int32)))
 
 
 @jax.tree_util.register_dataclass
@@ -254,22 +314,76 @@ class DecodeState:
 
 
 def emit(buffer: OutputBuffer, new: Int[Array, "R A"], num_new: Int[Array, "R"],
-         limits: Limits) -> tuple[OutputBuffer, Bool[Array, "R A"]]:
-  """Appends the first `num_new[r]` tokens of `new[r]` to row r.
+         limits: Limits, scored: "Scored | None" = None
+         ) -> tuple[OutputBuffer, Bool[Array, "R A"]]:
+  """Appends the first `num_new[r]` tokens of `new[r]` to row r (with their
+  log-probabilities, `scored`, where the buffer records them).
 
-  A row stops at its first EOS (kept) or at `max_new_tokens`; a done row takes
-  nothing. Returns the buffer and which of the offered tokens were taken.
+  A row stops at its first EOS (kept), after the token that completes a stop string
+  (kept: `mdjax.stop_strings`) or at `max_new_tokens`; a done row takes nothing.
+  Returns the buffer and which of the offered tokens were taken.
   """
   offered = jnp.arange(new.shape[1])[None, :] < num_new[:, None]  # [R, A]
-  is_eos = (new[..., None] == limits.eos_ids).any(-1) & offered  # [R, A]
-  eos_before = (jnp.cumsum(is_eos, axis=1) - is_eos) > 0
   index = buffer.count[:, None] + jnp.arange(new.shape[1])[None, :]  # [R, A]
-  taken = offered & ~eos_before & (index < limits.max_new_tokens) & ~buffer.done[:, None]
+  room = offered & (index < limits.max_new_tokens) & ~buffer.done[:, None]
+  ends = (new[..., None] == limits.eos_ids).any(-1) & offered  # [R, A]
+  stops = limits.controls.stops if limits.controls is not None else None
+  if stops is not None:  # which stop string each offered token completes, were it taken
+    past_end = buffer.tokens.shape[1]
+    completes = completed(stops, set_columns(buffer.tokens, jnp.where(room, index, past_end), new),
+                          jnp.where(room, index, -1), limits.controls.stop_tail)  # [R, A]
+    ends = ends | (completes >= 0)
+  end_before = (jnp.cumsum(ends, axis=1) - ends) > 0
+  taken = room & ~end_before
   at = jnp.where(taken, index, buffer.tokens.shape[1])  # [R, A] past the end: dropped
   tokens = set_columns(buffer.tokens, at, new)
   count = buffer.count + taken.sum(axis=1, dtype=jnp.int32)
-  done = buffer.done | (taken & is_eos).any(axis=1) | (count >= limits.max_new_tokens)
-  return OutputBuffer(tokens=tokens, count=count, done=done), taken
+  done = buffer.done | (taken & ends).any(axis=1) | (count >= limits.max_new_tokens)
+  fields = dict(tokens=tokens, count=count, done=done)
+  if stops is not None and buffer.stopped_by is not None:
+    stopped = taken & (completes >= 0)  # at most one per row: the row ends there
+    fields["stopped_by"] = jnp.where(stopped.any(axis=1), completes.max(axis=1, where=stopped,
+                                                                         initial=-1),
+                                     buffer.stopped_by)
+  if buffer.logprobs is not None:
+    rows = jnp.arange(new.shape[0])[:, None]
+    fields["logprobs"] = buffer.logprobs.at[rows, at].set(scored.logprobs, mode="drop")
+    if buffer.top_ids is not None:
+      fields["top_ids"] = buffer.top_ids.at[rows, at].set(scored.top_ids, mode="drop")
+      fields["top_logprobs"] = buffer.top_logprobs.at[rows, at].set(scored.top_logprobs,
+                                                                    mode="drop")
+  return dataclasses.replace(buffer, **fields), taken
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Scored:
+  """Log-probabilities of offered tokens (`emit`): `logprobs` float32[R, A]; with
+  top_logprobs = k, `top_ids` int32[R, A, k] and `top_logprobs` float32[R, A, k]."""
+
+  logprobs: Float[Array, "R A"]
+  top_ids: Int[Array, "R A k"] | None = None
+  top_logprobs: Float[Array, "R A k"] | None = None
+
+  @classmethod
+  def of(cls, processed: Float[Array, "R A V"], tokens: Int[Array, "R A"],
+         top: int) -> "Scored":
+    """From the processed logits each token was chosen from (filtered tokens at -inf)."""
+    logp = log_softmax(processed)
+    chosen = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+    if top <= 0:
+      return cls(chosen)
+    best, ids = jax.lax.top_k(logp, top)
+    return cls(chosen, ids.astype(jnp.int32), best)
+
+  @classmethod
+  def requested(cls, logits: Float[Array, "R A V"], tokens: Int[Array, "R A"], limits: Limits,
+                sampling: Sampling) -> "Scored | None":
+    """`of` the sampling-processed `logits` (controls applied) where the request asks
+    for log-probabilities, else None."""
+    if limits.controls is None or limits.controls.logprobs < 0:
+      return None
+    return cls.of(process_logits(logits, sampling), tokens, limits.controls.logprobs)
 
 
 def last_emitted(buffer: OutputBuffer) -> Int[Array, "R"]:
@@ -331,80 +445,3 @@ def region_prompt_slots(prompt: Prompt, regions: CacheRegions) -> Int[Array, "B 
                              axis=1)  # [B, P]
   return jnp.where(in_branch.any(-1), base + prompt.positions,
                    jnp.arange(prompt.tokens.shape[1]))
-
-
-def run_narrowest(widths: tuple[int, ...], need, pass_at, carry, *operands):
-  """`(pass_at(w)(carry, *operands), w)` for the narrowest `w` in `widths` (widest
-  first) that holds `need` (a traced count) columns. On the CPU every width is
-  compiled and only the one taken runs, in place (`switch_in_place`): a pass costs
-  its columns' compute there. Elsewhere the widest runs: choosing on the device is a
-  while loop or a conditional, whose predicate the host reads (a GPU waits for it),
-  and a memory-bound pass of a few more columns costs little more."""
-  if not platform.is_cpu():
-    return pass_at(widths[0])(carry, *operands), jnp.asarray(widths[0], jnp.int32)
-  level = sum((need <= w).astype(jnp.int32) for w in widths[1:])
-  carry = switch_in_place(level, [pass_at(w) for w in widths], carry, *operands)
-  return carry, jnp.asarray(widths, jnp.int32)[level]
-
-
-def narrowest_width(widths: tuple[int, ...], need: int) -> int:
-  """(host) The columns `run_narrowest` runs with `widths` when `need` columns are fed:
-  the narrowest that holds them on the CPU, the widest elsewhere."""
-  if not platform.is_cpu():
-    return widths[0]
-  return min(w for w in widths if w >= need)
-
-
-def switch_in_place(index, branches, carry, *operands):
-  """`branches[index](carry, *operands)` for a traced `index`, each branch returning
-  a tree shaped like `carry` (e.g. `(logits, cache)`): what `lax.switch` gives, run
-  as one while loop per branch that iterates once when taken, never otherwise.
-
-  Inside a `lax.switch` or `lax.cond` branch, XLA:CPU copies the KV cache between
-  layer writes (the attention loops take the whole cache as an operand): at
-  multi_question N = 16, context 1024, 4 copies of 55 MB per pass, a third of the
-  step. A while loop's body updates it in place.
-  """
-  for i, branch in enumerate(branches):
-    def once(taken_carry, branch=branch):
-      return False, branch(taken_carry[1], *operands)
-    _, carry = jax.lax.while_loop(lambda taken_carry: taken_carry[0], once, (index == i, carry))
-  return carry
-
-
-def chain_widths(width: int) -> tuple[int, ...]:
-  """The columns a verify pass may run on, widest first: the whole chain, half of it
-  (chains of 6 or more), or only the last emitted token (nothing drafted). Each width
-  is one more compiled pass."""
-  half = (-(-width // 2),) if width >= 6 else ()
-  return tuple(sorted({width, *half, 1}, reverse=True))
-
-
-def decode_chains(model: ModelFn, params, cache: KVCache, tokens: Int[Array, "B N C"],
-                  positions: Int[Array, "B N C"], segments: Int[Array, "B N C"],
-                  topology: Topology) -> tuple[Float[Array, "B N C V"], KVCache, Int[Array, ""]]:
-  """`model` over N chains of C columns per row, each chain's scored tokens a
-  prefix (segment -1 after it), run only as wide as the longest prefix needs::
-
-      chains   c d0 d1 d2 d3 d4 | c d0 .  .  .  .     longest prefix 3 -> W = 3
-      fed      c d0 d1          | c d0 .              (W from `chain_widths(C)`)
-
-  Padding takes no cache slot, so the cache is the same at any W; the logits of the
-  columns not fed are zeros (past every prefix: never read). Saves the pass its
-  unused columns when chains come out short (no n-gram match, a low-confidence stop,
-  a small heuristic budget). Returns the logits, the cache and W.
-  """
-  batch, branches, width = tokens.shape
-  def feed(fed: int, carry):
-    def cut(x):
-      return x[..., :fed].reshape(batch, branches * fed)
-    logits, _, cache = model(params, carry[1], cut(tokens), cut(positions), cut(segments),
-                             topology)
-    logits = logits.reshape(batch, branches, fed, -1)
-    return jnp.pad(logits, ((0, 0), (0, 0), (0, width - fed), (0, 0))), cache
-
-  unfed = jnp.zeros((batch, branches, width, model.vocab_size), jnp.float32)
-  (logits, cache), fed_width = run_narrowest(
-      chain_widths(width), (segments >= 0).sum(axis=-1).max(),
-      lambda w: functools.partial(feed, w), (unfed, cache))
-  return logits, cache, fed_width

@@ -30,14 +30,15 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from mdjax import cache as cache_ops
-from mdjax import platform
+from mdjax import controls, platform
 from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError, check_count, check_real
-from mdjax.sampling import (SamplingParams, choose, greedy_accept, process_logits, row_keys,
+from mdjax.sampling import (Sampling, choose, greedy_accept, process_logits, row_keys,
                             speculative_accept)
 from mdjax.strategies import metadata
 from mdjax.strategies.base import (DecodeState, Limits, ModelFn, OutputBuffer, Prompt, Sampled,
-                                   Strategy, decode_chains, emit, last_emitted, prefill)
+                                   Scored, Strategy, emit, last_emitted, prefill)
+from mdjax.strategies.widths import decode_chains
 from mdjax.topology import Topology
 
 DRAFT_KEY, ACCEPT_KEY = 1, 2  # fold_in tags of a step's row key
@@ -226,7 +227,7 @@ State = TypeVar("State", bound=DraftState)
 
 def start(state_type: type[State], target: ModelFn, draft: ModelFn | None, params,
           prompt: Prompt, cache: KVCache, limits: Limits, capacity: int,
-          sampling: SamplingParams, *, positions: int, return_metadata: bool,
+          sampling: Sampling, *, positions: int, return_metadata: bool,
           prefilled: tuple[Float[Array, "B N V"], KVCache, Topology] | None = None,
           **fields) -> State:
   """The first state: the target's prefill and every branch's first token emitted
@@ -239,10 +240,13 @@ def start(state_type: type[State], target: ModelFn, draft: ModelFn | None, param
   logits, target_cache, topology = prefilled or prefill(target, params["target"], prompt, cache)
   logits = logits.reshape(-1, logits.shape[-1])  # [B, N, V] -> [R, V]
   rows = jnp.arange(logits.shape[0])
-  first = choose(row_keys(limits.key, rows, jnp.zeros_like(rows)), logits, sampling)
   absent = (prompt.branch_segment < 0).reshape(-1)  # [R]
-  buffer, _ = emit(dataclasses.replace(OutputBuffer.empty(rows.size, capacity), done=absent),
-                   first[:, None], jnp.ones_like(first), limits)
+  buffer = dataclasses.replace(OutputBuffer.empty(rows.size, capacity, limits), done=absent)
+  context = controls.Context.plain(buffer.tokens, buffer.count)
+  logits = controls.process(logits[:, None], limits.controls, context, limits.eos_ids)[:, 0]
+  first = choose(row_keys(limits.key, rows, jnp.zeros_like(rows)), logits, sampling)
+  buffer, _ = emit(buffer, first[:, None], jnp.ones_like(first), limits,
+                   Scored.requested(logits[:, None], first[:, None], limits, sampling))
   token_metadata = None
   if return_metadata:
     token_metadata = metadata.first(capacity, probs(logits, sampling), first)
@@ -255,7 +259,7 @@ def start(state_type: type[State], target: ModelFn, draft: ModelFn | None, param
 
 
 def start_chain(target: ModelFn, draft: ModelFn | None, params, prompt: Prompt, cache: KVCache,
-                limits: Limits, capacity: int, sampling: SamplingParams, schedule: Schedule,
+                limits: Limits, capacity: int, sampling: Sampling, schedule: Schedule,
                 return_metadata: bool) -> ChainState:
   """`start` for a chain strategy: every row's budget at `num_draft_tokens`."""
   return start(ChainState, target, draft, params, prompt, cache, limits, capacity, sampling,
@@ -264,7 +268,7 @@ def start_chain(target: ModelFn, draft: ModelFn | None, params, prompt: Prompt, 
                columns_fed=jnp.zeros((), jnp.int32))
 
 
-def probs(logits: Float[Array, "... V"], sampling: SamplingParams) -> Float[Array, "... V"]:
+def probs(logits: Float[Array, "... V"], sampling: Sampling) -> Float[Array, "... V"]:
   """The distribution `sampling` draws from (p of the target, q of the draft)."""
   return jax.nn.softmax(process_logits(logits, sampling), axis=-1)
 
@@ -325,7 +329,7 @@ class Chain:
 
 def draft_chain(draft: ModelFn, params, cache: KVCache, logits: Float[Array, "B V"],
                 keys: jax.Array, state: DraftState, schedule: Schedule,
-                sampling: SamplingParams, budget: Int[Array, "B"] | None = None) -> Chain:
+                sampling: Sampling, budget: Int[Array, "B"] | None = None) -> Chain:
   """From the draft's `logits` after the last emitted token (and `cache`, holding
   everything emitted), the chain: one draft pass per further token, each row until
   its budget (`budget`, else the `ChainState`'s) or the confidence threshold stops it,
@@ -338,6 +342,11 @@ def draft_chain(draft: ModelFn, params, cache: KVCache, logits: Float[Array, "B 
   def record(chain: Chain, logits: Float[Array, "B V"]) -> Chain:
     """Chain position `i` from the draft's `logits`, for the rows still drafting."""
     i, active, threshold = chain.i, chain.active, schedule.confidence_threshold
+    if state.limits.controls is not None:  # the draft proposes what the controls allow
+      path = jnp.where(jnp.arange(longest) < i, chain.tokens, -1)[:, None]  # [B, 1, D]
+      logits = controls.process(logits[:, None], state.limits.controls, controls.Context(
+          state.buffer.tokens, state.buffer.count, path, jnp.full((batch, 1), i, jnp.int32)),
+          state.limits.eos_ids)[:, 0]
     q = None if sampling.greedy and not threshold else probs(logits, sampling)
     token = choose(fold_in(chain_keys, i), logits, sampling)
     length = chain.length + active
@@ -374,10 +383,11 @@ def draft_chain(draft: ModelFn, params, cache: KVCache, logits: Float[Array, "B 
 
 
 def accept_chain(keys: jax.Array, chain: Chain, logits: Float[Array, "B D+1 V"],
-                 sampling: SamplingParams) -> tuple[Int[Array, "B"], Int[Array, "B"]]:
-  """(accepted [B], the target's next token [B]): greedy keeps the target's argmax up
-  to and including the first disagreement; sampling keeps token i with probability
-  min(1, p/q) and resamples the first rejected one (`mdjax.sampling.speculative_accept`)."""
+                 sampling: Sampling) -> tuple[Int[Array, "B"], Int[Array, "B"]]:
+  """(accepted [B], the target's next token [B]) from the target's `logits` (controls
+  applied): greedy keeps the target's argmax up to and including the first
+  disagreement; sampling keeps token i with probability min(1, p/q) and resamples the
+  first rejected one (`mdjax.sampling.speculative_accept`)."""
   if sampling.greedy:
     choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, 1 + D]
     accepted = greedy_accept(chain.tokens, chain.length, choice)
@@ -387,7 +397,7 @@ def accept_chain(keys: jax.Array, chain: Chain, logits: Float[Array, "B D+1 V"],
 
 
 def verify_chain(target: ModelFn, params, state: ChainState, cache: KVCache, keys: jax.Array,
-                 chain: Chain, schedule: Schedule, sampling: SamplingParams
+                 chain: Chain, schedule: Schedule, sampling: Sampling
                  ) -> tuple[ChainState, Int[Array, "B"]]:
   """One target pass over the last emitted token and `chain` (on `cache`: the
   target's, holding what `state.cache` holds), the accepted prefix and the target's
@@ -402,7 +412,8 @@ def verify_chain(target: ModelFn, params, state: ChainState, cache: KVCache, key
   logits, cache, fed = decode_chains(target, params, cache, tokens[:, None],
                                      (state.next_pos[:, None] + offsets)[:, None],
                                      jnp.where(scored, 0, -1)[:, None], state.topology)
-  logits = logits[:, 0]  # [B, 1 + D, V]
+  logits = controls.process(logits[:, 0], state.limits.controls, controls.Context.chain(
+      state.buffer.tokens, state.buffer.count, chain.tokens), state.limits.eos_ids)  # [B, 1 + D, V]
   accepted, next_token = accept_chain(keys, chain, logits, sampling)
   emitted = jnp.where(offsets < accepted[:, None], jnp.pad(chain.tokens, ((0, 0), (0, 1))),
                       next_token[:, None])  # [B, 1 + D]: chain[:accepted], next_token
@@ -413,7 +424,8 @@ def verify_chain(target: ModelFn, params, state: ChainState, cache: KVCache, key
       emitted=emitted, accepted=accepted, draft_passes=chain.i,
       drafted=live, accepted_at=live & (position < accepted[:, None]),
       token_metadata=lambda: metadata.verified(probs(logits, sampling), emitted, chain.tokens,
-                                               chain.length, accepted))
+                                               chain.length, accepted),
+      scored=Scored.requested(logits, emitted, state.limits, sampling))
   return dataclasses.replace(state, budget=schedule.next_budget(state.budget, accepted),
                              columns_fed=state.columns_fed + batch * fed), accepted
 
@@ -421,13 +433,14 @@ def verify_chain(target: ModelFn, params, state: ChainState, cache: KVCache, key
 def commit(state: State, *, cache: KVCache, emitted: Int[Array, "B D+1"],
            accepted: Int[Array, "B"], draft_passes: Int[Array, ""],
            drafted: Int[Array, "B D"] | Bool[Array, "B D"], accepted_at: Bool[Array, "B D"],
-           token_metadata: Callable[[], Any]) -> State:
+           token_metadata: Callable[[], Any], scored: Scored | None = None) -> State:
   """The state after a verify: `emitted[:, :accepted + 1]` (the accepted tokens, then
   the target's `next_token`) in the buffer, the target's `cache`, the counters
   advanced by one target pass, `draft_passes`, and this step's `drafted` /
   `accepted_at` per row and position. `token_metadata()` (called with
-  return_metadata only) gives the emitted tokens' `metadata.verified` values."""
-  buffer, taken = emit(state.buffer, emitted, accepted + 1, state.limits)
+  return_metadata only) gives the emitted tokens' `metadata.verified` values; `scored`
+  their log-probabilities, where the request asks for them (`emit`)."""
+  buffer, taken = emit(state.buffer, emitted, accepted + 1, state.limits, scored)
   recorded = (None if state.metadata is None else
               state.metadata.record(state.buffer.count, taken, *token_metadata()))
   tallies = jnp.stack([

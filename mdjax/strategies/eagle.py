@@ -157,7 +157,7 @@ class Eagle(TreeDrafter):
     logits, hidden, target_cache, topology = prefill_with_hidden(
         self.model, params["target"], prompt, cache)  # [B, 1, V], [B, P, H]
     state = drafting.start(DraftState, self.model, None, params, prompt, cache, limits, capacity,
-                           self.sampling, positions=self.tree_depth,
+                           limits.sampling, positions=self.tree_depth,
                            return_metadata=self.return_metadata,
                            prefilled=(logits, target_cache, topology))
     head_config = get_family(self.heads.family).cache_config(self.heads, self.model.config)

@@ -34,9 +34,9 @@ from mdjax.cache import KVCache
 from mdjax.errors import check_count
 from mdjax.sampling import greedy_accept
 from mdjax.strategies import metadata, prompt_layouts
-from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Strategy,
-                                   decode_chains, emit, prefill)
+from mdjax.strategies.base import DecodeState, Limits, OutputBuffer, Prompt, Strategy, emit, prefill
 from mdjax.strategies.registry import register
+from mdjax.strategies.widths import decode_chains
 from mdjax.topology import Topology
 
 

@@ -177,7 +177,7 @@ class Medusa(Sampled):
                        f"got {self.acceptance!r}")
     check_real("typical_epsilon", self.typical_epsilon, minimum=0, maximum=1)
     check_real("typical_delta", self.typical_delta, minimum=0)
-    if self.acceptance == "typical" and self.sampling.greedy:
+    if self.acceptance == "typical" and self.greedy:
       raise MdjaxError("acceptance='typical' needs sampling (e.g. temperature=0.7): at "
                        "temperature 0 decoding is greedy and exact")
     if not self.auto:
@@ -248,7 +248,7 @@ class Medusa(Sampled):
     if choice.plain:
       return tree_choice.plain_decoding(self, params, prompt, capacity, choice)
     return dataclasses.replace(self, tree_budget=choice.budget,
-                               request_stats=choice.stats(self.sampling.greedy))
+                               request_stats=choice.stats(self.greedy))
 
   @property
   def accuracy(self) -> tuple[tuple[float, ...], ...]:
@@ -295,7 +295,7 @@ class Medusa(Sampled):
     branch_segment = prompt.branch_segment.reshape(-1)  # [R]
     parent = self._every_row(self.arrays.parent, branch_segment.size)
     return drafting.start(HeadsState, self.model, None, params, prompt, cache, limits, capacity,
-                          self.sampling, positions=self.arrays.max_depth,
+                          limits.sampling, positions=self.arrays.max_depth,
                           return_metadata=self.return_metadata,
                           prefilled=(logits, cache, topology),
                           read=self.guess.start(self._used(params), hidden, prompt.branch_last,
@@ -325,11 +325,11 @@ class Medusa(Sampled):
     accept = tree_accept if self.acceptance == "exact" else functools.partial(
         typical_accept, epsilon=self.typical_epsilon, delta=self.typical_delta)
     verified = trees.verify(self.model, params["target"], state, tree, self.arrays.max_depth,
-                            drafting.step_keys(state), self.sampling, accept,
+                            drafting.step_keys(state), state.limits.sampling, accept,
                             branch_segment=state.branch_segment, parents=state.parents)
     read = self.guess.advance(used, state.read, self._committed_hidden(verified),
                               verified.accepted, self._committed(state, verified))
-    state = trees.commit(state, tree, verified, self.sampling, draft_passes=self.guess.passes)
+    state = trees.commit(state, tree, verified, state.limits.sampling, draft_passes=self.guess.passes)
     return dataclasses.replace(state, read=read)
 
   def _committed_hidden(self, verified: Verified) -> Float[Array, "R D+1 H"]:

@@ -53,7 +53,7 @@ from mdjax.heads import get_family, vocab
 from mdjax.heads.base import HeadsConfig
 from mdjax.heads.family import Feed, Guess
 from mdjax.heads.tree import TreeArrays, default_accuracy, node_value, rank_accuracy
-from mdjax.sampling import SamplingParams
+from mdjax.sampling import Sampling
 from mdjax.strategies import drafting, mix_choice, tree_choice, trees
 from mdjax.strategies.base import ModelFn, Prompt
 from mdjax.strategies.drafting import DraftModelState, Schedule
@@ -61,8 +61,6 @@ from mdjax.strategies.eagle import Eagle, HeadState
 from mdjax.strategies.lookup import branch_histories, lookup_matches
 from mdjax.strategies.pass_cost import PassCost
 from mdjax.strategies.trees import Tree, Verified
-
-GREEDY = SamplingParams(temperature=0.0)
 
 
 def widen(pending: Int[Array, "B W"], depth: int) -> Int[Array, "B D+1"]:
@@ -323,7 +321,7 @@ class DraftModel:
     schedule = Schedule(num_draft_tokens=self.cap, draft_schedule="constant", max_draft_tokens=0,
                         confidence_threshold=0.0)
     chain = drafting.draft_chain(self.draft, params["draft"], cache, logits, keys, state,
-                                 schedule, GREEDY, budget=count)
+                                 schedule, Sampling.argmax(), budget=count)
     return trees.chain(chain.tokens, count), chain, chain.i
 
   def after(self, params, before, state, verified: Verified, scratch, credited) -> dict:

@@ -383,7 +383,7 @@ class Mixed(Sampled):
     rows, sources, depth = prompt.tokens.shape[0], len(self.sources), self.depth
     zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
     state = drafting.start(
-        MixState, self.model, None, params, prompt, cache, limits, capacity, self.sampling,
+        MixState, self.model, None, params, prompt, cache, limits, capacity, limits.sampling,
         positions=depth, return_metadata=self.return_metadata,
         prefilled=(logits, target_cache, topology), history=None, length=None, read=None,
         expected=jnp.zeros((rows, sources, depth), jnp.float32),
@@ -414,7 +414,7 @@ class Mixed(Sampled):
     tree, node_of = trees.merge_trees([tree for tree, _, _ in proposed], used, self.tree_budget,
                                       self.depth)
     verified = trees.verify(self.model, params["target"], state, tree, self.depth, keys,
-                            self.sampling, narrow=True, keep_logits=self.return_metadata)
+                            state.limits.sampling, narrow=True, keep_logits=self.return_metadata)
     depth = jnp.arange(self.depth)
     trie_nodes = jnp.arange(self.tree_budget)
     # holds[r, s, m]: trie node m holds a node of source s; at[r, s, d]: one at depth d + 1
@@ -427,7 +427,7 @@ class Mixed(Sampled):
     tried = at & (depth <= credited[..., None])  # [R, S, D]
     chance = jnp.asarray(np.stack([mix_choice.step_conditional(t) for t in tables]))[
         jnp.arange(len(self.chains)), counts]  # [R, S, D]
-    after = trees.commit(state, tree, verified, self.sampling,
+    after = trees.commit(state, tree, verified, state.limits.sampling,
                          draft_passes=sum(passes for _, _, passes in proposed))
     fields = {}
     for s, (source, (_, scratch, _)) in enumerate(zip(self.chains, proposed)):

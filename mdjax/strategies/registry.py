@@ -5,6 +5,7 @@ class with `@register` (the class declares its name, layout and options itself,
 from __future__ import annotations
 
 from mdjax import errors
+from mdjax.controls import CONTROL_OPTIONS
 from mdjax.errors import MdjaxError
 from mdjax.strategies.base import Strategy
 
@@ -40,5 +41,11 @@ def option_names(name: str) -> tuple[str, ...]:
 
 
 def check_options(name: str, options: dict) -> None:
-  """Rejects an option that strategy `name` does not take, naming the valid ones."""
+  """Rejects an option that strategy `name` does not take, naming the valid ones (a
+  control it does not honor: naming the strategies that do)."""
+  for option in options:
+    if option in CONTROL_OPTIONS and option not in get(name).controls:
+      honoring = [n for n, cls in STRATEGIES.items() if option in cls.controls]
+      raise MdjaxError(f"strategy {name!r} does not honor the control {option!r}; strategies "
+                       f"that do: {', '.join(honoring) or 'none'}")
   errors.check_options("strategy", name, options, option_names(name))

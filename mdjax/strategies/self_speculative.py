@@ -83,7 +83,7 @@ class SelfSpeculative(drafting.ChainDrafter):
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
            capacity: int) -> ChainState:
     return drafting.start_chain(self.model, None, params, prompt, cache, limits, capacity,
-                                self.sampling, self.schedule, self.return_metadata)
+                                limits.sampling, self.schedule, self.return_metadata)
 
   def step(self, params, state: ChainState) -> ChainState:
     """The chain from the first layers, drafted on the target's cache, rolled back,
@@ -94,8 +94,8 @@ class SelfSpeculative(drafting.ChainDrafter):
                                   jnp.where(state.buffer.done, -1, 0)[:, None],
                                   state.topology)  # [B, 1, V]
     chain = drafting.draft_chain(self.draft, params["draft"], cache, logits[:, 0], keys, state,
-                                 self.schedule, self.sampling)
+                                 self.schedule, state.limits.sampling)
     verified, _ = drafting.verify_chain(
         self.model, params["target"], state, cache_ops.rollback(chain.cache, state.cache.length),
-        keys, chain, self.schedule, self.sampling)
+        keys, chain, self.schedule, state.limits.sampling)
     return verified

@@ -24,7 +24,7 @@ How many tokens a row drafts (its `budget`, at most `max_draft_tokens`) is
 `drafting.Schedule`'s: `num_draft_tokens` every step, or transformers' heuristic,
 cut short by a `confidence_threshold`. The draft loop ends as soon as every row has
 stopped; the target's pass runs on the whole `max_draft_tokens + 1` columns, half of
-them or one, whichever holds the longest chain of the batch (`base.decode_chains`).
+them or one, whichever holds the longest chain of the batch (`widths.decode_chains`).
 """
 
 from __future__ import annotations
@@ -69,15 +69,15 @@ class Speculative(drafting.ChainDrafter):
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
            capacity: int) -> ChainState:
     return drafting.start_chain(self.model, self.draft, params, prompt, cache, limits, capacity,
-                                self.sampling, self.schedule, self.return_metadata)
+                                limits.sampling, self.schedule, self.return_metadata)
 
   def step(self, params, state: ChainState) -> ChainState:
     keys = drafting.step_keys(state)
     logits, draft_cache = drafting.catch_up(self.draft, params["draft"], state)
     chain = drafting.draft_chain(self.draft, params["draft"], draft_cache, logits, keys, state,
-                                 self.schedule, self.sampling)
+                                 self.schedule, state.limits.sampling)
     verified, accepted = drafting.verify_chain(self.model, params["target"], state, state.cache,
-                                               keys, chain, self.schedule, self.sampling)
+                                               keys, chain, self.schedule, state.limits.sampling)
     return dataclasses.replace(verified, draft=_draft_after(state, chain, accepted,
                                                             verified.last))
 

@@ -50,7 +50,7 @@ from mdjax import cache as cache_ops
 from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError, check_count
 from mdjax.heads import vocab
-from mdjax.sampling import log_softmax, process_logits
+from mdjax.sampling import Sampling, log_softmax, process_logits
 from mdjax.strategies import drafting, prompt_layouts, tree_choice, trees
 from mdjax.strategies.base import Limits, ModelFn, Prompt, Sampled
 from mdjax.strategies.drafting import DraftModelState, DraftState
@@ -136,7 +136,7 @@ class TreeDrafter(Sampled):
       return tree_choice.plain_decoding(self, params, prompt, capacity, choice)
     return dataclasses.replace(self, tree_depth=choice.depth, tree_top_k=choice.top_k,
                                tree_budget=choice.budget,
-                               request_stats=choice.stats(self.sampling.greedy))
+                               request_stats=choice.stats(self.greedy))
 
   @property
   def acceptance(self) -> tuple[tuple[float, ...], ...]:
@@ -165,12 +165,12 @@ class TreeDrafter(Sampled):
     slots = prompt_len + capacity + 1 + max(self.tree_budget, self.num_fed)
     return -(-slots // SLOT_MULTIPLE) * SLOT_MULTIPLE
 
-  def _top_k(self, logits: Float[Array, "... V"]) -> tuple[Float[Array, "... K"],
-                                                          Int[Array, "... K"]]:
+  def _top_k(self, logits: Float[Array, "B ... V"], sampling: Sampling
+             ) -> tuple[Float[Array, "B ... K"], Int[Array, "B ... K"]]:
     """The `tree_top_k` likeliest tokens of each row and their log-probabilities. Ranked
     on the logits (the same order): only those K log-probabilities are formed, so on a
     GPU no [..., V] array of them is written (a kernel per draft pass)."""
-    processed = process_logits(logits, self.sampling)
+    processed = process_logits(logits, sampling)
     _, token = jax.lax.top_k(processed, self.tree_top_k)
     return jnp.take_along_axis(log_softmax(processed), token, axis=-1), token
 
@@ -191,7 +191,7 @@ class TreeDrafter(Sampled):
     would store every carried array after each pass (a kernel each on a GPU)."""
     k, done, next_pos = self.tree_top_k, state.buffer.done, state.next_pos
     batch, num_fed = done.shape[0], self.num_fed
-    score, token = self._top_k(logits)  # [B, K]: level 1, the frontier
+    score, token = self._top_k(logits, state.limits.sampling)  # [B, K]: level 1, the frontier
     token = vocab.to_target(token, draft_ids)
     tokens, scores, parents = [token], [score], [jnp.full((batch, k), -1, jnp.int32)]
     front = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k))  # drafted index
@@ -211,7 +211,7 @@ class TreeDrafter(Sampled):
           Tree(tokens=padded(fed, 0), parent=padded(fed_parent, -1),
                depth=fed_depth).topology(next_pos),
           context)  # [B, K, V]
-      child_score, child = self._top_k(logits)  # [B, K, K]
+      child_score, child = self._top_k(logits, state.limits.sampling)  # [B, K, K]
       child = vocab.to_target(child, draft_ids).reshape(batch, k * k)
       child_score = (score[..., None] + child_score).reshape(batch, k * k)
       tokens.append(child)
@@ -252,11 +252,11 @@ class TreeDrafter(Sampled):
                                     draft_ids)
     tree, kept = self._keep(drafted, left.score)
     verified = trees.verify(self.model, target_params, state, tree, self.tree_depth, keys,
-                            self.sampling)
+                            state.limits.sampling)
     path = verified.path  # [B, D]
     path_drafted = jnp.where(path >= 0, jnp.take_along_axis(kept, jnp.maximum(path, 0), axis=1),
                              -1)  # [B, D]
-    state = trees.commit(state, tree, verified, self.sampling, draft_passes=self.tree_depth)
+    state = trees.commit(state, tree, verified, state.limits.sampling, draft_passes=self.tree_depth)
     return state, verified, left, path_drafted
 
   def result(self, state: DraftState):
@@ -297,7 +297,7 @@ class SpeculativeTree(TreeDrafter):
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
            capacity: int) -> DraftState:
     return drafting.start(DraftState, self.model, self.draft, params, prompt, cache, limits,
-                          capacity, self.sampling, positions=self.tree_depth,
+                          capacity, limits.sampling, positions=self.tree_depth,
                           return_metadata=self.return_metadata)
 
   def step(self, params, state: DraftState) -> DraftState:

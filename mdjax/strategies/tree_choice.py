@@ -257,7 +257,7 @@ def plain_decoding(strategy: Sampled, params, prompt: Prompt, capacity: int,
   plain = OnTarget(model=dataclasses.replace(strategy.model, hidden_layers=()),
                    **{name: getattr(strategy, name) for name in SAMPLING_OPTIONS})
   return dataclasses.replace(plain.for_request(params["target"], prompt, capacity),
-                             request_stats=choice.stats(strategy.sampling.greedy))
+                             request_stats=choice.stats(strategy.greedy))
 
 
 @functools.lru_cache(maxsize=4096)

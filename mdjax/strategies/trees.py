@@ -43,11 +43,13 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from mdjax import cache as cache_ops
+from mdjax import controls
 from mdjax.cache import KVCache
-from mdjax.sampling import SamplingParams, tree_accept, with_ancestors
+from mdjax.sampling import Sampling, tree_accept, with_ancestors
 from mdjax.strategies import drafting, metadata
-from mdjax.strategies.base import ModelFn, narrowest_width, run_narrowest
+from mdjax.strategies.base import ModelFn, Scored
 from mdjax.strategies.drafting import DraftState, State
+from mdjax.strategies.widths import narrowest_width, run_narrowest
 from mdjax.topology import Topology
 
 
@@ -131,7 +133,7 @@ def pass_parents(prompt_parent: Int[Array, "B G"], parent: Int[Array, "R M"],
 
 
 def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, keys: jax.Array,
-           sampling: SamplingParams, accept=tree_accept,
+           sampling: Sampling, accept=tree_accept,
            branch_segment: Int[Array, "R"] | None = None, narrow: bool = False,
            keep_logits: bool = True, parents: Int[Array, "B G+N*M"] | None = None) -> Verified:
   """One target pass over every row's last emitted token and its `tree` (at most
@@ -148,7 +150,7 @@ def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, ke
 
   `narrow` (one branch per row, padding nodes last): the pass runs only as wide as
   the row with the most real nodes needs, on the narrowest of `tree_widths`
-  (`base.run_narrowest`). Greedy without `keep_logits` then takes the argmax of each
+  (`widths.run_narrowest`). Greedy without `keep_logits` then takes the argmax of each
   fed column inside the pass and pads that, not the logits (`Verified.logits` None):
   padding `[B, 1 + M, V]` logits and reducing them over the vocabulary costs what a
   few more fed columns do (SmolLM2's 49k tokens, 30 columns: ~5 ms on a 2-core CPU).
@@ -181,7 +183,7 @@ def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, ke
   # an unfed column's position is never read: 0, so that the positions are a function of
   # `fed` and one kernel on a GPU writes both
   positions = jnp.where(fed >= 0, per_row(state.next_pos[:, None] + level), 0)
-  argmax_only = narrow and sampling.greedy and not keep_logits
+  argmax_only = narrow and sampling.greedy and not keep_logits and state.limits.controls is None
   if narrow:
     logits, hidden, cache = _narrowest_pass(model, params, state.cache, tokens, positions, fed,
                                             topology, argmax_only)
@@ -192,7 +194,10 @@ def verify(model: ModelFn, params, state: DraftState, tree: Tree, depth: int, ke
   if argmax_only:
     chosen, logits = logits.reshape(rows, budget + 1), None  # [R, 1 + M]
   else:
-    logits = logits.reshape(rows, budget + 1, -1)  # [R, 1 + M, V]
+    context = controls.Context.tree(state.buffer.tokens, state.buffer.count, tree.tokens,
+                                    tree.parent, tree.depth, depth)  # columns: root, nodes
+    logits = controls.process(logits.reshape(rows, budget + 1, -1), state.limits.controls,
+                              context, state.limits.eos_ids)  # [R, 1 + M, V]
     chosen = jnp.argmax(logits, axis=-1) if sampling.greedy else None
   if sampling.greedy:  # `accept`'s result on a one-hot p, with no draw over the vocabulary
     path, next_token = greedy_path(tree, chosen, depth)  # [R, D], [R]
@@ -248,7 +253,7 @@ def greedy_path(tree: Tree, chosen: Int[Array, "B N+1"], depth: int
   return path, take(chosen, (last + 1)[:, None])[:, 0].astype(jnp.int32)
 
 
-def commit(state: State, tree: Tree, verified: Verified, sampling: SamplingParams, *,
+def commit(state: State, tree: Tree, verified: Verified, sampling: Sampling, *,
            draft_passes) -> State:
   """`drafting.commit` of a verified tree: the emitted tokens, the compacted cache, the
   nodes drafted and accepted per depth, and the path's metadata when recorded."""
@@ -260,10 +265,19 @@ def commit(state: State, tree: Tree, verified: Verified, sampling: SamplingParam
       drafted=(live[..., None] & (tree.depth[..., None] == jnp.arange(1, depth + 1))).sum(
           axis=1, dtype=jnp.int32),  # [B, D] nodes per depth
       accepted_at=live & (verified.path >= 0),
-      token_metadata=lambda: path_metadata(tree, verified, sampling))
+      token_metadata=lambda: path_metadata(tree, verified, sampling),
+      scored=None if verified.logits is None else Scored.requested(
+          _along_path(verified), verified.emitted, state.limits, sampling))
 
 
-def path_metadata(tree: Tree, verified: Verified, sampling: SamplingParams):
+def _along_path(verified: Verified) -> Float[Array, "R D+1 V"]:
+  """The logits each emitted token was chosen from: the root's, then after each node
+  of the accepted path."""
+  rows = jnp.arange(verified.path.shape[0])[:, None]
+  return verified.logits[rows, jnp.pad(verified.path + 1, ((0, 0), (1, 0)))]
+
+
+def path_metadata(tree: Tree, verified: Verified, sampling: Sampling):
   """`metadata.verified` along the accepted path. At a correction the rejected token
   is the first child tried where the walk stopped (the drafter's best guess there)."""
   path, accepted, emitted = verified.path, verified.accepted, verified.emitted
