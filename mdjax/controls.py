@@ -285,14 +285,21 @@ class Context:
 
   def counts(self, vocab: int) -> Int[Array, "R T V"]:
     """How often each token was generated before each column."""
+    base = _tally(self.generated, vocab, jnp.int32)[:, None]  # [R, 1, V]
+    return base + self._on_path(vocab) if self.path.shape[2] else base
+
+  def seen(self, prompt: Int[Array, "R P"], vocab: int) -> Bool[Array, "R T V"]:
+    """Which tokens the text before each column holds (prompt, generated, path): one
+    scatter over the prompt and the generated tokens together."""
+    base = _tally(jnp.concatenate([prompt, self.generated], axis=1), vocab, jnp.bool_)[:, None]
+    return base | (self._on_path(vocab) > 0) if self.path.shape[2] else base
+
+  def _on_path(self, vocab: int) -> Int[Array, "R T V"]:
+    """How often each token is on each column's path."""
     rows, columns = self.path_len.shape
-    r = jnp.arange(rows)[:, None]
-    base = jnp.zeros((rows, vocab), jnp.int32).at[
-        r, jnp.where(self.generated >= 0, self.generated, vocab)].add(1, mode="drop")
-    t = jnp.arange(columns)[None, :, None]
-    on_path = jnp.where(self.path >= 0, self.path, vocab)  # [R, T, E]
-    return base[:, None] + jnp.zeros((rows, columns, vocab), jnp.int32).at[
-        r[:, :, None], t, on_path].add(1, mode="drop")
+    r, t = jnp.arange(rows)[:, None, None], jnp.arange(columns)[None, :, None]
+    return jnp.zeros((rows, columns, vocab), jnp.int32).at[
+        r, t, jnp.where(self.path >= 0, self.path, vocab)].add(1, mode="drop")
 
   def sequences(self, prompt: Int[Array, "R P"]) -> tuple[Int[Array, "R T S"], Int[Array, "R T"]]:
     """Each column's whole text (prompt, generated, path; -1 in the prompt's left
@@ -327,14 +334,12 @@ def process(logits: Float[Array, "R T V"], controls: Controls | None, context: C
   vocab = logits.shape[-1]
   if controls.bias is not None:
     logits = logits + controls.bias
-  counts = None
-  if controls.repetition_penalty is not None or controls.presence_penalty is not None or (
-      controls.frequency_penalty is not None):
-    counts = context.counts(vocab)  # [R, T, V]
   if controls.repetition_penalty is not None:
-    seen = (counts > 0) | _holds(controls.prompt, vocab)[:, None]
+    seen = context.seen(controls.prompt, vocab)  # [R, T | 1, V]
     penalty = per_row(controls.repetition_penalty, logits)
     logits = jnp.where(seen, jnp.where(logits < 0, logits * penalty, logits / penalty), logits)
+  if controls.presence_penalty is not None or controls.frequency_penalty is not None:
+    counts = context.counts(vocab)  # [R, T | 1, V]
   if controls.presence_penalty is not None:
     logits = logits - per_row(controls.presence_penalty, logits) * (counts > 0)
   if controls.frequency_penalty is not None:
@@ -357,11 +362,14 @@ def process(logits: Float[Array, "R T V"], controls: Controls | None, context: C
   return logits
 
 
-def _holds(tokens: Int[Array, "R P"], vocab: int) -> Bool[Array, "R V"]:
-  """Which tokens each row holds (-1 entries: none)."""
+def _tally(tokens: Int[Array, "R N"], vocab: int, dtype) -> Array:
+  """[R, V]: how often (bool: whether) each row holds each token (-1 entries: none)."""
   rows = jnp.arange(tokens.shape[0])[:, None]
-  return jnp.zeros((tokens.shape[0], vocab), jnp.bool_).at[
-      rows, jnp.where(tokens >= 0, tokens, vocab)].set(True, mode="drop")
+  index = jnp.where(tokens >= 0, tokens, vocab)
+  empty = jnp.zeros((tokens.shape[0], vocab), dtype)
+  if dtype == jnp.bool_:
+    return empty.at[rows, index].set(True, mode="drop")
+  return empty.at[rows, index].add(1, mode="drop")
 
 
 def _tail(sequence: Int[Array, "R T S"], end: Int[Array, "R T"], length: int

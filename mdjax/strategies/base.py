@@ -46,7 +46,7 @@ from mdjax.errors import MdjaxError
 from mdjax.models.attention import check_attention, default_attention
 from mdjax.models.config import ModelConfig
 from mdjax.controls import CONTROL_OPTIONS, Controls
-from mdjax.sampling import (SAMPLING_OPTIONS, Sampling, SamplingParams, log_softmax,
+from mdjax.sampling import (SAMPLING_OPTIONS, Sampling, SamplingParams, log_normalizer,
                             process_logits, program_shape)
 from mdjax.stop_strings import completed
 from mdjax.step import decode_step
@@ -347,7 +347,7 @@ def emit(buffer: OutputBuffer, new: Int[Array, "R A"], num_new: Int[Array, "R"],
                                      buffer.stopped_by)
   if buffer.logprobs is not None:
     rows = jnp.arange(new.shape[0])[:, None]
-    fields["logprobs"] = buffer.logprobs.at[rows, at].set(scored.logprobs, mode="drop")
+    fields["logprobs"] = set_columns(buffer.logprobs, at, scored.logprobs)
     if buffer.top_ids is not None:
       fields["top_ids"] = buffer.top_ids.at[rows, at].set(scored.top_ids, mode="drop")
       fields["top_logprobs"] = buffer.top_logprobs.at[rows, at].set(scored.top_logprobs,
@@ -368,13 +368,15 @@ class Scored:
   @classmethod
   def of(cls, processed: Float[Array, "R A V"], tokens: Int[Array, "R A"],
          top: int) -> "Scored":
-    """From the processed logits each token was chosen from (filtered tokens at -inf)."""
-    logp = log_softmax(processed)
-    chosen = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+    """From the processed logits each token was chosen from (filtered tokens at -inf):
+    a logit less the row's log-normalizer, never a log-softmax over the vocabulary."""
+    processed = processed.astype(jnp.float32)
+    normalizer = log_normalizer(processed)  # [R, A, 1]
+    chosen = jnp.take_along_axis(processed, tokens[..., None], axis=-1) - normalizer
     if top <= 0:
-      return cls(chosen)
-    best, ids = jax.lax.top_k(logp, top)
-    return cls(chosen, ids.astype(jnp.int32), best)
+      return cls(chosen[..., 0])
+    best, ids = jax.lax.top_k(processed, top)
+    return cls(chosen[..., 0], ids.astype(jnp.int32), best - normalizer)
 
   @classmethod
   def requested(cls, logits: Float[Array, "R A V"], tokens: Int[Array, "R A"], limits: Limits,
