@@ -9,6 +9,11 @@ strings):
   and docstring.
 - `eos_token_id`: "" = the model's own EOS ids, "none" = no EOS (always generate
   `max_new_tokens`), else comma-separated ids such as "2" or "2,7".
+- the controls (docs/controls.md), off by default: `repetition_penalty` (1 = off),
+  `presence_penalty`, `frequency_penalty`, `no_repeat_ngram_size`, `min_new_tokens`
+  (0 = off); `bad_words_ids` "5;7,8" (the words [5] and [7, 8]); `logit_bias` "13:2.0,42:-1"
+  ({13: 2.0, 42: -1.0}); `stop_strings` a JSON list ('["\n\n", "Q:"]') or one string;
+  `logprobs`, `top_logprobs` (0 = off).
 """
 
 import ml_collections
@@ -55,4 +60,14 @@ def get_base_config(strategy: str) -> ml_collections.ConfigDict:
   # "HOST:PORT,NUM_PROCESSES,PROCESS_ID" = explicit. Every process runs the same command;
   # only process 0 prints and writes files (`mdjax.distributed`)
   config.distributed = ""
+  config.repetition_penalty = 1.0
+  config.presence_penalty = 0.0
+  config.frequency_penalty = 0.0
+  config.no_repeat_ngram_size = 0
+  config.min_new_tokens = 0
+  config.bad_words_ids = ""
+  config.logit_bias = ""
+  config.stop_strings = ""
+  config.logprobs = False
+  config.top_logprobs = 0
   return config

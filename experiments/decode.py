@@ -16,6 +16,15 @@ ids), sequences (EOS included), texts, stats. With `--output_json=PATH` the summ
 to that file (written atomically) instead, and the terminal shows only where it went.
 Config fields: configs/common.py.
 
+`--stream`: the text is shown as it is written (`mdjax.stream(..., text=True)`), then
+decoded again by `generate` for the summary and its timings (which stay those of one
+`generate` call; the stream's own programs compile first). The default: when stdout is a
+terminal (someone watches; a pipe, CI's log or a test gets the text once, as before), one
+process runs the job, and the run can (a strategy that streams, not a pipeline or
+skeleton_fill, and a model with a tokenizer). Answers decoded together (multi_question's,
+several branches) are shown in order: the first as it grows, each later one as far as it
+got when the one before it ended, then growing (`--nostream`: never).
+
 Bad input: one `error: ...` line on stderr, no traceback, exit code 1; a bad flag,
 config file or config override exits with 2.
 """
@@ -23,12 +32,15 @@ config file or config override exits with 2.
 from __future__ import annotations
 
 import json
+import sys
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 import mdjax
 from mdjax import chat, distributed, files, pipelines, strategies
+from mdjax.controls import CONTROL_OPTIONS
 from mdjax.prompts import encode_continuation
 from mdjax.strategies import skeleton
 from experiments.cli import fail, one_line_errors, start_processes
@@ -36,6 +48,9 @@ from experiments.cli import fail, one_line_errors, start_processes
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Decode config, e.g. configs/greedy.py.")
 _OUTPUT_JSON = flags.DEFINE_string("output_json", None,
                                    "Write the JSON summary to this file instead of stdout.")
+_STREAM = flags.DEFINE_boolean(
+    "stream", None, "Show the text as it is written, then decode it again for the summary; "
+    "default: when stdout is a terminal and the run can (see the module docstring).")
 flags.mark_flag_as_required("config")
 
 USAGE_ERROR = 2
@@ -86,6 +101,37 @@ def _eos(text: str) -> list[int] | None:
   return [] if text.strip().lower() == "none" else _ids("eos_token_id", text)
 
 
+# a control's value in the config that means "off" (configs/common.py)
+CONTROLS_OFF = dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                    no_repeat_ngram_size=0, min_new_tokens=0, bad_words_ids="", logit_bias="",
+                    stop_strings="", logprobs=False, top_logprobs=0)
+
+
+def _controls(config, names: tuple[str, ...]) -> dict:
+  """The controls the config sets (docs/controls.md), as `mdjax.generate` takes them:
+  `bad_words_ids` "5;7,8", `logit_bias` "13:2.0,42:-1", `stop_strings` a JSON list or one
+  string; a value that means off is left out (a model's generation_config.json may
+  then set it)."""
+  given = {k: config[k] for k in CONTROL_OPTIONS
+           if k in names and k in config and config[k] != CONTROLS_OFF[k]}
+  if "bad_words_ids" in given:
+    given["bad_words_ids"] = [_ids("bad_words_ids", word) for word in
+                              given["bad_words_ids"].split(";")]
+  if "logit_bias" in given:
+    try:
+      pairs = [item.split(":") for item in given["logit_bias"].split(",")]
+      given["logit_bias"] = {int(token): float(bias) for token, bias in pairs}
+    except ValueError:
+      raise mdjax.MdjaxError("logit_bias must be id:bias pairs separated by commas, e.g. "
+                             f"'13:2.0,42:-1', got {config.logit_bias!r}") from None
+  if "stop_strings" in given and given["stop_strings"].lstrip().startswith("["):
+    try:
+      given["stop_strings"] = json.loads(given["stop_strings"])
+    except json.JSONDecodeError as e:
+      raise mdjax.MdjaxError(f"stop_strings is not a JSON list of strings: {e}") from None
+  return given
+
+
 def _chat(model: mdjax.Model, config, prompt, options: dict):
   """With `config.chat`: the prompt (and each question) as the model's chat template
   renders them (`mdjax.chat`); else unchanged."""
@@ -114,12 +160,45 @@ def _one_after_another(model: mdjax.Model, prompt_ids: list[int], questions: lis
               speedup=wall_s / out.stats["wall_s"])
 
 
-def decode(config) -> dict:
+def _headers(config, rows: int) -> list[str | None]:
+  """The line printed above each answer (None: none)."""
+  if config.strategy == "multi_question":
+    return [f"--- Q{i + 1}: {q}" for i, q in enumerate(config.questions)]
+  return [f"--- branch {i}" for i in range(rows)] if rows > 1 else [None]
+
+
+def _print_as_written(model: mdjax.Model, config, prompt, common: dict, options: dict) -> None:
+  """Prints every answer as `mdjax.stream` writes it, in order, each after its header:
+  the first as it grows; once it is done, the next as far as it got, then as it grows."""
+  live, texts, headers = 0, None, None
+  for pieces in mdjax.stream(model, [prompt], strategy=config.strategy, text=True, **common,
+                             **options):
+    if texts is None:
+      texts, headers = [""] * len(pieces), _headers(config, len(pieces))
+      if headers[0] is not None:
+        print(headers[0])
+    texts = [text + piece for text, piece in zip(texts, pieces)]
+    if live < len(pieces):
+      print(pieces[live], end="", flush=True)
+    while live < len(pieces) and pieces.done[live]:  # the next answer, as far as it got
+      print()
+      live += 1
+      if live < len(pieces):
+        if headers[live] is not None:
+          print(headers[live])
+        print(texts[live], end="", flush=True)
+
+
+def decode(config, stream: bool | None = False) -> dict:
   """Loads the model, decodes, prints the text; returns the JSON summary. `config.strategy`
-  names a strategy (one `mdjax.generate` call) or a pipeline (`mdjax.pipelines.run`)."""
+  names a strategy (one `mdjax.generate` call) or a pipeline (`mdjax.pipelines.run`).
+
+  `stream`: first show the text as it is written (`_print_as_written`); None: when the
+  run can, True: or fail."""
   pipeline = config.strategy in pipelines.PIPELINES
   names = (pipelines if pipeline else strategies).option_names(config.strategy)
-  options = {k: config[k] for k in names if k in config}
+  options = {k: config[k] for k in names if k in config and k not in CONTROL_OPTIONS}
+  options |= _controls(config, names)
   if "questions" in options:
     options["questions"] = list(options["questions"])
   model = mdjax.load(config.model, dtype=config.dtype or None,
@@ -137,6 +216,17 @@ def decode(config) -> dict:
   (prompt_ids,) = mdjax.encode_prompts(model, [prompt])
   common = dict(max_new_tokens=config.max_new_tokens, eos_token_id=_eos(config.eos_token_id),
                 seed=config.seed)
+  can_stream = (not pipeline and config.strategy != "skeleton_fill"
+                and strategies.get(config.strategy).streams and model.tokenizer is not None)
+  if stream and not can_stream:
+    raise mdjax.MdjaxError(f"--stream: strategy {config.strategy!r} on {config.model!r} cannot "
+                           "show its text as it is written (a pipeline, skeleton_fill, beam, or "
+                           "a model without a tokenizer); run with --nostream")
+  stream = stream is not False and can_stream
+  if config.strategy == "multi_question":
+    print(config.prompt)
+  if stream:
+    _print_as_written(model, config, prompt, common, options)
   if pipeline:
     out = pipelines.run(config.strategy, model, [prompt], **common, **options)
   else:
@@ -146,15 +236,15 @@ def decode(config) -> dict:
   if config.strategy == "skeleton_fill" and out.texts:  # the source with its bodies filled in
     print(skeleton.assemble(config.prompt, out.texts))
   elif config.strategy == "multi_question":
-    print(config.prompt)
-    for i, question in enumerate(config.questions):
-      answer = out.texts[i] if out.texts else " ".join(map(str, out.sequences[i]))
-      print(f"--- Q{i + 1}: {question}\n{answer}")
+    if not stream:  # else shown as they were written
+      for i, question in enumerate(config.questions):
+        answer = out.texts[i] if out.texts else " ".join(map(str, out.sequences[i]))
+        print(f"--- Q{i + 1}: {question}\n{answer}")
     if config.compare_sequential:
       questions = [encode_continuation(model, q) for q in options["questions"]]
       summary["one_after_another"] = _one_after_another(model, prompt_ids, questions, common,
                                                         out)
-  else:
+  elif not stream:
     for i, sequence in enumerate(out.sequences):
       if len(out.sequences) > 1:
         print(f"--- branch {i}")
@@ -168,7 +258,10 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # not JAX's INFO lines: stderr is for errors
   start_processes(_CONFIG.value)
-  text = json.dumps(decode(_CONFIG.value))
+  stream = _STREAM.value
+  if stream is None and not (sys.stdout.isatty() and jax.process_count() == 1):
+    stream = False  # by default only where someone watches, and every process agrees
+  text = json.dumps(decode(_CONFIG.value, stream=stream))
   if not _OUTPUT_JSON.value:
     print(text)
   elif distributed.is_main_process():

@@ -111,11 +111,13 @@ class Controls:
 # ----------------------------------------------------------------------- building (host)
 
 def build(options: dict, *, vocab_size: int, tokenizer, num_prompts: int, branches: int,
-          row_prompts, max_new_tokens: int) -> Controls | None:
+          row_prompts, max_new_tokens: int, eos_ids: tuple[int, ...] = ()) -> Controls | None:
   """The controls of `options` (every name in `CONTROL_OPTIONS` it holds), validated:
   one clear line naming the option for bad input. Per-row values (a list, one per
   prompt) repeat over each prompt's `branches` output rows; `row_prompts()`: the prompt
-  tokens each output row continues (context and question). None when none is set."""
+  tokens each output row continues (context and question). A bad word that is one EOS id
+  is dropped, as transformers drops it (`min_new_tokens` is how to hold EOS back). None
+  when none is set."""
   if not options:
     return None
   rows = num_prompts * branches
@@ -136,7 +138,7 @@ def build(options: dict, *, vocab_size: int, tokenizer, num_prompts: int, branch
         raise MdjaxError(f"logit_bias of token {token} must be a number, got {value!r}")
       bias[int(token)] = value
   if options.get("bad_words_ids") is not None:
-    banned, bad_words = _bad_words(options["bad_words_ids"], vocab_size)
+    banned, bad_words = _bad_words(options["bad_words_ids"], vocab_size, eos_ids)
   ngram = options.get("no_repeat_ngram_size") or 0
   check_count("no_repeat_ngram_size", ngram, 0)
   minimum = None
@@ -190,8 +192,10 @@ def _check_token(option: str, token, vocab_size: int) -> None:
     raise MdjaxError(f"{option}: {token!r} is not a token id in [0, {vocab_size})")
 
 
-def _bad_words(words, vocab_size: int) -> tuple[np.ndarray | None, np.ndarray | None]:
-  """bool[V] for the one-token words, int32[W, L] for the longer ones (right-aligned)."""
+def _bad_words(words, vocab_size: int, eos_ids: tuple[int, ...]
+               ) -> tuple[np.ndarray | None, np.ndarray | None]:
+  """bool[V] for the one-token words but the EOS ids, int32[W, L] for the longer ones
+  (right-aligned)."""
   if not isinstance(words, (list, tuple)) or not words or not all(
       isinstance(w, (list, tuple)) and w for w in words):
     raise MdjaxError(f"bad_words_ids must be a non-empty list of non-empty token id lists, "
@@ -199,7 +203,7 @@ def _bad_words(words, vocab_size: int) -> tuple[np.ndarray | None, np.ndarray | 
   for word in words:
     for token in word:
       _check_token("bad_words_ids", token, vocab_size)
-  single = [w[0] for w in words if len(w) == 1]
+  single = [w[0] for w in words if len(w) == 1 and w[0] not in eos_ids]
   longer = [list(w) for w in words if len(w) > 1]
   banned = None
   if single:

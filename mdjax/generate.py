@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mdjax import controls, distributed, platform, programs, sharding, strategies
+from mdjax import (controls, distributed, generation_config, platform, programs, sharding,
+                   strategies, stream_text)
 from mdjax.cache import KVCache
 from mdjax.controls import CONTROL_OPTIONS
 from mdjax.errors import MdjaxError
@@ -153,7 +154,7 @@ def _why_new(key: tuple, earlier: list[tuple]) -> str:
   strategy = key[0]
   same = [k for k in earlier if type(k[0]) is type(strategy)]
   if not same:
-    return f"the first {strategy.name} program (of those kept)"
+    return f"the first {type(strategy).__name__} program (of those kept)"
   last = same[-1]
   if last[0] != strategy:
     changed = [f.name for f in dataclasses.fields(strategy)
@@ -167,7 +168,7 @@ def _why_new(key: tuple, earlier: list[tuple]) -> str:
           "shapes (stop strings, bad words, top_logprobs)")
 
 
-def program(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int = 32,
+def program(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int | None = None,
             eos_token_id=None, seed: int = 0, **options) -> tuple[Any, tuple]:
   """The whole-generation program `generate` would run for this request, not compiled
   and not run: `(fn, args)`, `fn` jitted, so that `fn.trace(*args).lower().compile()`
@@ -198,6 +199,7 @@ class _Plan:
   output_rows: list[int]  # buffer rows that are real branches, prompt-major
   eos: tuple[int, ...]  # the ids that end a row
   stop_strings: tuple[str, ...] = ()  # the strings that end a row (`mdjax.stop_strings`)
+  from_file: dict | None = None  # the settings the model's generation_config.json gave
 
 
 def _plain(option) -> bool:
@@ -205,13 +207,16 @@ def _plain(option) -> bool:
   return all(isinstance(x, (int, float, str)) for x in jax.tree.leaves(option))
 
 
-def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_token_id, seed: int,
-             options: dict) -> _Plan:
+def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int | None, eos_token_id,
+             seed: int, options: dict) -> _Plan:
   if not isinstance(strategy, str):
     raise MdjaxError(f"strategy must be a name, got {strategy!r}")
   if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
     raise MdjaxError(f"seed must be an integer, got {seed!r}")
   cls = strategies.get(strategy)
+  request = generation_config.apply(model.generation_defaults, cls, options, max_new_tokens,
+                                    eos_token_id)
+  options, max_new_tokens = request.options, request.max_new_tokens
   strategies.check_options(strategy, options)
   options, layout = dict(options), cls.layout
   control_options = {name: options.pop(name) for name in CONTROL_OPTIONS if name in options}
@@ -238,7 +243,8 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_toke
       {k: v for k, v in control_options.items() if v is not None},
       vocab_size=model.config.vocab_size, tokenizer=model.tokenizer,
       num_prompts=len(laid.branch_counts), branches=num_branches,
-      row_prompts=lambda: row_prompts(laid.prompt), max_new_tokens=max_new_tokens)
+      row_prompts=lambda: row_prompts(laid.prompt), max_new_tokens=max_new_tokens,
+      eos_ids=eos or ())
   limits = Limits(max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
                   eos_ids=jnp.asarray(eos or (-1,), jnp.int32), key=jax.random.key(seed),
                   sampling=sampling, controls=request_controls)
@@ -249,7 +255,8 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int, eos_toke
   return _Plan(decoder=decoder, params=params, layout=model.layout, prompt=laid.prompt,
                limits=limits, static=static,
                prompt_tokens=laid.prompt_tokens, output_rows=output_rows, eos=tuple(eos or ()),
-               stop_strings=_strings(control_options.get("stop_strings")))
+               stop_strings=_strings(control_options.get("stop_strings")),
+               from_file=request.from_file)
 
 
 def _strings(stop_strings) -> tuple[str, ...]:
@@ -307,14 +314,17 @@ def _ranked_hypotheses(tokens: np.ndarray, counts: np.ndarray, scores: np.ndarra
           for i in range(num_prompts)]
 
 
-def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int = 32,
+def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int | None = None,
              eos_token_id=None, seed: int = 0, **options) -> GenerationOutput:
   """Generates from one prompt or a batch (texts or token-id lists, any lengths).
 
   `eos_token_id`: an int or list of ints (None: the model's own). Each row stops at
-  its first EOS (kept) or after `max_new_tokens`. `options` are the strategy's
-  (e.g. temperature, top_k, top_p, min_p for "sample"; num_beams, length_penalty,
-  early_stopping for "beam", which also fills `beams`).
+  its first EOS (kept) or after `max_new_tokens` (None: the model's generation config's,
+  else 32). `options` are the strategy's (e.g. temperature, top_k, top_p, min_p for
+  "sample"; num_beams, length_penalty, early_stopping for "beam", which also fills
+  `beams`). The settings of a checkpoint's generation_config.json are the defaults of
+  the arguments not given (`mdjax.generation_config`); `out.stats["generation_config"]`
+  lists those that applied.
   """
   plan = _prepare(model, prompts, strategy, max_new_tokens, eos_token_id, seed, options)
   program, compile_s, compiled_because = _compile(plan.decoder, plan.params, plan.prompt,
@@ -336,6 +346,8 @@ def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: in
     stats["stopped_by"] = [None if buffer.stopped_by[r] < 0 else stops[buffer.stopped_by[r]]
                            for r in plan.output_rows]
   stats["tokens_per_pass"] = stats["generated_tokens"] / max(1, stats["target_passes"] + 1)
+  if plan.from_file:
+    stats["generation_config"] = dict(plan.from_file)
   texts = None
   if model.tokenizer is not None:
     texts = [model.tokenizer.decode(s[:-1] if s and s[-1] in plan.eos else s) for s in sequences]
@@ -364,9 +376,14 @@ def _stepper(decoder, static: dict):
   return pair
 
 
-def stream(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int = 32,
-           eos_token_id=None, seed: int = 0, **options) -> Iterator[list[list[int]]]:
-  """Yields, after every model pass, the tokens each row gained (for demos).
+def stream(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int | None = None,
+           eos_token_id=None, seed: int = 0, text: bool = False,
+           **options) -> Iterator[list[list[int]]] | Iterator[list[str]]:
+  """Yields, after every model pass, the tokens each row gained (for demos); with
+  `text=True`, each row's new text instead (needs a tokenizer): a character split
+  over tokens shows once complete, a row's pieces joined are its `generate` text
+  (without the EOS that ended it, with a stop string's token), and each yielded list
+  says which rows are done (`.done`): `mdjax.stream_text`.
 
   The same strategy and step as `generate`, driven from Python: one host sync per
   pass, so it is slower than `generate`, which runs the loop on the device. Not for
@@ -374,16 +391,26 @@ def stream(model: Model, prompts, strategy: str = "greedy", max_new_tokens: int 
   """
   if not strategies.get(strategy).streams:
     raise MdjaxError(f"stream does not support strategy {strategy!r}; use generate")
+  if not isinstance(text, bool):
+    raise MdjaxError(f"text must be True or False, got {text!r}")
+  if text and model.tokenizer is None:
+    raise MdjaxError(f"text=True needs a tokenizer, and the model {model.name or model.path!r} "
+                     "has none; stream its tokens (text=False)")
   plan = _prepare(model, prompts, strategy, max_new_tokens, eos_token_id, seed, options)
   init, step = _stepper(plan.decoder, plan.static)
   with sharding.active(plan.layout):
     state = init(plan.params, plan.prompt, plan.limits)
-  shown = np.zeros(len(plan.output_rows), np.int64)
+  rows = plan.output_rows
+  texts = stream_text.RowTexts(model.tokenizer, plan.eos, len(rows)) if text else None
+  shown = np.zeros(len(rows), np.int64)
   while True:
     buffer, _ = plan.decoder.result(state)
     tokens, counts, done = distributed.to_host((buffer.tokens, buffer.count, buffer.done))
-    counts = counts[plan.output_rows]
-    yield [tokens[r, s:n].tolist() for r, s, n in zip(plan.output_rows, shown, counts)]
+    counts = counts[rows]
+    if texts is None:
+      yield [tokens[r, s:n].tolist() for r, s, n in zip(rows, shown, counts)]
+    else:
+      yield texts.update([tokens[r, :n].tolist() for r, n in zip(rows, counts)], done[rows])
     shown = counts
     if done.all():
       return

@@ -3,17 +3,26 @@
 Each case compares mdjax's ranked hypotheses (`out.beams`) with transformers'
 `num_return_sequences=k` on the same tiny random checkpoint, token for token, and
 their scores to 1e-4. No divergence is tolerated: these seeds have no near-tie
-(docs/design.md §9 would allow one only at a reference near-tie below 1e-5).
+(docs/design.md §9 would allow one only at a reference near-tie below 1e-5). With
+controls (`mdjax.controls`), transformers gets the same settings (presence and
+frequency penalties as a custom processor), and the log-probabilities are its
+processed scores of each hypothesis's tokens (`out.scores` along `out.beam_indices`).
 """
+
+import dataclasses
+import itertools
 
 import jax
 import numpy as np
 import pytest
 import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import mdjax
-from mdjax.generate import _prepare, _start
+from mdjax.generate import _compile, _prepare, _start
 from tests.helpers import write_tiny_checkpoint
+from tests.test_controls import OpenAIPenalties
 
 MAX_NEW = 12
 SCORE_TOLERANCE = 1e-4
@@ -31,24 +40,46 @@ def pairs(tmp_path_factory):
 
 
 def hf_generate(torch_model, prompt, eos, **options):
-  """transformers' `generate` output for one prompt (sequences padded with `eos`)."""
+  """transformers' `generate` output for one prompt (sequences padded with `eos`), with
+  mdjax's controls as transformers takes them: logit_bias as one-token `sequence_bias`,
+  presence and frequency penalties as a custom processor."""
+  presence = options.pop("presence_penalty", 0.0)
+  frequency = options.pop("frequency_penalty", 0.0)
+  if "logit_bias" in options:
+    options["sequence_bias"] = {(t,): b for t, b in options.pop("logit_bias").items()}
+  processors = transformers.LogitsProcessorList()
+  if presence or frequency:
+    processors.append(OpenAIPenalties(len(prompt), presence, frequency))
   ids = torch.tensor([prompt])
   with torch.no_grad():
     out = torch_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=eos,
-                               return_dict_in_generate=True, output_scores=True, **options)
+                               logits_processor=processors, return_dict_in_generate=True,
+                               output_scores=True, **options)
   return out
 
 
-def hf_beams(torch_model, prompt, eos, num_beams, **options) -> list[dict]:
-  """transformers' k final hypotheses, best first, as mdjax's `out.beams[i]`."""
+def hf_beams(torch_model, prompt, eos, num_beams, top: int = 0, **options) -> list[dict]:
+  """transformers' k final hypotheses, best first, as mdjax's `out.beams[i]`, with each
+  token's processed score ("logprobs": `out.scores` of the beam it continued) and, for
+  `top` > 0, that beam's `top` best (id, score) there ("top")."""
   out = hf_generate(torch_model, prompt, eos, num_beams=num_beams,
                     num_return_sequences=num_beams, **options)
   hypotheses = []
-  for row, score in zip(out.sequences[:, len(prompt):].tolist(), out.sequences_scores.tolist()):
-    end = row.index(eos) + 1 if eos in row else len(row)  # padding is eos too
-    hypotheses.append({"tokens": row[:end], "score": score})
+  for row, score, beams in zip(out.sequences[:, len(prompt):].tolist(),
+                               out.sequences_scores.tolist(), out.beam_indices.tolist()):
+    length = sum(b >= 0 for b in beams)  # padding (eos) after a hypothesis has no beam
+    scores = [out.scores[s][beams[s]] for s in range(length)]
+    hypotheses.append({"tokens": row[:length], "score": score,
+                       "logprobs": [float(x[t]) for x, t in zip(scores, row)],
+                       "top": [best(x, top) for x in scores] if top else None})
   return hypotheses
+
+
+def best(scores, count: int) -> list[tuple[int, float]]:
+  """The `count` best (id, score) of one step's scores, as mdjax's `out.top_logprobs`."""
+  values, ids = torch.topk(scores, count)
+  return list(zip(ids.tolist(), values.tolist()))
 
 
 def emitted_token(torch_model, prompt, index, **options) -> int:
@@ -171,3 +202,154 @@ def test_stream_rejects_beam(pairs):
   model, _ = pairs["llama"]
   with pytest.raises(mdjax.MdjaxError, match=r"stream does not support strategy 'beam'"):
     next(mdjax.stream(model, [1, 2], strategy="beam", num_beams=2))
+
+
+# ----------------------------------------------------------------------------- controls
+
+# llama's beams loop on "23 115" after this prompt, so that every control changes them;
+# 115 as EOS ends some hypotheses mid-way
+CONTROL_PROMPT, CONTROL_EOS, CONTROL_BEAMS = [5, 9, 14, 9, 5, 30, 31], 115, 3
+CONTROL_CASES = {
+    "repetition_penalty": dict(repetition_penalty=1.8),
+    "no_repeat_ngram_size": dict(no_repeat_ngram_size=2),
+    "bad_words_ids": dict(bad_words_ids=[[90], [23, 115]]),
+    "min_new_tokens": dict(min_new_tokens=6),
+    "logit_bias": dict(logit_bias={40: 3.0, 23: -2.0}),
+    "presence_frequency": dict(presence_penalty=1.5, frequency_penalty=0.7),
+    "everything": dict(repetition_penalty=1.3, no_repeat_ngram_size=3, bad_words_ids=[[9, 14]],
+                       min_new_tokens=4, logit_bias={40: 1.0}, presence_penalty=0.5,
+                       frequency_penalty=0.4, length_penalty=0.5),
+}
+TOP = 3
+
+
+def assert_same_logprobs(logprobs, top, theirs: dict):
+  """One hypothesis's `out.logprobs` and `out.top_logprobs` rows against transformers'."""
+  np.testing.assert_allclose(logprobs, theirs["logprobs"], atol=SCORE_TOLERANCE)
+  assert [[i for i, _ in step] for step in top] == [[i for i, _ in step] for step in theirs["top"]]
+  np.testing.assert_allclose([[v for _, v in step] for step in top],
+                             [[v for _, v in step] for step in theirs["top"]], atol=SCORE_TOLERANCE)
+
+
+@pytest.fixture(scope="module")
+def uncontrolled(pairs):
+  """transformers' hypotheses for the control cases' prompt without a control."""
+  return hf_beams(pairs["llama"][1], CONTROL_PROMPT, CONTROL_EOS, CONTROL_BEAMS)
+
+
+@pytest.mark.parametrize("case", CONTROL_CASES)
+def test_controls_match_transformers(pairs, uncontrolled, case):
+  """Hypotheses and scores equal transformers' beam search with the same processors
+  (applied to each beam's log-softmax, on its own text), and the best one's
+  log-probabilities are the processed scores it summed, with their top 3."""
+  model, torch_model = pairs["llama"]
+  options = CONTROL_CASES[case]
+  theirs = hf_beams(torch_model, CONTROL_PROMPT, CONTROL_EOS, CONTROL_BEAMS, top=TOP, **options)
+  assert [h["tokens"] for h in theirs] != [h["tokens"] for h in uncontrolled]  # it tests something
+  out = mdjax.generate(model, CONTROL_PROMPT, strategy="beam", num_beams=CONTROL_BEAMS,
+                       max_new_tokens=MAX_NEW, eos_token_id=CONTROL_EOS, top_logprobs=TOP,
+                       **options)
+  assert_same_beams(out.beams[0], theirs)
+  assert_same_logprobs(out.logprobs[0], out.top_logprobs[0], theirs[0])
+  penalty = options.get("length_penalty", 1.0)
+  assert sum(out.logprobs[0]) == pytest.approx(
+      out.beams[0][0]["score"] * len(out.sequences[0]) ** penalty, abs=SCORE_TOLERANCE)
+
+
+def test_every_hypothesis_has_its_logprobs_and_new_values_reuse_the_program(pairs):
+  """Each of the k output rows (not only the best, which `generate` returns) holds its
+  own hypothesis's processed scores; other penalty values run the same program."""
+  model, torch_model = pairs["llama"]
+  options = dict(CONTROL_CASES["everything"], top_logprobs=TOP)
+  plan = _prepare(model, CONTROL_PROMPT, "beam", MAX_NEW, CONTROL_EOS, 0,
+                  dict(options, num_beams=CONTROL_BEAMS))
+  program, _, _ = _compile(plan.decoder, plan.params, plan.prompt, plan.limits, plan.layout,
+                           **plan.static)
+  buffer, _ = jax.device_get(program(plan.params, plan.prompt, plan.limits))
+  theirs = hf_beams(torch_model, CONTROL_PROMPT, CONTROL_EOS, CONTROL_BEAMS, top=TOP,
+                    **CONTROL_CASES["everything"])
+  for row, hypothesis in enumerate(theirs):  # one prompt: row r is the r-th best
+    count = buffer.count[row]
+    assert buffer.tokens[row, :count].tolist() == hypothesis["tokens"]
+    top = [list(zip(i, v)) for i, v in zip(buffer.top_ids[row, :count].tolist(),
+                                           buffer.top_logprobs[row, :count].tolist())]
+    assert_same_logprobs(buffer.logprobs[row, :count], top, hypothesis)
+  again = dict(options, repetition_penalty=1.6, presence_penalty=0.2, logit_bias={40: 2.0})
+  out = mdjax.generate(model, CONTROL_PROMPT, strategy="beam", num_beams=CONTROL_BEAMS,
+                       max_new_tokens=MAX_NEW, eos_token_id=CONTROL_EOS, **again)
+  assert not out.stats["compiled"], out.stats["compiled_because"]
+
+
+def test_per_prompt_values_reach_each_prompts_beams(pairs):
+  """A value per prompt, and each prompt's text, apply to all k beams of that prompt:
+  each prompt's hypotheses equal transformers' on it alone with its value."""
+  model, torch_model = pairs["llama"]
+  prompts, penalties = [CONTROL_PROMPT, [7, 8, 7, 8, 7]], [1.8, 1.0]
+  out = mdjax.generate(model, prompts, strategy="beam", num_beams=2, max_new_tokens=MAX_NEW,
+                       eos_token_id=CONTROL_EOS, repetition_penalty=penalties,
+                       no_repeat_ngram_size=2)
+  for prompt, penalty, ours in zip(prompts, penalties, out.beams):
+    assert_same_beams(ours, hf_beams(torch_model, prompt, CONTROL_EOS, 2,
+                                     repetition_penalty=penalty, no_repeat_ngram_size=2))
+
+
+def test_one_beam_processes_the_logits_as_greedy_search(pairs):
+  """With one beam transformers runs greedy search, whose processors read the logits,
+  not their log-softmax: the tokens are its greedy tokens under the processors, and the
+  log-probabilities the log-softmax of its processed scores (what the score sums)."""
+  model, torch_model = pairs["llama"]
+  out = mdjax.generate(model, CONTROL_PROMPT, strategy="beam", num_beams=1, logprobs=True,
+                       max_new_tokens=MAX_NEW, eos_token_id=CONTROL_EOS, repetition_penalty=1.8)
+  reference = hf_generate(torch_model, CONTROL_PROMPT, CONTROL_EOS, repetition_penalty=1.8)
+  tokens = reference.sequences[0, len(CONTROL_PROMPT):].tolist()
+  expected = [float(torch.log_softmax(s[0], -1)[t]) for s, t in zip(reference.scores, tokens)]
+  assert out.sequences == [tokens[:len(out.sequences[0])]]
+  np.testing.assert_allclose(out.logprobs[0], expected[:len(out.logprobs[0])],
+                             atol=SCORE_TOLERANCE)
+  # the penalty on the log-softmax (beam search's order) gives the first token another value
+  ids = torch.tensor([CONTROL_PROMPT])
+  with torch.no_grad():
+    log_probs = torch.log_softmax(torch_model(ids).logits[:, -1], -1)
+  penalized = transformers.RepetitionPenaltyLogitsProcessor(1.8)(ids, log_probs)
+  assert abs(float(penalized[0, tokens[0]]) - expected[0]) > 10 * SCORE_TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def lettered(pairs):
+  """llama with a tokenizer that spells every id in the letters a-d (ids 2.. are "a",
+  "b", .., "dddd"; WordPiece's "##" joins them without spaces), for stop strings; and
+  that tokenizer, for transformers."""
+  model, _ = pairs["llama"]
+  texts = ["".join(p) for n in range(1, 5) for p in itertools.product("abcd", repeat=n)]
+  words = ["[UNK]", "abcdef"] + ["##" + t for t in texts[:model.config.vocab_size - 2]]
+  backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+  backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  backend.decoder = decoders.WordPiece(cleanup=False)
+  tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend)
+  return dataclasses.replace(model, tokenizer=tokenizer), tokenizer
+
+
+@pytest.mark.parametrize("num_beams,stop_strings", [
+    (2, ["ba"]),  # begun in the prompt ("..acb"), ended by a first token "a.."
+    (3, ["ab", "ba"]),  # on most steps fewer than k candidates run on
+    (2, ["a"]),  # every candidate of the first step ends: the search stops
+])
+def test_stop_strings_end_candidates_as_transformers_does(pairs, lettered, num_beams,
+                                                          stop_strings):
+  """A candidate that completes a stop string is a finished hypothesis (if among the k
+  best) and never runs on; where fewer than k run on, ended ones fill in at score - 1e9;
+  when none does, the search stops: transformers' beam search with the same strings."""
+  model, tokenizer = lettered
+  _, torch_model = pairs["llama"]
+  theirs = hf_beams(torch_model, CONTROL_PROMPT, CONTROL_EOS, num_beams,
+                    stop_strings=stop_strings, tokenizer=tokenizer)
+  plain = hf_beams(torch_model, CONTROL_PROMPT, CONTROL_EOS, num_beams)
+  assert [h["tokens"] for h in theirs] != [h["tokens"] for h in plain]
+  out = mdjax.generate(model, CONTROL_PROMPT, strategy="beam", num_beams=num_beams,
+                       max_new_tokens=MAX_NEW, eos_token_id=CONTROL_EOS,
+                       stop_strings=stop_strings)
+  assert_same_beams(out.beams[0], theirs)
+  stopped_by = out.stats["stopped_by"][0]
+  assert stopped_by in stop_strings
+  text = tokenizer.decode(CONTROL_PROMPT + out.sequences[0]).replace(" ", "")
+  assert stopped_by in text[-len(stopped_by) - 4:]  # within the last token (at most 4 letters)

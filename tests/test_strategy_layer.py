@@ -18,6 +18,7 @@ from jaxtyping import Array, Float, Int
 
 import mdjax
 from mdjax import strategies
+from mdjax.controls import CONTROL_OPTIONS
 from mdjax.errors import MdjaxError, check_count
 from mdjax.strategies import prompt_layouts
 from mdjax.strategies.base import DecodeState, OutputBuffer, Strategy, emit, prefill
@@ -144,7 +145,7 @@ def test_the_contract_options_are_declared_by_their_strategies():
   silently changes the public API: the contract's names must all still be there."""
   for name, options in CONTRACT_OPTIONS.items():
     assert options <= set(strategies.option_names(name)), name
-  assert set(strategies.option_names("greedy")) == {"attention"}
+  assert set(strategies.option_names("greedy")) == {"attention", *CONTROL_OPTIONS}
 
 
 def test_sample_samples_and_greedy_is_greedy(model):
@@ -154,6 +155,7 @@ def test_sample_samples_and_greedy_is_greedy(model):
   sampled = {tuple(mdjax.generate(model, prompt, strategy="sample", max_new_tokens=12,
                                   eos_token_id=[], seed=seed).sequences[0]) for seed in range(4)}
   assert len(sampled) > 1 and tuple(greedy[0]) not in sampled
-  assert strategies.get("sample")(model=None).sampling.temperature == 1.0
+  sample = strategies.get("sample")(model=None)
+  assert sample.temperature == 1.0 and not sample.greedy
   with pytest.raises(MdjaxError, match=r"unknown option 'temperature' for strategy 'greedy'"):
     mdjax.generate(model, prompt, strategy="greedy", temperature=0.5)

@@ -16,7 +16,7 @@ import pathlib
 import re
 from typing import Any
 
-from mdjax import sharding
+from mdjax import generation_config, sharding
 from mdjax.checkpoints import lazy
 from mdjax.checkpoints.hf_layout import (SafetensorsCheckpoint, params_from_hf, params_to_hf,
                                          write_weights)
@@ -305,11 +305,9 @@ def load_hf_dir(path: str | os.PathLike, dtype="float32", *, name: str | None = 
   if not config_file.is_file():
     raise CheckpointError(f"no config.json in checkpoint directory {str(path)!r}")
   cfg = read_json(config_file)
-  generation_file = directory / "generation_config.json"
-  if generation_file.is_file():
-    eos = read_json(generation_file).get("eos_token_id")
-    if eos is not None:
-      cfg["eos_token_id"] = eos
+  defaults = generation_config.read(directory)
+  if "eos_token_id" in defaults:  # the generation config's EOS ids are the model's own
+    cfg["eos_token_id"] = defaults["eos_token_id"]
   try:
     config = config_from_hf(cfg)
   except CheckpointError as e:
@@ -326,7 +324,8 @@ def load_hf_dir(path: str | os.PathLike, dtype="float32", *, name: str | None = 
     except Exception as e:  # noqa: BLE001 -- transformers raises many types for bad files
       raise CheckpointError(f"cannot load the tokenizer in {directory}: {e}") from None
   return Model(config=config, params=params, tokenizer=tokenizer, path=str(directory),
-               name=name if name is not None else directory.name, layout=layout)
+               name=name if name is not None else directory.name, layout=layout,
+               generation_defaults=defaults)
 
 
 def save_hf(model: Model, path: str | os.PathLike, dtype="float32",

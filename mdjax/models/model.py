@@ -18,6 +18,9 @@ class Model:
   name: str = ""  # what `mdjax.load` was given
   random_weights: bool = False  # seeded random weights, not a trained model
   layout: Any = None  # a `mdjax.sharding.WeightPlacement` when the weights lie on a device mesh
+  # the settings of its checkpoint's generation_config.json that a request takes as its
+  # defaults (`mdjax.generation_config`); {} without one
+  generation_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   @property
   def description(self) -> str:

@@ -33,6 +33,25 @@ stops:
 
 or at `max_new_tokens`. `num_beams=1` is greedy search (transformers' choice), which is
 `early_stopping=True` here. The output rows are the finished hypotheses, best first.
+
+The controls (`mdjax.controls`) act as transformers' logits processors act in its beam
+search: on each running beam's log-softmax, with that beam's own text (the prompt, then
+its tokens: `BeamState.texts`), and the processed scores are what a candidate adds to
+its beam's sum. With one beam transformers runs greedy search, whose processors read
+the logits: so does this, then takes the log-softmax. A candidate whose text completes
+a stop string ends as one ending in EOS does: among the k best, a finished hypothesis;
+never a running beam. Where fewer than k candidates do not end, the best ended ones
+run on too, at their score - 1e9 (transformers' penalty, in the same float32 sum).
+Where every candidate ended, the row holds k finished hypotheses that no beam at
+-1e9 can beat, so the early_stopping rule stops it, where transformers stops its whole
+search (once every prompt of its batch is there: each prompt here as if alone).
+
+`logprobs`: for each token of a hypothesis, what it added to the hypothesis's summed
+score (transformers' `compute_transition_scores` of its beam search): the token's
+processed score in the beam it continued, so that a hypothesis's values sum to its
+score times length**length_penalty. Without a processor that is the token's
+log-probability; a processor can make it otherwise (a positive logit_bias, above 0).
+`top_logprobs`: the best such scores (as many as asked) of that beam at that step.
 """
 
 from __future__ import annotations
@@ -45,8 +64,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from mdjax.cache import KVCache, gather_slots
+from mdjax.controls import CONTROL_OPTIONS, Context, Controls, process
 from mdjax.errors import MdjaxError, check_count, check_real
 from mdjax.sampling import log_softmax
+from mdjax.stop_strings import completed
 from mdjax.strategies import prompt_layouts
 from mdjax.strategies.base import Limits, OutputBuffer, Prompt, Strategy, prefill
 from mdjax.strategies.registry import register
@@ -76,26 +97,86 @@ def first_unmasked(masked: Bool[Array, "B C"], count: int, *values: Array) -> li
   return out
 
 
-def backtrack(tokens: Int[Array, "B N k"], parents: Int[Array, "B N k"],
-              length: Int[Array, "B h"], token: Int[Array, "B h"],
-              parent: Int[Array, "B h"]) -> Int[Array, "B h N"]:
-  """The tokens of hypotheses of `length` tokens whose last is `token`, after running beam
-  `parent` of the step before (-1 past their length): back along the running beams'
-  parent pointers (`tokens[b, s, j]`: running beam j's token s; `parents[b, s, j]`: the
-  running beam of step s - 1 it continued), one step a trip."""
-  def back(beam, at):  # beam [B, h]: the running beam of step s each hypothesis holds
-    s, step_tokens, step_parents = at  # [], [B, k], [B, k]
-    end = s == length - 1  # [B, h]
-    here = jnp.where(end, token, jnp.take_along_axis(step_tokens, beam, axis=1))
-    up = jnp.where(end, parent, jnp.take_along_axis(step_parents, beam, axis=1))
-    inside = s < length
-    return jnp.where(inside, up, beam), jnp.where(inside, here, -1)
+def backtrack(parents: Int[Array, "B N m"], length: Int[Array, "B h"],
+              last: Int[Array, "B h"]) -> Int[Array, "B h N"]:
+  """Where the tokens of hypotheses of `length` tokens lie: for each step s, the column
+  of that step's entries that holds token s (0 past the length). A step's columns are
+  its k running beams, then its k best candidates (`BeamState.ended_*`); `parents[b, s,
+  j]` is the running beam of step s - 1 that column j continued, and a hypothesis ends
+  at column `last` of its last step. Back along the parent pointers, one step a trip::
 
-  steps = jnp.arange(tokens.shape[1])
-  _, history = jax.lax.scan(back, jnp.zeros_like(length),
-                            (steps, jnp.swapaxes(tokens, 0, 1), jnp.swapaxes(parents, 0, 1)),
-                            reverse=True)  # [N, B, h]
-  return jnp.moveaxis(history, 0, 2)
+      step          0   1   2
+      column        1   0   k+1      <- last: the 2nd best candidate of step 2
+      parents[.]    0   1   0        <- column 0 of step 1 continued running beam 1 of step 0
+  """
+  def back(column, at):  # column [B, h]: the running beam of step s each hypothesis holds
+    s, step_parents = at  # [], [B, m]
+    here = jnp.where(s == length - 1, last, column)
+    inside = s < length
+    up = jnp.take_along_axis(step_parents, here, axis=1)
+    return jnp.where(inside, up, column), jnp.where(inside, here, 0)
+
+  steps = jnp.arange(parents.shape[1])
+  _, path = jax.lax.scan(back, jnp.zeros_like(length), (steps, jnp.swapaxes(parents, 0, 1)),
+                         reverse=True)  # [N, B, h]
+  return jnp.moveaxis(path, 0, 2)
+
+
+def along(history: Array, path: Int[Array, "B h N"]) -> Array:
+  """`history[b, s, path[b, i, s]]` for every hypothesis i (`backtrack`'s path):
+  `[B, N, m, ...]` -> `[B, h, N, ...]`."""
+  index = jnp.swapaxes(path, 1, 2)  # [B, N, h]
+  index = index.reshape(index.shape + (1,) * (history.ndim - 3))
+  return jnp.swapaxes(jnp.take_along_axis(history, index, axis=2), 1, 2)
+
+
+def with_ended(running: Array, ended: Array) -> Array:
+  """A step's k running beams' entries, then its k best candidates': `[B, N, 2k, ...]`."""
+  return jnp.concatenate([running, ended], axis=2)
+
+
+def write_column(history: Array, new: Array, step: Int[Array, ""]) -> Array:
+  """`history` `[B, N, ...]` with column `step` set to `new` `[B, ...]`: a select, which
+  XLA:GPU fuses into the step's kernel (`BeamState`)."""
+  column = jnp.arange(history.shape[1]) == step
+  return jnp.where(column.reshape((1, -1) + (1,) * (history.ndim - 2)), new[:, None], history)
+
+
+def continued(texts: Int[Array, "B k N"], parent: Int[Array, "B c"], token: Int[Array, "B c"],
+              step: Int[Array, ""]) -> Int[Array, "B c N"]:
+  """The texts of beams `parent` with `token` appended as their token `step`."""
+  chosen = jnp.take_along_axis(texts, parent[..., None], axis=1)  # [B, c, N]
+  return jnp.where(jnp.arange(texts.shape[2]) == step, token[..., None], chosen)
+
+
+def running_beams(score: Float[Array, "B C"], ended: Bool[Array, "B C"], count: int,
+                  *values: Array, fill: bool) -> list[Array]:
+  """The `count` best candidates that did not end, best first: their score and each of
+  `values` `[B, C]` at them. With `fill` (when fewer than `count` may remain: stop
+  strings), transformers' rule: every candidate ended at score - 1e9 competes too."""
+  if not fill:
+    return first_unmasked(ended, count, score, *values)
+  best, pick = jax.lax.top_k(score + ended.astype(jnp.float32) * -1e9, count)
+  return [best] + [jnp.take_along_axis(v, pick, axis=1) for v in values]
+
+
+# the `Controls` fields of one value per output row (per prompt: beam's rows)
+PER_ROW = ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens",
+           "prompt", "stop_tail")
+
+
+def per_beam(controls: Controls, k: int) -> Controls:
+  """`controls` with each prompt's per-row values repeated for its k beams (row b*k + j)."""
+  return dataclasses.replace(controls, **{name: jnp.repeat(getattr(controls, name), k, axis=0)
+                                          for name in PER_ROW
+                                          if getattr(controls, name) is not None})
+
+
+def reads_text(controls: Controls | None) -> bool:
+  """Whether the controls read each beam's tokens (not only how many it holds)."""
+  return controls is not None and (controls.ngram > 0 or any(
+      getattr(controls, name) is not None for name in (
+          "repetition_penalty", "presence_penalty", "frequency_penalty", "bad_words", "stops")))
 
 
 def flat(history: Array) -> Array:
@@ -116,13 +197,14 @@ class BeamState:
   writes column s of its histories (one kernel on a GPU, where each array a step
   updates is a kernel or more, and one whose entries move a copy more), `closed` and
   `generated`, nothing else: running beams are parent pointers (transformers and t5x
-  gather every beam's tokens each step), every candidate that ended a hypothesis stays
-  where it ended (the k best are chosen once, at the end: `result`), and every pass
-  adds one token to each beam (passes after prefill: `generated`).
+  gather every beam's tokens each step; so does `texts`, only for controls that read
+  them), every candidate that ended a hypothesis stays where it ended (the k best are
+  chosen once, at the end: `result`), and every pass adds one token to each beam
+  (passes after prefill: `generated`).
 
     cache            KVCache            the prompt, then a [N, k] block of beam slots per row
     topology         Topology [B, k+1]  segment 0 the prompt, segment j + 1 beam j
-    limits           Limits             max_new_tokens, EOS ids, the run's PRNG key
+    limits           Limits             max_new_tokens, EOS ids, the run's PRNG key, controls
     start            int32[B]           prompt length: the beams' first slot and position
     generated        int32[]            tokens each running beam holds in the cache (it
                                         holds one more: the last, not yet fed)
@@ -133,10 +215,22 @@ class BeamState:
                                         j continued at step s (its tokens 0..s-1)
     ended_score      float32[B, N, k]   [b, s, c]: the score of step s's c-th best candidate
                                         as a finished hypothesis of s + 1 tokens, if it
-                                        ended one (EOS, or the budget), else -inf
+                                        ended one (EOS, a stop string, the budget), else -inf
     ended_token      int32[B, N, k]     that candidate's token
     ended_parent     int32[B, N, k]     the running beam of step s - 1 it continued
     closed           bool[B]            the row is done (budget, or early_stopping's rule)
+
+  and, for the controls that need them (else None; K = top_logprobs):
+
+    texts            int32[B, k, N]     [b, j]: running beam j's tokens (-1 after them)
+    gain             float32[B, N, k]   [b, s, j]: what running beam j's token s added to
+                                        its score (its processed score: logprobs)
+    ended_gain       float32[B, N, k]   that of step s's c-th best candidate
+    top_ids          int32[B, N, k, K]  [b, s, p]: the K best tokens of running beam p of
+                                        step s - 1 at step s, by processed score
+    top_scores       float32[B, N, k, K]   and those scores
+    ended_stop       int32[B, N, k]     the stop string step s's c-th best candidate
+                                        completes (-1: none)
   """
 
   cache: KVCache
@@ -151,6 +245,12 @@ class BeamState:
   ended_token: Int[Array, "B N k"]
   ended_parent: Int[Array, "B N k"]
   closed: Bool[Array, "B"]
+  texts: Int[Array, "B k N"] | None = None
+  gain: Float[Array, "B N k"] | None = None
+  ended_gain: Float[Array, "B N k"] | None = None
+  top_ids: Int[Array, "B N k K"] | None = None
+  top_scores: Float[Array, "B N k K"] | None = None
+  ended_stop: Int[Array, "B N k"] | None = None
 
   @property
   def running_score(self) -> Float[Array, "B k"]:
@@ -180,6 +280,7 @@ class Beam(Strategy):
   name: ClassVar[str] = "beam"
   layout: ClassVar = prompt_layouts.Plain()
   streams: ClassVar[bool] = False  # the best hypothesis is known only at the end
+  controls: ClassVar = CONTROL_OPTIONS  # as transformers' beam search applies them
 
   num_beams: int = 4
   length_penalty: float = 1.0
@@ -206,12 +307,22 @@ class Beam(Strategy):
     logits, cache, _ = prefill(self.model, params, prompt, cache)  # [B, 1, V]
     batch, k = prompt.lengths.shape[0], self.num_beams
     history = jnp.zeros((batch, capacity, k), jnp.int32)
+    controls = limits.controls
+    top = -1 if controls is None else controls.logprobs
+    gain = jnp.zeros((batch, capacity, k)) if top >= 0 else None
     state = BeamState(cache=cache, topology=Topology.fan(prompt.lengths, k), limits=limits,
                       start=prompt.lengths, generated=jnp.zeros((), jnp.int32),
                       scores=jnp.zeros((batch, capacity, k)), tokens=history, parents=history,
                       ended_score=jnp.full((batch, capacity, k), -jnp.inf),
                       ended_token=history, ended_parent=history,
-                      closed=jnp.broadcast_to(limits.max_new_tokens <= 0, (batch,)))
+                      closed=jnp.broadcast_to(limits.max_new_tokens <= 0, (batch,)),
+                      texts=(jnp.full((batch, k, capacity), -1, jnp.int32)
+                             if reads_text(controls) else None),
+                      gain=gain, ended_gain=gain,
+                      top_ids=jnp.zeros((batch, capacity, k, top), jnp.int32) if top > 0 else None,
+                      top_scores=jnp.zeros((batch, capacity, k, top)) if top > 0 else None,
+                      ended_stop=(None if controls is None or controls.stops is None
+                                  else jnp.full((batch, capacity, k), -1, jnp.int32)))
     return self._select(state, jnp.broadcast_to(logits, (batch, k, logits.shape[-1])))
 
   def step(self, params, state: BeamState) -> BeamState:
@@ -231,27 +342,74 @@ class Beam(Strategy):
     candidates add one more. A closed row ends no hypothesis; its running beams are no
     longer read.
     """
-    k, step = self.num_beams, state.generated
-    scores = log_softmax(logits) + state.running_score[..., None]  # [B, k, V]
-    count = min((1 + state.limits.eos_ids.shape[0]) * k, scores.shape[1] * scores.shape[2])
+    k, step, limits = self.num_beams, state.generated, state.limits
+    processed = self._processed(state, logits)  # [B, k, V]
+    scores = processed + state.running_score[..., None]  # [B, k, V]
+    count = min((1 + limits.eos_ids.shape[0]) * k, scores.shape[1] * scores.shape[2])
     score, parent, token = top_continuations(scores, count)  # [B, C]
-    is_eos = (token[..., None] == state.limits.eos_ids).any(-1)  # [B, C]
-    last = step + 1 >= state.limits.max_new_tokens
-    ends = (is_eos[:, :k] | last) & ~state.closed[:, None]  # [B, k]
+    ended = (token[..., None] == limits.eos_ids).any(-1)  # [B, C]
+    stop = self._stop_strings(state, parent, token)  # [B, C] or None
+    if stop is not None:
+      ended |= stop >= 0
+    last = step + 1 >= limits.max_new_tokens
+    ends = (ended[:, :k] | last) & ~state.closed[:, None]  # [B, k]
     length = (step + 1).astype(jnp.float32)
-    ended = jnp.where(ends, score[:, :k] / length ** self.length_penalty, -jnp.inf)
-    running_score, running_parent, running_token = first_unmasked(is_eos, k, score, parent,
-                                                                  token)  # [B, k]
-    column = jnp.arange(state.tokens.shape[1])[None, :, None] == step  # [1, N, 1]
-    write = lambda history, new: jnp.where(column, new[:, None, :], history)  # [B, N, k]
-    state = dataclasses.replace(
-        state, cache=self._reorder(state, running_parent),
-        scores=write(state.scores, running_score), tokens=write(state.tokens, running_token),
-        parents=write(state.parents, running_parent), ended_score=write(state.ended_score, ended),
-        ended_token=write(state.ended_token, token[:, :k]),
-        ended_parent=write(state.ended_parent, parent[:, :k]))
+    finished = jnp.where(ends, score[:, :k] / length ** self.length_penalty, -jnp.inf)
+    values = [parent, token]
+    if state.gain is not None:  # each candidate's own processed score
+      vocab = processed.shape[-1]
+      values.append(jnp.take_along_axis(processed.reshape(processed.shape[0], -1),
+                                        parent * vocab + token, axis=1))
+    running_score, *running = running_beams(score, ended, k, *values, fill=stop is not None)
+    write = lambda history, new: write_column(history, new, step)
+    fields = dict(cache=self._reorder(state, running[0]),
+                  scores=write(state.scores, running_score), tokens=write(state.tokens, running[1]),
+                  parents=write(state.parents, running[0]),
+                  ended_score=write(state.ended_score, finished),
+                  ended_token=write(state.ended_token, token[:, :k]),
+                  ended_parent=write(state.ended_parent, parent[:, :k]))
+    if state.texts is not None:
+      fields["texts"] = continued(state.texts, running[0], running[1], step)
+    if state.gain is not None:
+      fields.update(gain=write(state.gain, running[2]),
+                    ended_gain=write(state.ended_gain, values[2][:, :k]))
+    if state.top_ids is not None:
+      best, ids = jax.lax.top_k(processed, state.top_ids.shape[-1])  # [B, k, K]
+      fields.update(top_ids=write(state.top_ids, ids.astype(jnp.int32)),
+                    top_scores=write(state.top_scores, best))
+    if stop is not None:
+      fields["ended_stop"] = write(state.ended_stop, stop[:, :k])
+    state = dataclasses.replace(state, **fields)
     hopeless = self._hopeless(state, running_score[:, 0], step + 1)
     return dataclasses.replace(state, closed=state.closed | last | hopeless)
+
+  def _processed(self, state: BeamState, logits: Float[Array, "B k V"]) -> Float[Array, "B k V"]:
+    """Each running beam's next-token scores: its log-softmax with the controls'
+    processors applied after it, on the beam's own text (transformers' beam search), or
+    before it with one beam (transformers' greedy search)."""
+    controls = state.limits.controls
+    if controls is None or not controls.processes:
+      return log_softmax(logits)
+    batch, k, vocab = logits.shape
+    rows = batch * k
+    texts = (jnp.full((rows, 1), -1, jnp.int32) if state.texts is None  # only lengths read
+             else state.texts.reshape(rows, -1))
+    context = Context.plain(texts, jnp.full((rows,), state.generated, jnp.int32))
+    run = lambda x: process(x.reshape(rows, 1, vocab), per_beam(controls, k), context,
+                            state.limits.eos_ids).reshape(batch, k, vocab)
+    return log_softmax(run(logits)) if k == 1 else run(log_softmax(logits))
+
+  def _stop_strings(self, state: BeamState, parent: Int[Array, "B C"], token: Int[Array, "B C"]
+                    ) -> Int[Array, "B C"] | None:
+    """The stop string each candidate's text (its beam's, then its token) completes
+    (-1: none), as transformers' criterion judges every candidate; None without any."""
+    controls = state.limits.controls
+    if controls is None or controls.stops is None:
+      return None
+    batch, count = token.shape
+    texts = continued(state.texts, parent, token, state.generated).reshape(batch * count, -1)
+    return completed(controls.stops, texts, jnp.full((batch * count, 1), state.generated),
+                     jnp.repeat(controls.stop_tail, count, axis=0)).reshape(batch, count)
 
   def _hopeless(self, state: BeamState, best_running: Float[Array, "B"], length: Int[Array, ""]
                 ) -> Bool[Array, "B"]:
@@ -283,12 +441,27 @@ class Beam(Strategy):
   def result(self, state: BeamState) -> tuple[OutputBuffer, dict]:
     """Finished hypotheses rank-major: output row r*B + i is prompt i's r-th best (rows 0..B-1
     the best ones); a hypothesis never filled (max_new_tokens 0) has score -inf."""
-    score, where = state.finished(self.num_beams)  # [B, k]
-    length = jnp.where(jnp.isfinite(score), where // self.num_beams + 1, 0)
-    at = lambda ended: jnp.take_along_axis(flat(ended), where, axis=1)  # [B, k]
-    tokens = backtrack(state.tokens, state.parents, length, at(state.ended_token),
-                       at(state.ended_parent))  # [B, k, N]
+    k = self.num_beams
+    score, where = state.finished(k)  # [B, k]
+    filled = jnp.isfinite(score)
+    length = jnp.where(filled, where // k + 1, 0)
+    parents = with_ended(state.parents, state.ended_parent)
+    path = backtrack(parents, length, k + where % k)  # [B, k, N]
+    inside = jnp.arange(state.tokens.shape[1]) < length[..., None]  # [B, k, N]
+    tokens = jnp.where(inside, along(with_ended(state.tokens, state.ended_token), path), -1)
+    fields = {}
+    if state.gain is not None:
+      gain = along(with_ended(state.gain, state.ended_gain), path)
+      fields["logprobs"] = rank_major(jnp.where(inside, gain, 0.0))
+    if state.top_ids is not None:
+      source = along(parents, path)  # the running beam each token continued
+      fields.update(top_ids=rank_major(along(state.top_ids, source)),
+                    top_logprobs=rank_major(along(state.top_scores, source)))
+    if state.ended_stop is not None:
+      stopped = jnp.take_along_axis(flat(state.ended_stop), where, axis=1)
+      fields["stopped_by"] = rank_major(jnp.where(filled, stopped, -1))
     count = rank_major(length)
     buffer = OutputBuffer(tokens=rank_major(tokens), count=count,
-                          done=jnp.ones(count.shape, jnp.bool_), scores=rank_major(score))
+                          done=jnp.ones(count.shape, jnp.bool_), scores=rank_major(score),
+                          **fields)
     return buffer, {"target_passes": state.generated}

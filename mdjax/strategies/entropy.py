@@ -18,6 +18,13 @@ winner's slots become segment 0, the others die, and `compact` closes the gap::
 
 Every pass feeds `num_branches` tokens per row; a row decoding linearly uses one of
 them (the others are padding and take no slot).
+
+The request's controls (`mdjax.controls`) process every distribution it reads: the
+linear token's (after the generated text), a branch's (after the generated text and
+the branch's own tokens). So the argmax, the entropy that decides a fork, the top-k a
+fork branches on and the scores that pick the winner are all of the processed
+distribution, and an emitted token's log-probability is the one it was chosen with.
+Where it never forks it is greedy with the same controls.
 """
 
 from __future__ import annotations
@@ -30,13 +37,14 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from mdjax import cache as cache_ops
-from mdjax import platform
+from mdjax import controls, platform
 from mdjax.cache import KVCache
+from mdjax.controls import CONTROL_OPTIONS
 from mdjax.errors import check_count, check_real
 from mdjax.sampling import log_softmax
 from mdjax.strategies import prompt_layouts
-from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Strategy, emit,
-                                   last_emitted, prefill)
+from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Scored, Strategy,
+                                   emit, last_emitted, prefill)
 from mdjax.strategies.registry import register
 from mdjax.topology import Topology
 
@@ -47,10 +55,13 @@ def entropy_varentropy(logits: Float[Array, "... V"]) -> tuple[Float[Array, "...
   return _entropy_varentropy(log_softmax(logits))
 
 
-def _entropy_varentropy(logp: Float[Array, "... V"]) -> tuple[Float[Array, "..."],
-                                                               Float[Array, "..."]]:
-  """`entropy_varentropy` from the log-probabilities."""
+def _entropy_varentropy(logp: Float[Array, "... V"], removed: bool = False
+                        ) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
+  """`entropy_varentropy` from the log-probabilities; `removed`: some may be -inf (a
+  token the controls removed), which add nothing (not 0 x inf)."""
   p = jnp.exp(logp)
+  if removed:
+    logp = jnp.where(p > 0, logp, 0.0)
   entropy = -(p * logp).sum(-1)
   return entropy, (p * (logp + entropy[..., None]) ** 2).sum(-1)
 
@@ -71,6 +82,8 @@ class EntropyState(DecodeState):
     fork_slot      int32[B]         the exploration's first slot (where compaction starts)
     branch_tokens  int32[B, k, m]   each branch's tokens so far
     branch_score   float32[B, k]    each branch's summed log-probability
+    branch_scored  Scored [B, k, m] each branch token's log-probability (and the K best
+                                    there), where the request asks for them; else None
     tallies        int32[B, 2]      per row, its live passes after prefill (the most: the
                                     target's passes) and the explorations it started
   """
@@ -80,6 +93,7 @@ class EntropyState(DecodeState):
   fork_slot: Int[Array, "B"]
   branch_tokens: Int[Array, "B k m"]
   branch_score: Float[Array, "B k"]
+  branch_scored: Scored | None
   tallies: Int[Array, "B 2"]
 
   @property
@@ -108,6 +122,7 @@ class EntropyBranching(Strategy):
 
   name: ClassVar[str] = "entropy_branching"
   layout: ClassVar = prompt_layouts.Plain()
+  controls: ClassVar = CONTROL_OPTIONS
 
   num_branches: int = 3
   branch_tokens: int = 4
@@ -133,11 +148,20 @@ class EntropyBranching(Strategy):
     batch, k = prompt.tokens.shape[0], self.num_branches
     logits, cache, _ = prefill(self.model, params, prompt, cache)
     zeros = jnp.zeros((batch,), jnp.int32)
-    state = EntropyState(cache=cache, limits=limits, buffer=OutputBuffer.empty(batch, capacity),
-                         passes=None, first_pos=prompt.lengths, exploring=zeros, fork_slot=zeros,
+    top = -1 if limits.controls is None else limits.controls.logprobs
+    scored = None
+    if top >= 0:
+      shape = (batch, k, self.branch_tokens)
+      scored = Scored(jnp.zeros(shape, jnp.float32),
+                      jnp.zeros(shape + (top,), jnp.int32) if top else None,
+                      jnp.zeros(shape + (top,), jnp.float32) if top else None)
+    state = EntropyState(cache=cache, limits=limits,
+                         buffer=OutputBuffer.empty(batch, capacity, limits), passes=None,
+                         first_pos=prompt.lengths, exploring=zeros, fork_slot=zeros,
                          branch_tokens=jnp.zeros((batch, k, self.branch_tokens), jnp.int32),
-                         branch_score=jnp.zeros((batch, k), jnp.float32),
+                         branch_score=jnp.zeros((batch, k), jnp.float32), branch_scored=scored,
                          tallies=jnp.zeros((batch, 2), jnp.int32))
+    logits = self._processed(logits, state)
     logp = log_softmax(logits)  # [B, 1, V]
     token, top = self._choices(logits, logp)
     return self._after_main(state, logp, token[:, 0], top, jnp.ones((batch,), jnp.bool_))
@@ -156,6 +180,7 @@ class EntropyBranching(Strategy):
     fork_pos = state.next_pos  # of an exploring row: its branches' first tokens
     logits, _, cache = self.model(params, state.cache, tokens, positions, segments,
                                   Topology.fan(fork_pos, k))  # [B, k, V]
+    logits = self._processed(logits, state)
     state = dataclasses.replace(state, cache=cache,
                                 tallies=state.tallies + jnp.stack([~done, jnp.zeros_like(done)], 1))
     # one log-softmax and the choices over every column (on a GPU, each a few kernels):
@@ -165,6 +190,21 @@ class EntropyBranching(Strategy):
     linear = ~exploring & ~done
     state = self._after_main(state, logp, token[:, 0], top, linear)
     return self._after_branches(state, logp, token, exploring & ~done)
+
+  def _processed(self, logits: Float[Array, "B C V"], state: EntropyState
+                 ) -> Float[Array, "B C V"]:
+    """The logits with the request's controls applied: column c after the generated
+    text, then (an exploring row's) branch c's tokens so far; a linear row's column 0
+    after the generated text alone."""
+    limits = state.limits
+    if limits.controls is None:
+      return logits
+    columns, depth = logits.shape[1], state.exploring  # [B]: 0 for a linear row
+    held = jnp.arange(self.branch_tokens) < depth[:, None, None]  # [B, 1, m]
+    path = jnp.where(held, state.branch_tokens, -1)[:, :columns]  # [B, C, m]
+    context = controls.Context(state.buffer.tokens, state.buffer.count, path,
+                               jnp.broadcast_to(depth[:, None], path.shape[:2]))
+    return controls.process(logits, limits.controls, context, limits.eos_ids)
 
   def _choices(self, logits: Float[Array, "B C V"], logp: Float[Array, "B C V"]
                ) -> tuple[Int[Array, "B C"], tuple[Float[Array, "B k"], Int[Array, "B k"]]]:
@@ -193,20 +233,25 @@ class EntropyBranching(Strategy):
     reductions of a column's slice read it from a product of its own (2 kernels more).
     XLA:CPU runs the slice's alone (C times less work)."""
     columns = logp if platform.current() == "gpu" else logp[:, :1]
-    entropy, varentropy = (h[:, 0] for h in _entropy_varentropy(columns))  # [B]
+    removed = state.limits.controls is not None and state.limits.controls.processes
+    entropy, varentropy = (h[:, 0] for h in _entropy_varentropy(columns, removed))  # [B]
     fork = rows & (entropy > self.branch_entropy) & (varentropy > self.branch_varentropy)
     if self.num_branches == 1 or self.branch_tokens == 1:
       fork = jnp.zeros_like(fork)
     buffer, _ = emit(state.buffer, token[:, None], (rows & ~fork).astype(jnp.int32),
-                     state.limits)
+                     state.limits, _scored(logp[:, :1], token[:, None], state.limits))
     top_logp, top = top  # [B, k]
     fed = state.cache.length  # the main token was just written: branches start here
+    fork_scored = lambda: _scored(  # every branch's first token: column 0's top-k
+        jnp.broadcast_to(logp[:, :1], top.shape + logp.shape[-1:]), top, state.limits)
     return dataclasses.replace(
         state, buffer=buffer, exploring=jnp.where(fork, 1, state.exploring),
         fork_slot=jnp.where(fork, fed, state.fork_slot),
         branch_tokens=jnp.where(fork[:, None, None], state.branch_tokens.at[:, :, 0].set(top),
                                 state.branch_tokens),
         branch_score=jnp.where(fork[:, None], top_logp, state.branch_score),
+        branch_scored=_record(state.branch_scored, fork_scored, fork,
+                              jnp.zeros_like(state.exploring)),
         tallies=state.tallies + jnp.stack([jnp.zeros_like(fork), fork], 1))
 
   def _after_branches(self, state: EntropyState, logp: Float[Array, "B k V"],
@@ -221,12 +266,16 @@ class EntropyBranching(Strategy):
     depth = jnp.where(rows, depth + 1, depth)
     finished = rows & (depth == self.branch_tokens)
     best = jnp.argmax(score, axis=1).astype(jnp.int32)  # [B]
-    winner = jnp.take_along_axis(branch_tokens, best[:, None, None], axis=1)[:, 0]  # [B, m]
-    buffer, _ = emit(state.buffer, winner, finished * self.branch_tokens, state.limits)
+    winning = lambda x: jnp.take_along_axis(x, best.reshape((-1,) + (1,) * (x.ndim - 1)),
+                                            axis=1)[:, 0]
+    scored = _record(state.branch_scored, lambda: _scored(logp, token, state.limits), rows,
+                     state.exploring)
+    buffer, _ = emit(state.buffer, winning(branch_tokens), finished * self.branch_tokens,
+                     state.limits, None if scored is None else jax.tree.map(winning, scored))
     cache = self._keep_branch(state.cache, finished, best, state.fork_slot)
     return dataclasses.replace(
         state, cache=cache, buffer=buffer, branch_tokens=branch_tokens, branch_score=score,
-        exploring=jnp.where(finished, 0, depth))
+        branch_scored=scored, exploring=jnp.where(finished, 0, depth))
 
   def _keep_branch(self, cache: KVCache, finished: Bool[Array, "B"], best: Int[Array, "B"],
                    fork_slot: Int[Array, "B"]) -> KVCache:
@@ -242,3 +291,26 @@ class EntropyBranching(Strategy):
   def result(self, state: EntropyState) -> tuple[OutputBuffer, dict]:
     return state.buffer, {"target_passes": state.tallies[:, 0].max(),
                           "forks": state.tallies[:, 1].sum()}
+
+
+def _scored(logp: Float[Array, "B C V"], tokens: Int[Array, "B C"], limits: Limits
+            ) -> Scored | None:
+  """The log-probabilities of `tokens` (and the K best) where the request asks for them."""
+  if limits.controls is None or limits.controls.logprobs < 0:
+    return None
+  return Scored.of(logp, tokens, limits.controls.logprobs)  # a log-softmax keeps log-probs
+
+
+def _record(stored: Scored | None, new, rows: Bool[Array, "B"], at: Int[Array, "B"]
+            ) -> Scored | None:
+  """`stored` [B, k, m] with `new()` [B, k] written at each of `rows`' branch position
+  `at` (None: the request asks for no log-probabilities)."""
+  if stored is None:
+    return None
+  here = rows[:, None] & (jnp.arange(stored.logprobs.shape[2]) == at[:, None])  # [B, m]
+
+  def put(old, value):  # old [B, k, m, ...], value [B, k, ...]
+    mask = jnp.expand_dims(here[:, None], tuple(range(3, old.ndim)))  # [B, 1, m, 1...]
+    return jnp.where(mask, jnp.expand_dims(value, 2), old)
+
+  return jax.tree.map(put, stored, new())

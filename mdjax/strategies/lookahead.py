@@ -59,6 +59,12 @@ gets exactly the logits of decoding its chain alone. After the pass:
   on top of the columns, and the columns move left by the number of level-0 guesses
   accepted (see `slide`).
 
+The request's controls (`mdjax.controls`) apply to every fed token's column with the
+text its chain continues (`FeedLayout.chains`): the generated text, then the chain's
+tokens after c up to that column's. The candidates' columns are then greedy's with
+the same controls (exact); the window's and its n-grams, processed too, guess what
+greedy with the controls would write (only the speed depends on them).
+
 Jacobi decoding (Santilli et al. 2023) is the 2-gram case without a pool:
 `strategy="jacobi"` (`Jacobi`) is a `Lookahead` fixed at ngram=2, guess_set=0. The
 window is one chain `c u1 .. u(W-1)`; each pass refines every guess in parallel (u_k
@@ -82,15 +88,18 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from mdjax import cache as cache_ops
+from mdjax import controls
 from mdjax.cache import KVCache
+from mdjax.controls import CONTROL_OPTIONS
 from mdjax.errors import check_count
 from mdjax.sampling import greedy_accept
 from mdjax.strategies import prompt_layouts
-from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Strategy, emit,
-                                   internal, last_emitted, prefill)
+from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Scored, Strategy,
+                                   emit, internal, last_emitted, prefill)
+from mdjax.strategies.lookup import GREEDY
 from mdjax.strategies.registry import register
 from mdjax.topology import Topology
 
@@ -106,6 +115,11 @@ class FeedLayout:
                                   pool's), the fed index of c and of its guesses
     guesses          int[C]       guesses per candidate (D = the most)
     owner            int[C]       the segment holding a candidate's guesses
+    chains           int[T, E]    per fed token, the fed indices of its chain after c,
+                                  itself last (`offset` of them, -1 after; E = the most):
+                                  the text its column continues past the generated text
+
+  W = 4, N = 3, G = 2 (the module docstring's feed): v2's chain is u1 u2 v2, y0's x0 y0.
   """
 
   offset: np.ndarray
@@ -115,6 +129,7 @@ class FeedLayout:
   paths: np.ndarray
   guesses: np.ndarray
   owner: np.ndarray
+  chains: np.ndarray
 
   def place(self, next_pos: Int[Array, "B"], done: Bool[Array, "B"]
             ) -> tuple[Int[Array, "B T"], Int[Array, "B T"], Topology]:
@@ -142,12 +157,18 @@ def feed_layout(window: int, ngram_size: int, guess_set: int) -> FeedLayout:
   chain = np.pad(np.arange(window), (0, longest + 1 - window))
   pool = [np.pad(np.concatenate([[0], levels * window + g * levels + np.arange(levels)]),
                  (0, longest - levels)) for g in range(guess_set)]
+  chains = np.full((offset.size, offset.max()), -1)
+  for t, (l, k) in enumerate(zip(level, column)):  # level 0 up to column k, then column k's
+    chains[t, :k + l] = [*range(1, k + 1), *(window * np.arange(1, l + 1) + k)]
+  for t, (g, i) in enumerate(zip(candidate, index), start=levels * window):
+    chains[t, :i + 1] = levels * window + g * levels + np.arange(i + 1)
   as_int32 = lambda a: np.asarray(a, np.int32)
   return FeedLayout(offset=as_int32(offset), segment=as_int32(segment),
                     parent=as_int32(parent), fork=as_int32(fork),
                     paths=as_int32(np.stack([chain, *pool])),
                     guesses=as_int32([window - 1] + [levels] * guess_set),
-                    owner=as_int32([1] + [2 + columns + g for g in range(guess_set)]))
+                    owner=as_int32([1] + [2 + columns + g for g in range(guess_set)]),
+                    chains=as_int32(chains))
 
 
 def same_grams(a: Int[Array, "... N"], b: Int[Array, "... N"]) -> Bool[Array, "..."]:
@@ -275,6 +296,7 @@ class Lookahead(Strategy):
   name: ClassVar[str] = "lookahead"
   layout: ClassVar = prompt_layouts.Plain()
   done_rows_stay: ClassVar = True  # a done row takes no token and tallies no pass
+  controls: ClassVar = CONTROL_OPTIONS
 
   window: int = 7
   ngram: int = 5
@@ -296,10 +318,13 @@ class Lookahead(Strategy):
   def init(self, params, prompt: Prompt, cache: KVCache, limits: Limits,
            capacity: int) -> LookaheadState:
     batch = prompt.tokens.shape[0]
-    logits, cache, _ = prefill(self.model, params, prompt, cache)
-    first = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)  # [B] (one branch per row)
-    buffer, _ = emit(OutputBuffer.empty(batch, capacity), first[:, None],
-                     jnp.ones_like(first), limits)
+    logits, cache, _ = prefill(self.model, params, prompt, cache)  # [B, 1, V] (one branch)
+    buffer = OutputBuffer.empty(batch, capacity, limits)
+    logits = controls.process(logits, limits.controls,
+                              controls.Context.plain(buffer.tokens, buffer.count), limits.eos_ids)
+    first = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)  # [B]
+    buffer, _ = emit(buffer, first[:, None], jnp.ones_like(first), limits,
+                     Scored.requested(logits, first[:, None], limits, GREEDY))
     # at most `capacity` passes, each writing W n-grams: the pool never fills
     pool_size = self.window * capacity if self.guess_set else 0
     return LookaheadState(
@@ -325,10 +350,15 @@ class Lookahead(Strategy):
     positions, segments, topology = plan.place(next_pos, done)  # [B, T]
     logits, _, cache = self.model(params, state.cache, tokens, positions, segments,
                                   topology)  # [B, T, V]
+    logits = self._processed(logits, tokens, state)
     choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T]
     accepted, winner, best = self._verify(tokens, choice, found)  # [B, C], [B], [B]
     emitted = jnp.take_along_axis(choice[:, plan.paths], winner[:, None, None],
                                   axis=1)[:, 0]  # [B, D + 1]: the argmax after c, then each guess
+    scored = None
+    if state.limits.controls is not None:  # the logits each emitted token was chosen from
+      along = logits[jnp.arange(done.shape[0])[:, None], jnp.asarray(plan.paths)[winner]]
+      scored = Scored.requested(along, emitted, state.limits, GREEDY)  # [B, D + 1]
     top, grams = self._columns(window, choice)  # [B, W], [B, W, N]
     pool = state.pool
     if self.guess_set:
@@ -337,9 +367,22 @@ class Lookahead(Strategy):
       pool = pool.add(grams, now, ~done & ready)
     return dataclasses.replace(
         self._tally(state, best, winner),
-        buffer=emit(state.buffer, emitted, best + 1, state.limits)[0],
+        buffer=emit(state.buffer, emitted, best + 1, state.limits, scored)[0],
         cache=self._commit(cache, winner, best, done),
         window=slide(window, top, accepted[:, 0]), pool=pool)
+
+  def _processed(self, logits: Float[Array, "B T V"], tokens: Int[Array, "B T"],
+                 state: LookaheadState) -> Float[Array, "B T V"]:
+    """The pass's logits with the request's controls applied, each column with the
+    generated text and its chain's fed tokens (`FeedLayout.chains`)."""
+    limits = state.limits
+    if limits.controls is None:
+      return logits
+    chains = self.plan.chains  # [T, E]
+    path = jnp.where(chains >= 0, tokens[:, np.maximum(chains, 0)], -1)  # [B, T, E]
+    path_len = jnp.broadcast_to(jnp.asarray(self.plan.offset), tokens.shape)  # [B, T]
+    context = controls.Context(state.buffer.tokens, state.buffer.count, path, path_len)
+    return controls.process(logits, limits.controls, context, limits.eos_ids)
 
   def _columns(self, window: Int[Array, "B L W"], choice: Int[Array, "B T"]
                ) -> tuple[Int[Array, "B W"], Int[Array, "B W N"]]:

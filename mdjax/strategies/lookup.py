@@ -13,6 +13,13 @@ With branches (`questions=`, as `multi_question`), every branch looks up in what
 sees (the context and its own question and answer) and feeds its own chain in its
 own segment: all branches of all rows are verified in the same pass.
 
+The request's controls (`mdjax.controls`) apply to every verified column with the text
+it continues: the generated text, then the proposal's tokens before it. The argmax is
+then greedy's with the same controls, a proposal that repeats a banned n-gram or brings
+EOS before `min_new_tokens` is cut where greedy would not take it, and a proposal that
+completes a stop string ends there (`emit`). Lookup itself reads the raw text: what it
+proposes only changes the speed.
+
 One row, last emitted token `c` (not yet cached), proposal `d e f`::
 
     feed     c  d  e  f           positions p .. p+3, segment 0
@@ -29,15 +36,20 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
 from mdjax import cache as cache_ops
-from mdjax import platform
+from mdjax import controls, platform
 from mdjax.cache import KVCache
+from mdjax.controls import CONTROL_OPTIONS
 from mdjax.errors import check_count
-from mdjax.sampling import greedy_accept
+from mdjax.sampling import SamplingParams, greedy_accept
 from mdjax.strategies import metadata, prompt_layouts
-from mdjax.strategies.base import DecodeState, Limits, OutputBuffer, Prompt, Strategy, emit, prefill
+from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Scored, Strategy,
+                                   emit, prefill)
 from mdjax.strategies.registry import register
 from mdjax.strategies.widths import decode_chains
 from mdjax.topology import Topology
+
+# what a greedy strategy's tokens are scored under (`Scored.requested`): the controls only
+GREEDY = SamplingParams(temperature=0.0)
 
 
 def branch_histories(prompt: Prompt, extra: int) -> tuple[Int[Array, "R H"], Int[Array, "R"]]:
@@ -147,6 +159,7 @@ class PromptLookup(Strategy):
   name: ClassVar[str] = "prompt_lookup"
   layout: ClassVar = prompt_layouts.Questions(required=False)
   done_rows_stay: ClassVar = True  # a done row proposes and takes nothing
+  controls: ClassVar = CONTROL_OPTIONS
 
   prompt_lookup_num_tokens: int = 10
   max_ngram_size: int = 2
@@ -165,16 +178,19 @@ class PromptLookup(Strategy):
            capacity: int) -> PromptLookupState:
     logits, cache, topology = prefill(self.model, params, prompt, cache)
     rows = prompt.branch_segment.size  # R = B * N: one output row per branch
-    first = jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(rows)  # [R]
     absent = (prompt.branch_segment < 0).reshape(rows)
-    buffer = dataclasses.replace(OutputBuffer.empty(rows, capacity), done=absent)
-    buffer, _ = emit(buffer, first[:, None], jnp.ones_like(first), limits)
+    buffer = dataclasses.replace(OutputBuffer.empty(rows, capacity, limits), done=absent)
+    logits = controls.process(logits.reshape(rows, 1, -1), limits.controls,
+                              controls.Context.plain(buffer.tokens, buffer.count),
+                              limits.eos_ids)  # [R, 1, V]
+    first = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)  # [R]
+    buffer, _ = emit(buffer, first[:, None], jnp.ones_like(first), limits,
+                     Scored.requested(logits, first[:, None], limits, GREEDY))
     history, length = branch_histories(prompt, capacity + self.prompt_lookup_num_tokens + 1)
     history = history.at[jnp.arange(rows), length].set(first)
     token_metadata = None
     if self.return_metadata:
-      token_metadata = metadata.first(capacity, jax.nn.softmax(logits, axis=-1).reshape(
-          rows, -1), first)
+      token_metadata = metadata.first(capacity, jax.nn.softmax(logits[:, 0], axis=-1), first)
     return PromptLookupState(
         cache=cache, topology=topology, limits=limits, buffer=buffer, passes=None,
         history=history, length=length + 1, branch_segment=prompt.branch_segment.reshape(rows),
@@ -199,10 +215,14 @@ class PromptLookup(Strategy):
         self.model, params, state.cache, tokens.reshape(batch, -1, width),
         ((length - 1)[:, None] + offsets).reshape(batch, -1, width),
         segments.reshape(batch, -1, width), state.topology)  # [B, N, 1 + D, V]
-    logits = logits.reshape(rows, width, -1)
+    # column t continues the generated text and the proposal's first t tokens
+    logits = controls.process(logits.reshape(rows, width, -1), state.limits.controls,
+                              controls.Context.chain(buffer.tokens, buffer.count, proposal),
+                              state.limits.eos_ids)  # [R, 1 + D, V]
     choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, 1 + D]
     accepted = greedy_accept(proposal, count, choice)  # [R]
-    buffer, taken = emit(buffer, choice, accepted + 1, state.limits)
+    buffer, taken = emit(buffer, choice, accepted + 1, state.limits,
+                         Scored.requested(logits, choice, state.limits, GREEDY))
     token_metadata = state.metadata
     if self.return_metadata:
       token_metadata = token_metadata.record(
