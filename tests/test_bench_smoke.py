@@ -182,6 +182,18 @@ def test_bench_heads_bad_question_line(tmp_path):
   assert done.stderr.strip().splitlines()[-1].startswith(f"error: {questions} line 2:")
 
 
+def test_bench_controls_quick(tmp_path):
+  """A sweep compiles once; the step is timed with and without controls; a control's
+  kernels are counted in the program built for an H200."""
+  results = run_quick("controls", "bench_controls", tmp_path)
+  assert {name: cell["compiles"] for name, cell in results["sweeps"]["sample"].items()} == {
+      "temperature": 1, "repetition_penalty": 1}
+  (row,) = results["step"]
+  assert row["off_ms"] > 0 and row["on_ms"] > 0
+  assert results["kernels"]["none"] > 0 and 0 <= results["kernels"]["added"][
+      "repetition_penalty"] <= 3
+
+
 def test_bench_device_quick(tmp_path):
   """On 2 simulated CPU devices (JAX reads JAX_NUM_CPU_DEVICES when it starts): the
   baseline and both 2-device mesh shapes, every batch size, the roofline's bytes per

@@ -44,8 +44,9 @@ _SWEEP = flags.DEFINE_integer("sweep", 10, "Values per sweep.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens of the step timing.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repetitions (median).")
 _OUT_DIR = flags.DEFINE_string("out_dir", results_dir("controls"), "Where JSON and PNG go.")
-_QUICK = flags.DEFINE_bool("quick", False, "Smoke test: a tiny random llama, sample only, 3 "
-                           "values, 8 tokens, one repeat, 2 controls' kernels.")
+_QUICK = flags.DEFINE_bool("quick", False, "Smoke test: a tiny random llama, sample's sweeps of "
+                           "3 values, greedy's step at batch 2 (8 tokens, one repeat), one "
+                           "control's kernels.")
 
 PROMPT = "Write a short story about a lighthouse keeper and a storm."
 EVERY_CONTROL = dict(repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.2,
@@ -66,15 +67,19 @@ class Settings:
   sweep: int
   new_tokens: int
   repeats: int
+  step_strategies: tuple[str, ...]
+  batches: tuple[int, ...]
   kernel_controls: tuple[str, ...]
 
 
 def settings() -> Settings:
   if _QUICK.value:
     return Settings(strategies=("sample",), sweep=3, new_tokens=8, repeats=1,
-                    kernel_controls=("repetition_penalty", "logprobs"))
+                    step_strategies=("greedy",), batches=(2,),
+                    kernel_controls=("repetition_penalty",))
   return Settings(strategies=tuple(_STRATEGIES.value), sweep=_SWEEP.value,
                   new_tokens=_NEW_TOKENS.value, repeats=_REPEATS.value,
+                  step_strategies=("greedy", "sample"), batches=(1, 8),
                   kernel_controls=tuple(ALONE))
 
 
@@ -128,8 +133,8 @@ def step_seconds(model, prompt, strategy: str, batch: int, new_tokens: int, repe
 
 def step_costs(model, prompt, s: Settings) -> list[dict]:
   rows = []
-  for strategy in ("greedy", "sample"):
-    for batch in (1, 8):
+  for strategy in s.step_strategies:
+    for batch in s.batches:
       off, on = step_seconds(model, prompt, strategy, batch, s.new_tokens, s.repeats)
       rows.append(dict(strategy=strategy, batch=batch, off_ms=1e3 * off, on_ms=1e3 * on,
                        ratio=on / off))
