@@ -243,9 +243,14 @@ def _top_p_sorted_once(logits: Float[Array, "... V"], top_p: float | Float[Array
 def choose(keys: jax.Array, logits: Float[Array, "B V"],
            params: SamplingParams | Sampling) -> Int[Array, "B"]:
   """Argmax when greedy, else one sample per row from its own key (`keys`: [B])."""
-  if params.greedy:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  processed = process_logits(logits, params)
+  return draw(keys, process_logits(logits, params), params.greedy)
+
+
+def draw(keys: jax.Array, processed: Float[Array, "B V"], greedy: bool) -> Int[Array, "B"]:
+  """`choose` from logits `process_logits` already processed (a caller that reads them
+  again, for log-probabilities, processes them once)."""
+  if greedy:
+    return jnp.argmax(processed, axis=-1).astype(jnp.int32)
   return jax.vmap(jax.random.categorical)(keys, processed).astype(jnp.int32)
 
 

@@ -35,7 +35,7 @@ from jaxtyping import Array, Float, Int
 from mdjax import controls, platform
 from mdjax.cache import CacheRegions, KVCache
 from mdjax.prompts import bucket
-from mdjax.sampling import choose, row_keys
+from mdjax.sampling import draw, process_logits, row_keys
 from mdjax.strategies import prompt_layouts
 from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Sampled, Scored,
                                    branch_token_counts, emit, internal, last_emitted, prefill,
@@ -170,9 +170,10 @@ class Autoregressive(Sampled):
     logits = controls.process(logits, limits.controls,
                               controls.Context.plain(buffer.tokens, buffer.count), limits.eos_ids)
     keys = row_keys(limits.key, jnp.arange(rows), buffer.count)
-    token = choose(keys, logits[:, 0], limits.sampling)  # [R]
+    processed = process_logits(logits, limits.sampling)  # [R, 1, V]
+    token = draw(keys, processed[:, 0], limits.sampling.greedy)  # [R]
     buffer, _ = emit(buffer, token[:, None], jnp.ones_like(token), limits,
-                     Scored.requested(logits, token[:, None], limits, limits.sampling))
+                     Scored.requested(processed, token[:, None], limits))
     return dataclasses.replace(state, buffer=buffer)
 
   def result(self, state: AutoregressiveState):

@@ -47,7 +47,7 @@ from mdjax.models.attention import check_attention, default_attention
 from mdjax.models.config import ModelConfig
 from mdjax.controls import CONTROL_OPTIONS, Controls
 from mdjax.sampling import (SAMPLING_OPTIONS, Sampling, SamplingParams, log_normalizer,
-                            process_logits, program_shape)
+                            program_shape)
 from mdjax.stop_strings import completed
 from mdjax.step import decode_step
 from mdjax.topology import Topology
@@ -379,13 +379,14 @@ class Scored:
     return cls(chosen[..., 0], ids.astype(jnp.int32), best - normalizer)
 
   @classmethod
-  def requested(cls, logits: Float[Array, "R A V"], tokens: Int[Array, "R A"], limits: Limits,
-                sampling: Sampling) -> "Scored | None":
-    """`of` the sampling-processed `logits` (controls applied) where the request asks
-    for log-probabilities, else None."""
+  def requested(cls, processed: Float[Array, "R A V"], tokens: Int[Array, "R A"],
+                limits: Limits) -> "Scored | None":
+    """`of` the logits the tokens were chosen from (controls and sampling values
+    applied: `mdjax.sampling.process_logits`) where the request asks for
+    log-probabilities, else None."""
     if limits.controls is None or limits.controls.logprobs < 0:
       return None
-    return cls.of(process_logits(logits, sampling), tokens, limits.controls.logprobs)
+    return cls.of(processed, tokens, limits.controls.logprobs)
 
 
 def last_emitted(buffer: OutputBuffer) -> Int[Array, "R"]:

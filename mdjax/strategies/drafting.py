@@ -33,7 +33,7 @@ from mdjax import cache as cache_ops
 from mdjax import controls, platform
 from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError, check_count, check_real
-from mdjax.sampling import (Sampling, choose, greedy_accept, process_logits, row_keys,
+from mdjax.sampling import (Sampling, choose, draw, greedy_accept, process_logits, row_keys,
                             speculative_accept)
 from mdjax.strategies import metadata
 from mdjax.strategies.base import (DecodeState, Limits, ModelFn, OutputBuffer, Prompt, Sampled,
@@ -244,9 +244,10 @@ def start(state_type: type[State], target: ModelFn, draft: ModelFn | None, param
   buffer = dataclasses.replace(OutputBuffer.empty(rows.size, capacity, limits), done=absent)
   context = controls.Context.plain(buffer.tokens, buffer.count)
   logits = controls.process(logits[:, None], limits.controls, context, limits.eos_ids)[:, 0]
-  first = choose(row_keys(limits.key, rows, jnp.zeros_like(rows)), logits, sampling)
+  processed = process_logits(logits, sampling)
+  first = draw(row_keys(limits.key, rows, jnp.zeros_like(rows)), processed, sampling.greedy)
   buffer, _ = emit(buffer, first[:, None], jnp.ones_like(first), limits,
-                   Scored.requested(logits[:, None], first[:, None], limits, sampling))
+                   Scored.requested(processed[:, None], first[:, None], limits))
   token_metadata = None
   if return_metadata:
     token_metadata = metadata.first(capacity, probs(logits, sampling), first)
@@ -425,7 +426,7 @@ def verify_chain(target: ModelFn, params, state: ChainState, cache: KVCache, key
       drafted=live, accepted_at=live & (position < accepted[:, None]),
       token_metadata=lambda: metadata.verified(probs(logits, sampling), emitted, chain.tokens,
                                                chain.length, accepted),
-      scored=Scored.requested(logits, emitted, state.limits, sampling))
+      scored=Scored.requested(process_logits(logits, sampling), emitted, state.limits))
   return dataclasses.replace(state, budget=schedule.next_budget(state.budget, accepted),
                              columns_fed=state.columns_fed + batch * fed), accepted
 

@@ -99,7 +99,6 @@ from mdjax.sampling import greedy_accept
 from mdjax.strategies import prompt_layouts
 from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Scored, Strategy,
                                    emit, internal, last_emitted, prefill)
-from mdjax.strategies.lookup import GREEDY
 from mdjax.strategies.registry import register
 from mdjax.topology import Topology
 
@@ -324,7 +323,7 @@ class Lookahead(Strategy):
                               controls.Context.plain(buffer.tokens, buffer.count), limits.eos_ids)
     first = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)  # [B]
     buffer, _ = emit(buffer, first[:, None], jnp.ones_like(first), limits,
-                     Scored.requested(logits, first[:, None], limits, GREEDY))
+                     Scored.requested(logits, first[:, None], limits))
     # at most `capacity` passes, each writing W n-grams: the pool never fills
     pool_size = self.window * capacity if self.guess_set else 0
     return LookaheadState(
@@ -358,7 +357,7 @@ class Lookahead(Strategy):
     scored = None
     if state.limits.controls is not None:  # the logits each emitted token was chosen from
       along = logits[jnp.arange(done.shape[0])[:, None], jnp.asarray(plan.paths)[winner]]
-      scored = Scored.requested(along, emitted, state.limits, GREEDY)  # [B, D + 1]
+      scored = Scored.requested(along, emitted, state.limits)  # [B, D + 1]
     top, grams = self._columns(window, choice)  # [B, W], [B, W, N]
     pool = state.pool
     if self.guess_set:

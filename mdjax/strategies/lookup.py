@@ -40,16 +40,13 @@ from mdjax import controls, platform
 from mdjax.cache import KVCache
 from mdjax.controls import CONTROL_OPTIONS
 from mdjax.errors import check_count
-from mdjax.sampling import SamplingParams, greedy_accept
+from mdjax.sampling import greedy_accept
 from mdjax.strategies import metadata, prompt_layouts
 from mdjax.strategies.base import (DecodeState, Limits, OutputBuffer, Prompt, Scored, Strategy,
                                    emit, prefill)
 from mdjax.strategies.registry import register
 from mdjax.strategies.widths import decode_chains
 from mdjax.topology import Topology
-
-# what a greedy strategy's tokens are scored under (`Scored.requested`): the controls only
-GREEDY = SamplingParams(temperature=0.0)
 
 
 def branch_histories(prompt: Prompt, extra: int) -> tuple[Int[Array, "R H"], Int[Array, "R"]]:
@@ -185,7 +182,7 @@ class PromptLookup(Strategy):
                               limits.eos_ids)  # [R, 1, V]
     first = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)  # [R]
     buffer, _ = emit(buffer, first[:, None], jnp.ones_like(first), limits,
-                     Scored.requested(logits, first[:, None], limits, GREEDY))
+                     Scored.requested(logits, first[:, None], limits))
     history, length = branch_histories(prompt, capacity + self.prompt_lookup_num_tokens + 1)
     history = history.at[jnp.arange(rows), length].set(first)
     token_metadata = None
@@ -222,7 +219,7 @@ class PromptLookup(Strategy):
     choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, 1 + D]
     accepted = greedy_accept(proposal, count, choice)  # [R]
     buffer, taken = emit(buffer, choice, accepted + 1, state.limits,
-                         Scored.requested(logits, choice, state.limits, GREEDY))
+                         Scored.requested(logits, choice, state.limits))
     token_metadata = state.metadata
     if self.return_metadata:
       token_metadata = token_metadata.record(

@@ -45,7 +45,7 @@ from jaxtyping import Array, Bool, Float, Int
 from mdjax import cache as cache_ops
 from mdjax import controls
 from mdjax.cache import KVCache
-from mdjax.sampling import Sampling, tree_accept, with_ancestors
+from mdjax.sampling import Sampling, process_logits, tree_accept, with_ancestors
 from mdjax.strategies import drafting, metadata
 from mdjax.strategies.base import ModelFn, Scored
 from mdjax.strategies.drafting import DraftState, State
@@ -267,7 +267,7 @@ def commit(state: State, tree: Tree, verified: Verified, sampling: Sampling, *,
       accepted_at=live & (verified.path >= 0),
       token_metadata=lambda: path_metadata(tree, verified, sampling),
       scored=None if verified.logits is None else Scored.requested(
-          _along_path(verified), verified.emitted, state.limits, sampling))
+          process_logits(_along_path(verified), sampling), verified.emitted, state.limits))
 
 
 def _along_path(verified: Verified) -> Float[Array, "R D+1 V"]:
