@@ -300,3 +300,23 @@ def test_stop_strings_cut_where_transformers_cuts(smollm2, strategy, options):
     assert cut == full[:end]
     text = smollm2.tokenizer.decode(cut)
     assert stopped_by in stops[:2] and stopped_by in text
+
+
+def test_smollm2_greedy_with_every_control_is_transformers(smollm2):
+  """On the shipped SmolLM2 (float32; transformers reads the same weights from the
+  folder mdjax converted its GGUF into): greedy with every control on equals
+  transformers' greedy with the same processors, log-probabilities within 1e-4."""
+  torch_model = transformers.AutoModelForCausalLM.from_pretrained(
+      smollm2.path, dtype=torch.float32).eval()
+  prompt = mdjax.chat.chat_ids(smollm2, "List five animals that live in the sea.")
+  plain = mdjax.generate(smollm2, [prompt], max_new_tokens=24).sequences[0]
+  options = dict(repetition_penalty=1.3, no_repeat_ngram_size=3, presence_penalty=0.4,
+                 frequency_penalty=0.2, bad_words_ids=[[plain[3]], plain[6:8]],
+                 logit_bias={plain[10]: -2.0, 28: 1.5}, min_new_tokens=20)
+  eos = smollm2.config.eos_token_id
+  out = mdjax.generate(smollm2, [prompt], max_new_tokens=24, logprobs=True, **options)
+  theirs, scores = hf_generate(torch_model, prompt, 24, eos_token_id=list(eos), **options)
+  assert out.sequences[0] != plain
+  assert_same_greedy(out.sequences[0], theirs, torch_model, prompt)
+  expected = [float(torch.log_softmax(s, -1)[t]) for s, t in zip(scores, theirs)]
+  np.testing.assert_allclose(out.logprobs[0], expected[:len(out.logprobs[0])], atol=1e-4)
