@@ -275,7 +275,9 @@ def test_sampled_strategies_follow_the_processed_law(pair, tmp_path, strategy):
 
 @pytest.fixture(scope="module")
 def smollm2():
-  return mdjax.load("smollm2-135m-instruct")
+  """Its layers scanned: a program compiles in a fraction of the unrolled time, with the
+  same tokens (`tests/test_layer_loop.py`)."""
+  return mdjax.load("smollm2-135m-instruct", layer_loop="scan")
 
 
 @pytest.mark.parametrize("strategy, options", [

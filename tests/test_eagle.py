@@ -16,6 +16,7 @@ import mdjax
 from mdjax.heads import Heads, HeadsConfig, eagle_causal, init_heads
 from mdjax.models.model import Model
 from mdjax.models.transformer import forward_causal, lm_head
+from mdjax.sampling import Sampling
 from mdjax.strategies.base import ModelFn
 from mdjax.strategies.eagle import Eagle
 from tests.helpers import chi_square_p_value, random_model, target_law
@@ -215,7 +216,8 @@ def test_drafted_nodes_read_their_parents_predicted_feature(targets):
     return logits, tokens[..., None].astype(jnp.float32), cache
 
   state = types.SimpleNamespace(buffer=types.SimpleNamespace(done=jnp.zeros((1,), bool)),
-                                next_pos=jnp.asarray([4]))
+                                next_pos=jnp.asarray([4]),
+                                limits=types.SimpleNamespace(sampling=Sampling.argmax()))
   tree, _ = strategy.draft_tree(stand_in, state, -jnp.abs(jnp.arange(vocab) - 30.0)[None],
                                  jnp.zeros(()), jnp.full((1, k, 1), float(c0)))
   tokens, parent, depth = (np.asarray(x)[0] for x in (tree.tokens, tree.parent, tree.depth))
