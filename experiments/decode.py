@@ -233,6 +233,9 @@ def decode(config, stream: bool | None = False) -> dict:
     out = mdjax.generate(model, [prompt], strategy=config.strategy, **common, **options)
   summary = dict(model=config.model, strategy=config.strategy, prompt_tokens=prompt_ids,
                  sequences=out.sequences, texts=out.texts, stats=out.stats)
+  for field in ("logprobs", "top_logprobs"):  # with --config.logprobs / top_logprobs
+    if getattr(out, field, None) is not None:
+      summary[field] = getattr(out, field)
   if config.strategy == "skeleton_fill" and out.texts:  # the source with its bodies filled in
     print(skeleton.assemble(config.prompt, out.texts))
   elif config.strategy == "multi_question":
