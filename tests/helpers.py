@@ -352,3 +352,34 @@ def run_processes(module: str, roles: tuple[str, ...], out: pathlib.Path,
                        rc=process.wait(), ended=ended.get(role),
                        log=(out / f"{role}.log").read_text())
   return found
+
+
+# --- the request controls as transformers' `generate` takes them ------------------------------
+
+class OpenAIPenalties(transformers.LogitsProcessor):
+  """presence and frequency penalties over the generated tokens (vLLM's meaning), for
+  transformers' `generate` as the oracle."""
+
+  def __init__(self, prompt_length: int, presence: float, frequency: float):
+    self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
+
+  def __call__(self, input_ids, scores):
+    generated = input_ids[:, self.prompt_length:]
+    counts = torch.zeros_like(scores).scatter_add_(1, generated,
+                                                    torch.ones_like(generated, dtype=scores.dtype))
+    return scores - self.frequency * counts - self.presence * (counts > 0)
+
+
+def hf_controls(prompt_length: int, options: dict) -> tuple[dict, "transformers.LogitsProcessorList"]:
+  """mdjax's control options as transformers' `generate` takes them: logit_bias as
+  one-token `sequence_bias`, presence and frequency penalties as `OpenAIPenalties`;
+  returns (its keyword arguments, its extra logits processors)."""
+  options = dict(options)
+  presence = options.pop("presence_penalty", 0.0)
+  frequency = options.pop("frequency_penalty", 0.0)
+  if "logit_bias" in options:
+    options["sequence_bias"] = {(t,): b for t, b in options.pop("logit_bias").items()}
+  processors = transformers.LogitsProcessorList()
+  if presence or frequency:
+    processors.append(OpenAIPenalties(prompt_length, presence, frequency))
+  return options, processors

@@ -21,8 +21,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import mdjax
 from mdjax.generate import _compile, _prepare, _start
-from tests.helpers import write_tiny_checkpoint
-from tests.test_controls import OpenAIPenalties
+from tests.helpers import hf_controls, write_tiny_checkpoint
 
 MAX_NEW = 12
 SCORE_TOLERANCE = 1e-4
@@ -43,13 +42,7 @@ def hf_generate(torch_model, prompt, eos, **options):
   """transformers' `generate` output for one prompt (sequences padded with `eos`), with
   mdjax's controls as transformers takes them: logit_bias as one-token `sequence_bias`,
   presence and frequency penalties as a custom processor."""
-  presence = options.pop("presence_penalty", 0.0)
-  frequency = options.pop("frequency_penalty", 0.0)
-  if "logit_bias" in options:
-    options["sequence_bias"] = {(t,): b for t, b in options.pop("logit_bias").items()}
-  processors = transformers.LogitsProcessorList()
-  if presence or frequency:
-    processors.append(OpenAIPenalties(len(prompt), presence, frequency))
+  options, processors = hf_controls(len(prompt), options)
   ids = torch.tensor([prompt])
   with torch.no_grad():
     out = torch_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,

@@ -12,8 +12,9 @@ import mdjax
 from mdjax import strategies
 from mdjax.controls import CONTROL_OPTIONS
 from mdjax.errors import MdjaxError
-from tests.helpers import (LOSSLESS, assert_same_greedy, chi_square_p_value, every_strategy,
-                           run_strategy, strategy_heads, write_tiny_checkpoint)
+from tests.helpers import (LOSSLESS, OpenAIPenalties, assert_same_greedy, chi_square_p_value,
+                           every_strategy, hf_controls, run_strategy, strategy_heads,
+                           write_tiny_checkpoint)
 
 PROMPTS = [[5, 9, 14, 9, 5, 30, 31], [7, 8, 7, 8]]
 EOS = 2
@@ -26,29 +27,9 @@ def pair(tmp_path_factory):
   return mdjax.load(str(path), dtype="float32"), torch_model
 
 
-class OpenAIPenalties(transformers.LogitsProcessor):
-  """presence and frequency penalties over the generated tokens (vLLM's meaning), for
-  transformers' `generate` as the oracle."""
-
-  def __init__(self, prompt_length: int, presence: float, frequency: float):
-    self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
-
-  def __call__(self, input_ids, scores):
-    generated = input_ids[:, self.prompt_length:]
-    counts = torch.zeros_like(scores).scatter_add_(1, generated,
-                                                    torch.ones_like(generated, dtype=scores.dtype))
-    return scores - self.frequency * counts - self.presence * (counts > 0)
-
-
 def hf_generate(torch_model, prompt, max_new_tokens, eos_token_id=EOS, **settings):
   """transformers' tokens (generated only) and processed scores per step."""
-  presence = settings.pop("presence_penalty", 0.0)
-  frequency = settings.pop("frequency_penalty", 0.0)
-  if "logit_bias" in settings:
-    settings["sequence_bias"] = {(t,): b for t, b in settings.pop("logit_bias").items()}
-  processors = transformers.LogitsProcessorList()
-  if presence or frequency:
-    processors.append(OpenAIPenalties(len(prompt), presence, frequency))
+  settings, processors = hf_controls(len(prompt), settings)
   with torch.no_grad():
     out = torch_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
                                do_sample=False, max_new_tokens=max_new_tokens,
