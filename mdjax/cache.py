@@ -1,6 +1,7 @@
 """The KV cache: one preallocated pytree, and the pure operations on it.
 
-    k, v    [layers, batch, slots, kv_heads, head_dim]
+    k, v    [layers, batch, slots, kv_heads, head_dim]   float, or int8 with:
+    k_scale, v_scale  float32[layers, batch, slots, kv_heads]   (int8 only; else None)
     pos     int32[batch, slots]   RoPE position of the token in each slot
     seg     int32[batch, slots]   segment owning the slot; -1 = empty or dead
     length  int32[batch]          append cursor: slots >= length are free
@@ -9,6 +10,12 @@ Rows fill independently (ragged lengths are normal). A slot's position and segme
 are all attention needs to decide visibility (see `mdjax.topology`), so slot order
 carries no meaning: branches may interleave freely. A strategy may still keep a
 layout that lets attention skip work: `CacheRegions`, one region per branch.
+
+An int8 cache (`KVCache.create(..., "int8")`) holds each slot's key and value of each
+KV head as 127 * x / max|x| rounded, and max|x| / 127 beside it (`quantize_kv`): a
+quarter of float32's bytes plus 4 bytes per head_dim values. Writes quantize (`write_layer`),
+reads dequantize (`read_kv`: attention sees float32), and every move of slots moves
+the scales with the values.
 
 Example, one row after a prompt of 3 tokens and two decoded beams (segments 1, 2)::
 
@@ -28,10 +35,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from mdjax import platform, programs
+from mdjax.errors import MdjaxError
 from mdjax.models.config import ModelConfig
 from mdjax.sharding import constrain_cache
 
 FEW_TOKENS = 32  # tokens per pass up to which a GPU claims slots by selects (`set_few`)
+KV_DTYPES = ("float32", "bfloat16", "int8")  # `kv_cache_dtype`
+KV_STEP = 127.0  # the largest int8 magnitude of a quantized key or value
 
 
 class CacheRegions(NamedTuple):
@@ -48,7 +58,8 @@ class CacheRegions(NamedTuple):
   in_order: bool = False
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "pos", "seg", "length"],
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["k", "v", "pos", "seg", "length", "k_scale", "v_scale"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class KVCache:
@@ -57,27 +68,71 @@ class KVCache:
   pos: Int[Array, "B S"]
   seg: Int[Array, "B S"]
   length: Int[Array, "B"]
+  k_scale: Float[Array, "L B S K"] | None = None  # an int8 cache's scales
+  v_scale: Float[Array, "L B S K"] | None = None
 
   @classmethod
   def create(cls, config: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> "KVCache":
     """An empty cache for K/V of `dtype`. On CPU a bfloat16 cache is stored as float32,
     which holds the same values (attention reads K/V in float32 anyway): XLA:CPU writes
     into a bfloat16 array by converting all of it to float32 and back, the whole cache
-    of every layer at each layer's write, ~70% of a bfloat16 SmolLM2 pass."""
+    of every layer at each layer's write, ~70% of a bfloat16 SmolLM2 pass. An int8 cache
+    has its scales (see the module)."""
     if jnp.dtype(dtype) == jnp.bfloat16 and platform.is_cpu():
       dtype = jnp.float32
     shape = (config.num_layers, batch, slots, config.num_kv_heads, config.head_dim)
+    scales = (dict(k_scale=jnp.zeros(shape[:-1], jnp.float32),
+                   v_scale=jnp.zeros(shape[:-1], jnp.float32))
+              if jnp.dtype(dtype) == jnp.int8 else {})
     return constrain_cache(cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                                pos=jnp.zeros((batch, slots), jnp.int32),
                                seg=jnp.full((batch, slots), -1, jnp.int32),
-                               length=jnp.zeros((batch,), jnp.int32)))
+                               length=jnp.zeros((batch,), jnp.int32), **scales))
 
   @property
   def num_slots(self) -> int:
     return self.seg.shape[1]
 
+  @property
+  def quantized(self) -> bool:
+    return self.k_scale is not None
+
   def replace(self, **changes) -> "KVCache":
     return dataclasses.replace(self, **changes)
+
+  def slot_fields(self) -> dict[str, Array]:
+    """The per-slot contents that move with a slot: K, V (and their scales)."""
+    names = ("k", "v", "k_scale", "v_scale") if self.quantized else ("k", "v")
+    return {name: getattr(self, name) for name in names}
+
+
+def check_kv_dtype(dtype) -> str:
+  """`dtype`'s name if a cache can hold it (`KV_DTYPES`); else one line naming the option."""
+  try:
+    name = jnp.dtype(dtype).name
+  except TypeError:
+    name = None
+  if name not in KV_DTYPES:
+    raise MdjaxError(f"unknown kv_cache_dtype {dtype!r}; valid: {', '.join(KV_DTYPES)}")
+  return name
+
+
+def quantize_kv(x: Float[Array, "... K H"]) -> tuple[Int[Array, "... K H"], Float[Array, "... K"]]:
+  """Keys or values as int8 and a float32 scale per KV head (see the module)."""
+  x = x.astype(jnp.float32)
+  scale = jnp.max(jnp.abs(x), axis=-1) / KV_STEP  # [..., K]
+  q = jnp.round(x / jnp.where(scale == 0, 1.0, scale)[..., None])
+  return q.astype(jnp.int8), scale
+
+
+def read_kv(cache: KVCache, pick) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
+  """`(pick(k), pick(v))`, dequantized to float32 for an int8 cache: `pick` indexes or
+  slices the leading axes (layer, batch, slot, KV head) only, so it applies to the scales
+  too (e.g. `lambda x: x[layer]`)."""
+  if not cache.quantized:
+    return pick(cache.k), pick(cache.v)
+  return tuple(pick(values).astype(jnp.float32) * pick(scale)[..., None]
+               for values, scale in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)))
 
 
 def claim_slots(cache: KVCache, positions: Int[Array, "B T"], segments: Int[Array, "B T"],
@@ -139,20 +194,30 @@ def write_layer(cache: KVCache, layer: int, slot: Int[Array, "B T"], k: Float[Ar
   slot takes (`src`, a scatter of ints `[B, S]`) follows the scatter's own rule
   (docs/benchmarks/programs.md, "The KV cache is not copied")."""
   rows = jnp.arange(slot.shape[0])[:, None]  # [B, 1]
+  new = _written(cache, k, v)  # field -> [B, T, K(, H)]
   if platform.current() == "tpu":
     tokens = jnp.broadcast_to(jnp.arange(slot.shape[1], dtype=jnp.int32), slot.shape)  # [B, T]
     src = jnp.full(cache.seg.shape, -1, jnp.int32).at[rows, slot].set(tokens, mode="drop")
 
-    def put(stack, new):  # [L, B, S, K, H], [B, T, K, H]
-      written = jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)  # [B, S, K, H]
+    def put(stack, values):  # [L, B, S, K(, H)], [B, T, K(, H)]
+      written = jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)  # [B, S, K(, H)]
+      taken = (src[(...,) + (None,) * (written.ndim - 2)])  # [B, S, 1(, 1)]
       for t in range(slot.shape[1]):
-        written = jnp.where((src == t)[:, :, None, None], new[:, t, None].astype(stack.dtype),
-                            written)
+        written = jnp.where(taken == t, values[:, t, None].astype(stack.dtype), written)
       return jax.lax.dynamic_update_index_in_dim(stack, written, layer, 0)
 
-    return cache.replace(k=put(cache.k, k), v=put(cache.v, v))
-  return cache.replace(k=cache.k.at[layer, rows, slot].set(k.astype(cache.k.dtype), mode="drop"),
-                       v=cache.v.at[layer, rows, slot].set(v.astype(cache.v.dtype), mode="drop"))
+    return cache.replace(**{name: put(getattr(cache, name), values)
+                            for name, values in new.items()})
+  return cache.replace(**{name: getattr(cache, name).at[layer, rows, slot].set(
+      values.astype(getattr(cache, name).dtype), mode="drop") for name, values in new.items()})
+
+
+def _written(cache: KVCache, k: Float[Array, "B T K H"], v: Float[Array, "B T K H"]) -> dict:
+  """The fields a layer's write sets: k and v, quantized with their scales in an int8 cache."""
+  if not cache.quantized:
+    return {"k": k, "v": v}
+  (k, k_scale), (v, v_scale) = quantize_kv(k), quantize_kv(v)
+  return {"k": k, "v": v, "k_scale": k_scale, "v_scale": v_scale}
 
 
 @programs.jit
@@ -238,17 +303,15 @@ def _move_window(cache: KVCache, start: Int[Array, "B"], source: Int[Array, "B W
   position, and its segment if `keep[b, i]` (else the slot is freed). Destinations
   past the end are dropped.
 
-  K/V move by a gather and a scatter (in place); positions and segments by one select
+  K/V (and an int8 cache's scales) move by a gather and a scatter (in place); positions and segments by one select
   over the whole row, which a GPU fuses with their gather (a scatter is a kernel of
   its own per array, after a copy of the array it updates)."""
   width = source.shape[1]
   rows = jnp.arange(source.shape[0])[:, None]  # [B, 1]
   source = jnp.minimum(source, cache.num_slots - 1)
   destination = start[:, None] + jnp.arange(width)[None, :]  # [B, W]
-  moved = cache.replace(k=cache.k.at[:, rows, destination].set(cache.k[:, rows, source],
-                                                              mode="drop"),
-                        v=cache.v.at[:, rows, destination].set(cache.v[:, rows, source],
-                                                              mode="drop"))  # [L, B, S, K, H]
+  moved = cache.replace(**{name: x.at[:, rows, destination].set(x[:, rows, source], mode="drop")
+                           for name, x in cache.slot_fields().items()})  # [L, B, S, K(, H)]
   if keep is None:
     return moved
   offset = jnp.arange(cache.num_slots)[None, :] - start[:, None]  # [B, S] slot - start

@@ -20,7 +20,7 @@ import numpy as np
 
 from mdjax import (controls, distributed, generation_config, platform, programs, sharding,
                    strategies, stream_text)
-from mdjax.cache import KVCache
+from mdjax.cache import KVCache, check_kv_dtype
 from mdjax.controls import CONTROL_OPTIONS
 from mdjax.errors import MdjaxError
 from mdjax.models.attention import ATTENTION_BLOCK
@@ -216,7 +216,9 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int | None, e
   cls = strategies.get(strategy)
   request = generation_config.apply(model.generation_defaults, cls, options, max_new_tokens,
                                     eos_token_id)
-  options, max_new_tokens = request.options, request.max_new_tokens
+  options, max_new_tokens = dict(request.options), request.max_new_tokens
+  kv_dtype = options.pop("kv_cache_dtype", None)
+  kv_dtype = str(model.params["embed"].dtype) if kv_dtype is None else check_kv_dtype(kv_dtype)
   strategies.check_options(strategy, options)
   options, layout = dict(options), cls.layout
   control_options = {name: options.pop(name) for name in CONTROL_OPTIONS if name in options}
@@ -250,7 +252,7 @@ def _prepare(model: Model, prompts, strategy: str, max_new_tokens: int | None, e
                   sampling=sampling, controls=request_controls)
   static = dict(num_slots=cache_size(decoder, laid.prompt.tokens.shape[1], capacity, num_branches),
                 capacity=capacity,
-                cache_dtype=str(model.params["embed"].dtype))  # K/V in the weights' dtype
+                cache_dtype=kv_dtype)  # K/V in the weights' dtype unless told
   output_rows = [i * num_branches + j for i, n in enumerate(laid.branch_counts) for j in range(n)]
   return _Plan(decoder=decoder, params=params, layout=model.layout, prompt=laid.prompt,
                limits=limits, static=static,
@@ -302,7 +304,8 @@ def _kv_cache_bytes(model: Model, plan: _Plan) -> int:
   c = model.config
   rows, slots = plan.prompt.tokens.shape[0], plan.static["num_slots"]
   itemsize = jnp.dtype(plan.static["cache_dtype"]).itemsize
-  return 2 * c.num_layers * rows * slots * c.num_kv_heads * c.head_dim * itemsize
+  scales = 4 if itemsize == 1 else 0  # an int8 cache's float32 scale per slot and KV head
+  return 2 * c.num_layers * rows * slots * c.num_kv_heads * (c.head_dim * itemsize + scales)
 
 
 def _ranked_hypotheses(tokens: np.ndarray, counts: np.ndarray, scores: np.ndarray,
@@ -322,7 +325,8 @@ def generate(model: Model, prompts, strategy: str = "greedy", max_new_tokens: in
   its first EOS (kept) or after `max_new_tokens` (None: the model's generation config's,
   else 32). `options` are the strategy's (e.g. temperature, top_k, top_p, min_p for
   "sample"; num_beams, length_penalty, early_stopping for "beam", which also fills
-  `beams`). The settings of a checkpoint's generation_config.json are the defaults of
+  `beams`). `kv_cache_dtype`: "float32", "bfloat16" or "int8" (a scale per slot and KV
+  head: `mdjax.cache`); None: the weights' dtype. The settings of a checkpoint's generation_config.json are the defaults of
   the arguments not given (`mdjax.generation_config`); `out.stats["generation_config"]`
   lists those that applied.
   """

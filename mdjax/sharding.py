@@ -96,6 +96,8 @@ FUSED: dict[str, tuple[str, ...]] = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", 
 # the KV cache's fields -> logical axes
 CACHE_AXES = {"k": (None, "batch", None, "kv_heads", None),
               "v": (None, "batch", None, "kv_heads", None),
+              "k_scale": (None, "batch", None, "kv_heads"),
+              "v_scale": (None, "batch", None, "kv_heads"),
               "pos": ("batch", None), "seg": ("batch", None), "length": ("batch",)}
 
 
@@ -164,7 +166,8 @@ def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
 def constrain_cache(cache):
   """The KV cache (`mdjax.cache.KVCache`) with every field constrained by `CACHE_AXES`."""
   return cache.replace(**{name: constrain(getattr(cache, name), *axes)
-                          for name, axes in CACHE_AXES.items()})
+                          for name, axes in CACHE_AXES.items()
+                          if getattr(cache, name) is not None})
 
 
 @dataclasses.dataclass(frozen=True)

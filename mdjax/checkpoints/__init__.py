@@ -5,6 +5,8 @@
     hf.py         Hugging Face-format directories: config.json + safetensors, read and written
     hf_layout.py  HF tensor names <-> mdjax's params (fused projections, stacked layers)
     gguf.py       GGUF files (llama.cpp's format), through the `gguf` package
+    gguf_blocks.py  ggml's quantized blocks read as integers, scales and offsets
+    gguf_native.py  `quantize="gguf"`: a GGUF's matrices kept as its blocks
     lazy.py       weights as recipes over checkpoint tensors, read only in the slices a
                   process's devices hold (loading onto a mesh)
 

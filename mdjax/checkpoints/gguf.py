@@ -29,13 +29,13 @@ two halves of a head (`rotate_half`). For one head of H = 8 rows::
     HF rows:      0 1 2 3 4 5 6 7     RoPE pairs (0,4) (1,5) (2,6) (3,7)
     GGUF rows:    0 4 1 5 2 6 3 7     RoPE pairs (0,4) (1,5) (2,6) (3,7), now adjacent
 
-`_unpermute` puts them back. qwen2, qwen3 and gemma3 run ggml's half-split ("neox") RoPE
+`unpermute` puts them back. qwen2, qwen3 and gemma3 run ggml's half-split ("neox") RoPE
 and are stored unpermuted; transformers' GGUF loader reverses exactly the llama
 architecture too.
 
 gemma3's RMSNorms scale by `1 + weight`; llama.cpp's converter stores every gemma3 norm
 (q/k norms included) with the 1 added, so its kernels scale by the stored value. mdjax,
-like Hugging Face, keeps the raw weight: `_Tensors.get` subtracts 1 again (in float32,
+like Hugging Face, keeps the raw weight: `Tensors.get` subtracts 1 again (in float32,
 as transformers' GGUF loader does). Its config is what llama.cpp (`llama-model.cpp`,
 LLM_ARCH_GEMMA3) derives, since the file records less than a config.json::
 
@@ -167,6 +167,17 @@ def load_gguf(file: str | os.PathLike, dtype="float32", *, name: str | None = No
 
 def convert(file: pathlib.Path) -> Model:
   """The float32 `Model` (with its tokenizer, if the file has one) a GGUF file holds."""
+  reader, arch, tensors, config = open_file(file)
+  # host arrays: they are only written to the float32 cache (`load_gguf`), which is then
+  # loaded onto the device(s); nothing is put whole on one device here
+  params = params_from_hf(config, tensors, np.float32, place=lazy.materialize)
+  tensors.check_all_read()
+  return Model(config=config, params=params, tokenizer=tokenizer_of(reader, file, arch),
+               name=file.name)
+
+
+def open_file(file: pathlib.Path) -> tuple[gguf.GGUFReader, str, Tensors, ModelConfig]:
+  """A GGUF file's reader, architecture, tensors (nothing read yet) and config."""
   try:
     reader = gguf.GGUFReader(file)
   except Exception as e:  # noqa: BLE001 -- the reader raises many types for bad bytes
@@ -176,15 +187,10 @@ def convert(file: pathlib.Path) -> Model:
   if arch not in ARCHITECTURES:
     raise CheckpointError(f"unsupported GGUF architecture {arch!r} in {str(file)!r}; "
                           f"supported: {', '.join(ARCHITECTURES)}")
-  tensors = _Tensors(reader, file, arch)
+  tensors = Tensors(reader, file, arch)
   config = _config(reader, file, arch, tensors)
   tensors.heads = (config.num_heads, config.num_kv_heads)
-  # host arrays: they are only written to the float32 cache (`load_gguf`), which is then
-  # loaded onto the device(s); nothing is put whole on one device here
-  params = params_from_hf(config, tensors, np.float32, place=lazy.materialize)
-  tensors.check_all_read()
-  return Model(config=config, params=params, tokenizer=_tokenizer(reader, file, arch),
-               name=file.name)
+  return reader, arch, tensors, config
 
 
 def _value(reader: gguf.GGUFReader, key: str) -> Any:
@@ -196,7 +202,7 @@ def _value(reader: gguf.GGUFReader, key: str) -> Any:
 
 
 def _config(reader: gguf.GGUFReader, file: pathlib.Path, arch: str,
-            tensors: _Tensors) -> ModelConfig:
+            tensors: Tensors) -> ModelConfig:
   """The `ModelConfig`, through the config.json that `hf.config_from_hf` reads."""
 
   def get(key: str, kind: type | tuple[type, ...], default=None, *, required: bool = False):
@@ -250,7 +256,7 @@ def _config(reader: gguf.GGUFReader, file: pathlib.Path, arch: str,
     raise CheckpointError(f"GGUF file {str(file)!r}: {e}") from None
 
 
-def _gemma3(get, cfg: dict[str, Any], theta: float, tensors: _Tensors) -> dict[str, Any]:
+def _gemma3(get, cfg: dict[str, Any], theta: float, tensors: Tensors) -> dict[str, Any]:
   """The gemma3 config.json keys, as llama.cpp reads them (see the module docstring)."""
   window = get(gguf.Keys.Attention.SLIDING_WINDOW, int, 0)
   scalar = (cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -287,7 +293,7 @@ def _gemma3_layer_types(get, layers: int, window: int) -> list[str]:
   return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
-def _rope(get, tensors: _Tensors, theta: float, head_dim: int) -> dict[str, Any]:
+def _rope(get, tensors: Tensors, theta: float, head_dim: int) -> dict[str, Any]:
   """`rope_parameters` from `{arch}.rope.scaling.*`, or from llama3's `rope_freqs` tensor."""
   rope = gguf.Keys.Rope
   kind = get(rope.SCALING_TYPE, str, "none")
@@ -336,7 +342,7 @@ def _llama3_rope(divisors: np.ndarray, theta: float, head_dim: int,
 # --------------------------------------------------------------------------- tensors
 
 
-class _Tensors:
+class Tensors:
   """A GGUF's tensors by Hugging Face name, dequantized to float32 on `get` (a
   `mdjax.checkpoints.lazy.TensorSource`), q/k rows unpermuted where llama.cpp permuted them."""
 
@@ -383,9 +389,9 @@ class _Tensors:
       values = values - np.float32(1)
     if self.arch in PERMUTED_QK and self.heads is not None:
       if name.startswith("model.layers.") and ".self_attn.q_proj." in name:
-        values = _unpermute(values, self.heads[0])
+        values = unpermute(values, self.heads[0])
       elif name.startswith("model.layers.") and ".self_attn.k_proj." in name:
-        values = _unpermute(values, self.heads[1])
+        values = unpermute(values, self.heads[1])
     self.used.add(gguf_name)
     self.progress.update()
     return values.astype(np.float32, copy=False)
@@ -400,7 +406,7 @@ class _Tensors:
                             + (f" and {len(unused) - 8} more" if len(unused) > 8 else ""))
 
 
-def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
   """The inverse of llama.cpp's q/k row permutation (weights `[N*H, D]` or biases `[N*H]`)."""
   half = w.shape[0] // heads // 2
   # GGUF rows of a head are [H/2, 2] (pair-major) --> HF's [2, H/2] (half-major)
@@ -417,7 +423,7 @@ SPECIAL_TOKEN_KEYS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
                       "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
 
 
-def _tokenizer(reader: gguf.GGUFReader, file: pathlib.Path, arch: str):
+def tokenizer_of(reader: gguf.GGUFReader, file: pathlib.Path, arch: str):
   """A transformers fast tokenizer from the `tokenizer.*` metadata, or None without one.
 
   transformers' `get_gguf_tokenizer` reads the same keys with a reader that imports

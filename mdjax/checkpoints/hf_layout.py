@@ -192,7 +192,7 @@ def write_weights(directory: pathlib.Path, tensors: dict[str, np.ndarray],
 # --------------------------------------------------------------------------- params
 
 
-def _norms_after_attention(config: ModelConfig) -> dict[str, str]:
+def norms_after_attention(config: ModelConfig) -> dict[str, str]:
   """A layer's norms besides `attn_norm` (HF's input_layernorm): mdjax param name ->
   HF name after `model.layers.{i}.`."""
   if config.gemma_norms:
@@ -223,7 +223,7 @@ def params_from_hf(config: ModelConfig, source: lazy.TensorSource, dtype,
             [get(f"{p}self_attn.{x}_proj.weight", n, d).T for x, n in zip("qkv", qkv_sizes)],
             axis=1),  # [D, (N + 2K) * H]
         "wo": get(p + "self_attn.o_proj.weight", d, c.num_heads * h).T,
-        **{name: get(f"{p}{hf}.weight", d) for name, hf in _norms_after_attention(c).items()},
+        **{name: get(f"{p}{hf}.weight", d) for name, hf in norms_after_attention(c).items()},
         "w_gate_up": lazy.concatenate(
             [get(f"{p}mlp.{x}_proj.weight", f, d).T for x in ("gate", "up")], axis=1),  # [D, 2F]
         "w_down": get(p + "mlp.down_proj.weight", d, f).T,
@@ -272,7 +272,7 @@ def params_to_hf(config: ModelConfig, params: Params, dtype) -> dict[str, np.nda
     out[p + "self_attn.o_proj.weight"] = lp["wo"].T
     if c.o_bias:
       out[p + "self_attn.o_proj.bias"] = lp["bo"]
-    for name, hf_name in _norms_after_attention(c).items():
+    for name, hf_name in norms_after_attention(c).items():
       out[f"{p}{hf_name}.weight"] = lp[name]
     for x, w in zip(("gate", "up"), np.split(lp["w_gate_up"], 2, axis=1)):
       out[f"{p}mlp.{x}_proj.weight"] = w.T

@@ -97,14 +97,16 @@ class MtpHeads(nnx.Module):
     config = decoder_config(model_config, len(params["layers"]))
     split = lambda x: x.reshape(num_heads, -1, *x.shape[1:])  # [K L, ...] -> [K, L, ...]
 
-    def head(params, k, v):  # one head over its own layers of the cache
-      return forward(params, cache.replace(k=k, v=v), None, positions, segments, topology,
+    def head(params, fields):  # one head over its own layers of the cache (K/V, scales)
+      return forward(params, cache.replace(**fields), None, positions, segments, topology,
                      config=config, attention=attention, inputs=hidden)
 
-    shared = KVCache(k=0, v=0, pos=None, seg=None, length=None)  # pos, seg, length: one for all
-    features, cache = jax.vmap(head, out_axes=(2, shared))(params, split(cache.k), split(cache.v))
+    per_head = {name: split(x) for name, x in cache.slot_fields().items()}
+    shared = KVCache(pos=None, seg=None, length=None, **{name: 0 for name in per_head})  # pos,
+    #                                                     seg, length: one for all heads
+    features, cache = jax.vmap(head, out_axes=(2, shared))(params, per_head)
     merge = lambda x: x.reshape(-1, *x.shape[2:])  # [K, L, ...] -> [K L, ...]
-    return features, cache.replace(k=merge(cache.k), v=merge(cache.v))
+    return features, cache.replace(**{name: merge(getattr(cache, name)) for name in per_head})
 
   def causal(self, hidden: Float[Array, "B T D"], *, model_config: ModelConfig
              ) -> Float[Array, "B T K D"]:

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from mdjax import platform
-from mdjax.cache import CacheRegions, KVCache
+from mdjax.cache import CacheRegions, KVCache, read_kv
 from mdjax.errors import MdjaxError
 from mdjax.topology import visible
 
@@ -114,7 +114,7 @@ def dense_attention(queries: Queries, cache: KVCache, layer: int,
   """Reference: every slot of `layer`, one masked softmax."""
   mask = visible(queries.limit, queries.segments, queries.positions, cache.seg, cache.pos,
                  spec.sliding_window)  # [B, T, S]
-  return masked_attention(queries.q, cache.k[layer], cache.v[layer], mask, scale=spec.scale,
+  return masked_attention(queries.q, *read_kv(cache, lambda x: x[layer]), mask, scale=spec.scale,
                           softcap=spec.softcap)
 
 
@@ -130,8 +130,9 @@ def fused_attention(queries: Queries, cache: KVCache, layer, spec: LayerAttentio
   mask = visible(queries.limit, queries.segments, queries.positions, cache.seg, cache.pos,
                  spec.sliding_window)  # [B, T, S]
   q = queries.q
-  out = jax.nn.dot_product_attention(q, cache.k[layer].astype(q.dtype),
-                                     cache.v[layer].astype(q.dtype), mask=mask[:, None],
+  keys, values = read_kv(cache, lambda x: x[layer])  # [B, S, K, H]
+  out = jax.nn.dot_product_attention(q, keys.astype(q.dtype),
+                                     values.astype(q.dtype), mask=mask[:, None],
                                      scale=spec.scale)  # [B, T, N, H]
   return jnp.where(mask.any(-1)[..., None, None], out, 0).astype(q.dtype)
 
@@ -174,8 +175,8 @@ def _visit_blocks(qg: Float[Array, "B T K R H"], queries: Queries, cache: KVCach
     def read_block(carry):
       index = (layer, 0, start, 0, 0)
       size = (1, b, block_size, k, h)
-      keys = jax.lax.dynamic_slice(cache.k, index, size)[0]  # [B, Bk, K, H]
-      values = jax.lax.dynamic_slice(cache.v, index, size)[0]
+      keys, values = read_kv(cache, lambda x: jax.lax.dynamic_slice(
+          x, index[:x.ndim], size[:x.ndim])[0])  # [B, Bk, K, H] each
       return _absorb(carry, _scores(qg, keys, mask, spec.softcap),
                      functools.partial(_weigh, values=values))
 
@@ -246,8 +247,9 @@ def cascade_attention(queries: Queries, cache: KVCache, layer: int, spec: LayerA
   shared = slice(0, regions.shared)
   mask = visible(queries.limit, queries.segments, queries.positions, cache.seg[:, shared],
                  cache.pos[:, shared], spec.sliding_window)  # [B, T, shared]
-  carry = _absorb(_no_keys(qg), _scores(qg, cache.k[layer, :, shared], mask, spec.softcap),
-                  functools.partial(_weigh, values=cache.v[layer, :, shared]))
+  keys, values = read_kv(cache, lambda x: x[layer, :, shared])  # [B, shared, K, H]
+  carry = _absorb(_no_keys(qg), _scores(qg, keys, mask, spec.softcap),
+                  functools.partial(_weigh, values=values))
   _, total, acc = _absorb_own_regions(carry, qg, queries, cache, layer, regions, spec)
   return _finish(acc, total, queries.q.dtype)
 
@@ -284,7 +286,7 @@ def _absorb_own_regions(carry, qg: Float[Array, "B T K R H"], queries: Queries, 
     slot = shared + (region * size + index * chunk)[..., None] + jnp.arange(chunk)  # [B, T, C]
     # one gather at (layer, row, slot): indexing cache.k[layer] first would copy the whole
     # layer out of the cache, every chunk, when `layer` is traced (the scan layer loop)
-    return absorb(cache.k[layer, rows, slot], cache.v[layer, rows, slot], cache.seg[rows, slot],
+    return absorb(*read_kv(cache, lambda x: x[layer, rows, slot]), cache.seg[rows, slot],
                   cache.pos[rows, slot], carry)
 
   def in_order_chunk(index, carry):
@@ -296,7 +298,7 @@ def _absorb_own_regions(carry, qg: Float[Array, "B T K R H"], queries: Queries, 
     def cut_layer(x):  # [L, B, S, K, H] -> [B, T, C, K, H]; the layer picked last, so that
       # only the chunk is read (picked first, the whole layer would be copied out)
       return jax.lax.dynamic_index_in_dim(cut(x, axis=2), layer, keepdims=False)
-    return absorb(cut_layer(cache.k), cut_layer(cache.v), cut(cache.seg), cut(cache.pos), carry)
+    return absorb(*read_kv(cache, cut_layer), cut(cache.seg), cut(cache.pos), carry)
 
   if in_order and shared + t * size > cache.num_slots:
     raise ValueError(f"an in-order pass of {t} queries needs {t} regions of {size} slots after "

@@ -285,8 +285,10 @@ def attention(qkv, rows, positions, freqs, slot, length, layer, mask, cache_k, c
 
 def applies(config, cache, tokens: int) -> bool:
   """Whether a pass of `tokens` tokens over `cache` runs `attention` (else the fused
-  product): built for a GPU, on one device (no layout mesh), no soft-capped scores, and
-  shapes the kernel tiles (`fits`)."""
+  product): built for a GPU, on one device (no layout mesh), a float cache (an int8 one:
+  XLA's attention, which reads it through `read_kv`), no soft-capped scores, and shapes
+  the kernel tiles (`fits`)."""
   return (platform.current() == "gpu" and jax.sharding.get_abstract_mesh().empty
+          and not cache.quantized
           and config.attn_logit_softcapping is None
           and fits(tokens, cache.num_slots, config.head_dim))

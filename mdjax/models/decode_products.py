@@ -67,6 +67,7 @@ from jaxtyping import Array, Float
 from mdjax import platform
 from mdjax.models.decode_attention import TILE, tile  # the smallest side of a Triton product
 from mdjax.models.numerics import linear, linear_parts
+from mdjax.models.quantized import is_quantized
 
 MAX_ROWS = 32  # rows (tokens times batch) per pass up to which the kernels replace XLA's
 TILE_F = 64  # output columns per program (a 1B llama's gate|up: 128 programs)
@@ -349,10 +350,12 @@ def applies(config, params: dict, rows: int) -> bool:
   `layers` (else XLA's products): unrolled layers (a scanned layer's weights are slices
   of the stack, which a kernel's operand would copy) of the llama family's plainest
   form (an attention norm, q|k|v and gate|up fused, SiLU, no biases, no q/k or post
-  norms), whose products `fits`; unless the environment sets `OFF_SWITCH` to 0."""
+  norms), whose float weights' products `fits` (quantized weights: XLA's products, the
+  conversion fused into them); unless the environment sets `OFF_SWITCH` to 0."""
   layers = params["layers"]
   if (os.environ.get(OFF_SWITCH, "1") == "0" or platform.current() != "gpu"
       or not isinstance(layers, list) or config.family == "gemma3"
+      or any(is_quantized(w) for lp in layers for w in lp.values())
       or config.qkv_bias or config.qk_norm or config.o_bias or config.mlp_bias):
     return False
 

@@ -51,8 +51,9 @@ def stack_layers(params: dict) -> dict:
     if set(layer) != names:
       raise MdjaxError(f"cannot stack the layers for layer_loop='scan': layer {index} has "
                        f"{sorted(layer)}, layer 0 has {sorted(names)}")
-  return {**params, "layers": {name: jnp.stack([layer[name] for layer in layers])
-                               for name in layers[0]}}  # each [L, ...]
+  return {**params, "layers": {name: jax.tree.map(lambda *w: jnp.stack(w),
+                                                 *[layer[name] for layer in layers])
+                               for name in layers[0]}}  # each [L, ...] (a quantized one's parts)
 
 
 def unstack_layers(params: dict) -> dict:
@@ -60,7 +61,7 @@ def unstack_layers(params: dict) -> dict:
   layers = params["layers"]
   if not isinstance(layers, dict):
     return params
-  return {**params, "layers": [{name: w[i] for name, w in layers.items()}
+  return {**params, "layers": [{name: jax.tree.map(lambda a: a[i], w) for name, w in layers.items()}
                                for i in range(count_layers(params))]}
 
 
@@ -81,7 +82,8 @@ def take_layers(params: dict, n: int) -> dict:
   the first `n` layers' weights copied once, so no step slices them again)."""
   layers = params["layers"]
   if isinstance(layers, dict):
-    return {**params, "layers": {name: _first(w, n) for name, w in layers.items()}}
+    return {**params, "layers": {name: jax.tree.map(lambda a: _first(a, n), w)
+                                 for name, w in layers.items()}}
   return {**params, "layers": layers[:n]}
 
 

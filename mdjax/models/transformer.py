@@ -69,6 +69,7 @@ from mdjax.models.attention import (ATTENTION_BLOCK, LayerAttention, Queries, at
 from mdjax.models.config import ModelConfig
 from mdjax.models.layer_loop import count_layers, layer_loop_of
 from mdjax.models.numerics import full_float32, linear, linear_parts
+from mdjax.models.quantized import is_quantized, take_rows
 from mdjax.models.rope import apply_rope
 from mdjax.sharding import constrain, constrain_cache
 from mdjax.topology import Topology, visibility_limits, visible
@@ -117,10 +118,11 @@ def _product(h: Float[Array, "B T D"], scale: Float[Array, "B T 1"] | None,
 
 
 def _attention_scales(config: ModelConfig, lp: Params, scale) -> bool:
-  """Whether a layer hands its attention the fused q|k|v product before the norm's row
-  `scale` (`_normed`), for the attention to apply it: one product, no bias, no q/k norm
-  between the product and RoPE."""
-  return (scale is not None and "wqkv" in lp and not config.qkv_bias and not config.qk_norm)
+  """Whether a layer hands its attention the fused q|k|v product (float weights) before
+  the norm's row `scale` (`_normed`), for the attention to apply it: one product, no
+  bias, no q/k norm between the product and RoPE."""
+  return (scale is not None and "wqkv" in lp and not is_quantized(lp["wqkv"])
+          and not config.qkv_bias and not config.qk_norm)
 
 
 def _split_heads(config: ModelConfig, qkv: Float[Array, "B T Q"]):
@@ -321,7 +323,7 @@ def _scanned_layers(config: ModelConfig, layers: Params, x: Float[Array, "B T D"
 def embed(config: ModelConfig, params: Params, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
   """The tokens' embeddings; gemma3 scales them by sqrt(D), a float32 rounded to the
   embedding's dtype as transformers does (in bfloat16, sqrt(640) = 25.298 becomes 25.25)."""
-  x = constrain(params["embed"][tokens], "batch", None, None)  # [B, T, D]
+  x = constrain(take_rows(params["embed"], tokens), "batch", None, None)  # [B, T, D]
   if config.family != "gemma3":
     return x
   return x * jnp.asarray(np.float32(config.hidden_size**0.5), x.dtype)
@@ -454,16 +456,14 @@ def lm_head(params: Params, hidden: Float[Array, "... D"], *, config: ModelConfi
   soft-capped when the config says so; the tied head reuses the (unscaled) embedding. A
   vocabulary padded for a mesh (`mdjax.sharding`) is cut back to `vocab_size`."""
   embed = params["embed"]
-  # a tied bfloat16 embedding is contracted in place (XLA:CPU's `E.T @` is 10x slower:
-  # see `linear`); float32 keeps `E.T`, so an untied copy gives the same logits bit for bit
+  # a tied bfloat16 or quantized embedding is contracted in place (XLA:CPU's `E.T @` is 10x
+  # slower: see `linear`); float32 keeps `E.T`, so an untied copy gives the same logits
   if "lm_head" in params:
     logits = linear(hidden, params["lm_head"], jnp.float32)
-  elif embed.dtype == jnp.bfloat16:
-    logits = linear(hidden, embed, jnp.float32, transposed=True)
   else:
-    logits = linear(hidden, embed.T, jnp.float32)
-  if scale is not None:
-    logits = logits * scale
+    transposed = embed.dtype == jnp.bfloat16 or is_quantized(embed)
+    logits = linear(hidden, embed if transposed else embed.T, jnp.float32, transposed=transposed)
+  logits = logits if scale is None else logits * scale
   logits = logits[..., :config.vocab_size]
   cap = config.final_logit_softcapping
   return logits if cap is None else cap * jnp.tanh(logits / cap)

@@ -58,6 +58,7 @@ from mdjax import distributed, files
 from mdjax.cache import KVCache
 from mdjax.errors import MdjaxError
 from mdjax.models.attention import ATTENTION_BLOCK
+from mdjax.models.quantized import is_quantized
 from mdjax.strategies.base import ModelFn
 from mdjax.topology import Topology
 
@@ -151,14 +152,15 @@ def _pinned(text: str) -> tuple[float, ...]:
 
 def _key(model: ModelFn, params, batch: int) -> dict:
   """What a profile depends on: the architecture (not the weights' values), the
-  attention, the devices the weights lie on, their dtype, the batch."""
+  attention, the devices the weights lie on, their dtype (and bits, quantized), the batch."""
   embed = params["embed"]
+  bits = f", {embed.bits}-bit" if is_quantized(embed) else ""
   device = jax.devices()[0]
   return {"version": VERSION,
           "config": hashlib.sha256(repr(model.config).encode()).hexdigest()[:16],
           "attention": model.attention, "platform": device.platform,
-          "device_kind": device.device_kind, "devices": len(embed.sharding.device_set),
-          "dtype": str(embed.dtype), "batch": batch, "prefix": _prefix(model)}
+          "device_kind": device.device_kind, "devices": len(jax.tree.leaves(embed)[0].sharding.device_set),
+          "dtype": str(embed.dtype) + bits, "batch": batch, "prefix": _prefix(model)}
 
 
 def _prefix(model: ModelFn) -> int:

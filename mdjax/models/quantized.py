@@ -1,0 +1,254 @@
+"""Weights held as integers and per-group scales, and the products that read them.
+
+A `QuantizedWeight` stands where a float matrix stood in the params pytree (`wqkv`,
+`wo`, `w_gate_up`, `w_down`, `embed`, `lm_head`; a stacked layer's have one leading
+axis more). Its value is `q * scale + offset`, group by group along the axis the
+products contract (`axis`: -2 for a `[D, F]` weight, -1 for the `[V, D]` embedding,
+contracted by the tied head)::
+
+    weight [D, F], group g = D / G, axis = -2
+    q       int8 or int4 [D, F]     rows 0..g-1 | g..2g-1 | ... | D-g..D-1
+    scale   float32      [G, F]     row 0       | row 1   | ... | row G-1
+    offset  float32      [G, F]     as scale, or None (symmetric: value = q * scale)
+
+    int8 (`quantize(w, 8)`): one group (G = 1), a scale per output column
+    int4 (`quantize(w, 4, group)`): groups of `group` inputs, values in [-8, 7]
+    GGUF blocks (`mdjax.checkpoints.gguf_native`): groups of 16 or 32, as ggml keeps
+      them; the asymmetric types (Q4_1, Q5_1, Q4_K, Q5_K) with an offset
+
+No float copy of the weight is built to compute a product (`product`):
+
+- on CPU the activations are written as two int8 terms per row and group, `x ~ s1 a1 + s2 a2`
+  (`s1 = max|x| / 127`, `a2` the rounded remainder at 1/254 of that step: an error of at
+  most `max|x| / 64516` per element), stacked as rows of one integer product with q,
+  accumulated in int32 per group, then scaled: XLA:CPU multiplies int8 by int8 at 2-3x
+  its float32 speed, while converting a weight to float every step costs more than the
+  float32 product itself (docs/benchmarks/quantized.md). int4 values are held one per
+  byte on CPU (XLA:CPU reads int4 through a conversion);
+- on a GPU or TPU q is converted to the activations' dtype inside the product's operand
+  (XLA fuses the conversion and the group scale into the product: the program report
+  finds no dequantized weight among a step's temporaries); one group per column (int8)
+  takes the scale on the product's float32 output instead, exactly `x @ (q * scale)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from mdjax import platform
+from mdjax.errors import MdjaxError
+
+INT4_GROUP = 64  # inputs per int4 group unless told (docs/benchmarks/quantized.md)
+SCHEMES = ("int8", "int4")  # `mdjax.load(..., quantize=...)` besides "gguf"
+STEP = 127.0  # the largest int8 magnitude an activation term takes
+REMAINDER_STEPS = 254.0  # the second term's step: the first's / 254 (its remainder <= half)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "scale", "offset"],
+                   meta_fields=["axis", "bits", "dtype"])
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+  q: Int[Array, "... D F"]  # int8 or int4 (int4 values held as int8 on CPU)
+  scale: Float[Array, "... G F"]  # float32; for axis=-1: [..., V, G]
+  offset: Float[Array, "... G F"] | None  # float32 or None
+  axis: int  # the contracted axis, along which the groups run: -2 ([D, F]) or -1 ([V, D])
+  bits: int  # the values' width: 8, or 4, 5, 6 (GGUF blocks); 4 is held as int4 off CPU
+  dtype: np.dtype  # the activations' dtype (the model's): what a float weight's dtype was
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.q.shape
+
+  @property
+  def ndim(self) -> int:
+    return self.q.ndim
+
+  @property
+  def group(self) -> int:
+    return self.q.shape[self.axis] // self.scale.shape[self.axis]
+
+  @property
+  def nbytes(self) -> int:
+    """The bytes a product reads: q as it is held, the scales and offsets."""
+    values = self.q.size * (4 if self.q.dtype == jnp.int4 else 8) // 8
+    return values + self.scale.nbytes + (0 if self.offset is None else self.offset.nbytes)
+
+
+def is_quantized(weight) -> bool:
+  return isinstance(weight, QuantizedWeight)
+
+
+def take_rows(embedding, ids: Int[Array, "..."]) -> Float[Array, "... D"]:
+  """Rows `ids` of an embedding `[V, D]`, float or quantized (groups along D), as floats
+  of its dtype: `embedding[ids]`."""
+  if not is_quantized(embedding):
+    return embedding[ids]
+  value = embedding.q[ids].astype(jnp.float32) * _expand(embedding.scale[ids], embedding)
+  if embedding.offset is not None:
+    value = value + _expand(embedding.offset[ids], embedding)
+  return value.astype(embedding.dtype)
+
+
+def held_bits_dtype(bits: int):
+  """The integer dtype q is held in: int4 on a GPU or TPU, int8 on CPU (see the module)."""
+  return jnp.int4 if bits == 4 and not platform.is_cpu() else jnp.int8
+
+
+def from_parts(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, *, axis: int,
+               bits: int, dtype) -> QuantizedWeight:
+  """A `QuantizedWeight` from host arrays (a checkpoint's blocks), q put in the dtype this
+  platform holds `bits`-bit values in."""
+  return QuantizedWeight(q=jnp.asarray(q, held_bits_dtype(bits)), scale=jnp.asarray(scale),
+                         offset=None if offset is None else jnp.asarray(offset), axis=axis,
+                         bits=bits, dtype=jnp.dtype(dtype))
+
+
+def quantize(weight: Float[Array, "... A B"], bits: int, group: int | None = None, *,
+             axis: int = -2) -> QuantizedWeight:
+  """`weight` as symmetric integers of `bits` (8 or 4) with absmax scales: int8 one
+  group per output (`group` None), int4 in groups of `group` along `axis`."""
+  size = weight.shape[axis]
+  group = size if group is None else group
+  if size % group:
+    raise MdjaxError(f"quantize group={group} does not divide the weight's input dimension "
+                     f"{size} (shape {tuple(weight.shape)}); pick a divisor of {size}")
+  top = 127.0 if bits == 8 else 7.0
+  w = jnp.asarray(weight, jnp.float32)
+  grouped = _split_groups(w, axis, group)  # [..., G, g, B] or [..., A, G, g]
+  inner = -1 if axis == -1 else -2  # the g axis of `grouped`
+  scale = jnp.max(jnp.abs(grouped), axis=inner, keepdims=True) / top
+  scale = jnp.where(scale == 0, 1.0, scale)
+  q = jnp.clip(jnp.round(grouped / scale), -top - 1, top).reshape(w.shape)
+  return QuantizedWeight(q=q.astype(held_bits_dtype(bits)), scale=jnp.squeeze(scale, inner),
+                         offset=None, axis=axis, bits=bits, dtype=jnp.dtype(weight.dtype))
+
+
+def dequantize(weight: QuantizedWeight) -> Float[Array, "... A B"]:
+  """The float32 value of `weight` (tests, `save_hf` to a float checkpoint)."""
+  q = weight.q.astype(jnp.float32)
+  value = q * _expand(weight.scale, weight)
+  if weight.offset is not None:
+    value = value + _expand(weight.offset, weight)
+  return value
+
+
+def _expand(per_group: Float[Array, "... G B"], weight: QuantizedWeight) -> Float[Array, "..."]:
+  return jnp.repeat(per_group, weight.group, axis=weight.axis)
+
+
+def _split_groups(w: Array, axis: int, group: int) -> Array:
+  """`w [..., A, B]` with its `axis` split into (groups, group)."""
+  shape = list(w.shape)
+  at = w.ndim + axis
+  shape[at:at + 1] = [shape[at] // group, group]
+  return w.reshape(shape)
+
+
+def product(x: Float[Array, "... D"], weight: QuantizedWeight, out_dtype) -> Float[Array, "... F"]:
+  """`x @ value(weight)` (`axis=-1`: `x @ value.T`, contracted in place), in float32 then
+  `out_dtype`; see the module for how each platform computes it."""
+  rows = x.reshape(-1, x.shape[-1])  # [M, D]
+  if platform.is_cpu():
+    out = _integer_product(rows, weight)
+  else:
+    out = _fused_product(rows, weight)
+  return out.reshape(*x.shape[:-1], out.shape[-1]).astype(out_dtype)
+
+
+def _grouped(weight: QuantizedWeight) -> tuple[Array, tuple[int, int]]:
+  """q as `[G, g, F]` (axis -2) or `[F, G, g]` (axis -1), and the (group, batch) axes a
+  product with `[M, G, g]` rows contracts and batches it on."""
+  groups = weight.scale.shape[weight.axis]
+  q = weight.q
+  if weight.axis == -2:
+    return q.reshape(groups, q.shape[0] // groups, q.shape[1]), (1, 0)
+  return q.reshape(q.shape[0], groups, q.shape[1] // groups), (2, 1)
+
+
+def _per_group(per_column: Float[Array, "G F"] | Float[Array, "F G"], axis: int
+               ) -> Float[Array, "G F"]:
+  return per_column if axis == -2 else per_column.T
+
+
+def _integer_product(rows: Float[Array, "M D"], weight: QuantizedWeight) -> Float[Array, "M F"]:
+  """CPU: two int8 terms per row and group times q, accumulated in int32 per group."""
+  m, d = rows.shape
+  groups = weight.scale.shape[weight.axis]
+  x = rows.astype(jnp.float32).reshape(m, groups, d // groups)  # [M, G, g]
+  step = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / STEP  # [M, G, 1]
+  step = jnp.where(step == 0, 1.0, step)
+  first = jnp.round(x / step)
+  fine = step / REMAINDER_STEPS
+  second = jnp.round((x - first * step) / fine)
+  terms = jnp.concatenate([first, second]).astype(jnp.int8)  # [2M, G, g]
+  q, (inner, batch) = _grouped(weight)
+  q = q if q.dtype == jnp.int8 else q.astype(jnp.int8)
+  sums = jax.lax.dot_general(terms, q, (((2,), (inner,)), ((1,), (batch,))),
+                             preferred_element_type=jnp.int32).astype(jnp.float32)  # [G, 2M, F]
+  step, fine = (jnp.swapaxes(a, 0, 1) for a in (step, fine))  # [G, M, 1]
+  per_group = sums[:, :m] * step + sums[:, m:] * fine  # [G, M, F]
+  out = jnp.sum(per_group * _per_group(weight.scale, weight.axis)[:, None, :], axis=0)  # [M, F]
+  if weight.offset is not None:
+    out = out + x.sum(-1) @ _per_group(weight.offset, weight.axis)
+  return out
+
+
+def _fused_product(rows: Float[Array, "M D"], weight: QuantizedWeight) -> Float[Array, "M F"]:
+  """GPU / TPU: q converted in the product's operand (module)."""
+  dtype = jnp.dtype(weight.dtype)
+  contract = (((1,), (weight.q.ndim + weight.axis,)), ((), ()))
+  if weight.offset is None and weight.scale.shape[weight.axis] == 1:  # a scale per column
+    out = jax.lax.dot_general(rows.astype(dtype), weight.q.astype(dtype), contract,
+                              preferred_element_type=jnp.float32)  # [M, F]
+    return out * weight.scale.reshape(-1)
+  q, (inner, _) = _grouped(weight)
+  expand = (lambda a: a[:, None]) if weight.axis == -2 else (lambda a: a[:, :, None])
+  value = q.astype(dtype) * expand(weight.scale).astype(dtype)  # [G, g, F] or [F, G, g]
+  if weight.offset is not None:
+    value = value + expand(weight.offset).astype(dtype)
+  return jax.lax.dot_general(rows.astype(dtype), value.reshape(weight.q.shape), contract,
+                             preferred_element_type=jnp.float32)
+
+
+# the params' matrices a quantized model holds as `QuantizedWeight`s (one device's fused
+# names and a mesh's split ones); the embedding's groups run along its last axis
+MATRICES = ("wqkv", "wq", "wk", "wv", "wo", "w_gate_up", "w_gate", "w_up", "w_down", "lm_head")
+
+
+def check_scheme(scheme: str, group: int | None) -> int:
+  """The bits of `scheme` ("int8" or "int4"); a one-line `MdjaxError` naming a bad one."""
+  if scheme not in SCHEMES:
+    raise MdjaxError(f"unknown quantize={scheme!r}; valid: {', '.join(SCHEMES)}, gguf")
+  if group is not None and (scheme != "int4" or not isinstance(group, int) or group < 1):
+    raise MdjaxError(f"quantize_group={group!r} applies to quantize='int4' only, as a "
+                     "positive int (int8 keeps one scale per output)")
+  return 8 if scheme == "int8" else 4
+
+
+def quantize_params(params: dict, scheme: str, group: int | None = None) -> dict:
+  """`params` (one layer list or a stack) with every matrix quantized by `scheme`:
+  "int8" (a scale per output), "int4" (groups of `group` inputs, `INT4_GROUP` unless
+  given); norms and biases stay float."""
+  bits = check_scheme(scheme, group)
+  group = (group or INT4_GROUP) if bits == 4 else None
+
+  def one(name: str, weight, axis: int = -2):
+    if is_quantized(weight):
+      raise MdjaxError(f"quantize={scheme!r}: the model's {name!r} is quantized already "
+                       f"({weight.bits}-bit); load its float checkpoint to quantize it again")
+    return quantize(weight, bits, group, axis=axis)
+
+  def layer(lp: dict) -> dict:
+    return {name: one(name, w) if name in MATRICES else w for name, w in lp.items()}
+
+  out = {name: one(name, w, -1) if name == "embed" else one(name, w) if name in MATRICES else w
+         for name, w in params.items() if name != "layers"}
+  layers = params["layers"]
+  out["layers"] = [layer(lp) for lp in layers] if isinstance(layers, list) else layer(layers)
+  return out

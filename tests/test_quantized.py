@@ -1,0 +1,190 @@
+"""Quantized weights (`mdjax.models.quantized`), GGUF's blocks as they are
+(`mdjax.checkpoints.gguf_native`) and the int8 KV cache (`mdjax.cache`):
+
+- a product with a quantized weight is the product with its value, on the CPU's integer
+  path and on the GPU/TPU path (the conversion in the operand), for both layouts;
+- int8 and int4 models give the logits of their dequantized float twins, in either
+  layer loop;
+- every lossless strategy on quantized weights and an int8 cache gives greedy's tokens
+  on the same model and cache; a branch in a shared int8 cache is the branch alone;
+- the int8 cache's slot moves carry the scales; its bytes are what `generate` reports;
+- the real GGUF files read as blocks give the float32-dequantized model's logits to
+  1e-3, with no float matrix in the params;
+- bad input is one line naming the option."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mdjax
+from mdjax import cache as cache_ops
+from mdjax import platform
+from mdjax.cache import KVCache
+from mdjax.errors import CheckpointError, MdjaxError
+from mdjax.models import quantized, transformer
+from mdjax.models.quantized import QuantizedWeight
+from tests.helpers import LOSSLESS, every_strategy, run_strategy, strategy_heads
+
+TINY = "random-llama-tiny"  # hidden 64, intermediate 128, 2 layers, vocab 256
+TOKENS = jnp.asarray([[1, 5, 9, 3, 7, 2, 40, 41], [8, 8, 9, 100, 7, 2, 3, 4]])
+
+
+def dequantized(params):
+  return jax.tree.map(lambda w: quantized.dequantize(w) if quantized.is_quantized(w) else w,
+                      params, is_leaf=quantized.is_quantized)
+
+
+def relative_error(a, b) -> float:
+  return float(jnp.abs(a - b).max() / jnp.abs(b).max())
+
+
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
+@pytest.mark.parametrize("bits, group, axis, offset", [(8, None, -2, False), (8, None, -1, False),
+                                                       (4, 16, -2, False), (4, 16, -1, True),
+                                                       (4, 32, -2, True)])
+def test_a_quantized_product_is_the_product_with_its_value(path, bits, group, axis, offset):
+  """`linear` with a quantized weight: the CPU's int8-activation path to 1e-4 of the
+  largest output (two int8 terms per row and group), the fused path (traced as for a GPU)
+  to float32 rounding. axis -1 is the tied head: `[V, D]` contracted on D in place."""
+  w = jax.random.normal(jax.random.key(0), (64, 96))
+  w = w if axis == -2 else w.T
+  weight = quantized.quantize(w, bits, group, axis=axis)
+  if offset:  # an asymmetric form, as GGUF's Q4_1 / Q4_K
+    weight = dataclasses.replace(weight, offset=0.3 * weight.scale)
+  value = quantized.dequantize(weight)
+  x = jax.random.normal(jax.random.key(1), (3, 5, 64)) * jnp.linspace(0.1, 4, 64)  # [3, 5, D]
+  expected = x @ (value if axis == -2 else value.T)
+  with platform.building_for(path):
+    got = jax.jit(lambda x, w: mdjax.models.numerics.linear(x, w))(x, weight)
+  assert got.shape == expected.shape
+  assert relative_error(got, expected) < (1e-4 if path == "cpu" else 1e-6)
+
+
+@pytest.mark.parametrize("scheme, group, loop", [("int8", None, "unrolled"), ("int4", 16, "scan")])
+def test_a_quantized_model_gives_its_dequantized_twins_logits(scheme, group, loop):
+  model = mdjax.load(TINY, quantize=scheme, quantize_group=group, layer_loop=loop)
+  assert model.quantization.startswith(scheme)
+  layers = model.params["layers"]
+  some = layers["wqkv"] if loop == "scan" else layers[0]["wqkv"]
+  assert isinstance(some, QuantizedWeight) and isinstance(model.params["embed"], QuantizedWeight)
+  assert some.bits == (8 if scheme == "int8" else 4) and some.group == (group or 64)
+  logits = transformer.causal_logits(model.params, TOKENS, config=model.config)
+  twin = transformer.causal_logits(dequantized(model.params), TOKENS, config=model.config)
+  assert relative_error(logits, twin) < 5e-4
+  floats = transformer.causal_logits(mdjax.load(TINY).params, TOKENS, config=model.config)
+  assert relative_error(twin, floats) > 1e-3  # the quantization itself does change them
+
+
+@pytest.fixture(scope="module")
+def strategy_requests():
+  draft = mdjax.load(TINY, seed=1)
+  return every_strategy(draft, strategy_heads(mdjax.load(TINY)))
+
+
+SCHEMES = {"int8": (None, "unrolled"), "int4": (16, "scan")}
+
+
+@pytest.fixture(scope="module")
+def quantized_models():
+  return {scheme: mdjax.load(TINY, quantize=scheme, quantize_group=group, layer_loop=loop)
+          for scheme, (group, loop) in SCHEMES.items()}
+
+
+@pytest.mark.parametrize("strategy", sorted(LOSSLESS))
+def test_lossless_strategies_on_quantized_weights_and_an_int8_cache_are_greedy(
+    quantized_models, strategy_requests, strategy):
+  """Each lossless strategy (rollbacks, compaction, trees, heads reading the quantized
+  embedding) on one of the two schemes (alternating), with an int8 cache, gives greedy's
+  tokens on the same model and cache."""
+  scheme = sorted(SCHEMES)[sorted(LOSSLESS).index(strategy) % 2]
+  model = quantized_models[scheme]
+  prompts, options = strategy_requests[strategy]
+  greedy = run_strategy(model, "greedy", (prompts, dict(kv_cache_dtype="int8")), 16)
+  ours = run_strategy(model, strategy, (prompts, dict(options, kv_cache_dtype="int8")), 16)
+  assert ours.sequences == greedy.sequences
+
+
+def test_branches_in_a_shared_int8_cache_are_each_branch_alone(quantized_models):
+  """multi_question's answers (branches in one int8 cache) equal greedy on the context
+  and each question alone, in an int8 cache: the scales are per slot and head."""
+  model = quantized_models["int8"]
+  context, questions = [3, 4, 5, 6, 7, 8], [[20, 21], [22], [23, 24, 25]]
+  out = mdjax.generate(model, [context], strategy="multi_question", questions=questions,
+                       max_new_tokens=10, eos_token_id=[], kv_cache_dtype="int8")
+  for question, answer in zip(questions, out.sequences):
+    alone = mdjax.generate(model, [context + question], max_new_tokens=10, eos_token_id=[],
+                           kv_cache_dtype="int8")
+    assert answer == alone.sequences[0]
+
+
+def test_an_int8_cache_moves_its_scales_with_its_slots():
+  """Written K/V read back within a step of their own scale; `compact`, `move_slots` and
+  `gather_slots` (rollback, accepted paths, beam's reorder) move the scales too."""
+  config = mdjax.load(TINY).config
+  cache = KVCache.create(config, 1, 8, "int8")
+  assert cache.k.dtype == jnp.int8 and cache.k_scale.shape == cache.k.shape[:-1]
+  k = jax.random.normal(jax.random.key(2), (1, 6, config.num_kv_heads, config.head_dim))
+  k = k * jnp.arange(1, 7)[None, :, None, None]  # slots of different magnitudes
+  cache, slot = cache_ops.claim_slots(cache, jnp.arange(6)[None], jnp.zeros((1, 6), jnp.int32))
+  for layer in range(config.num_layers):
+    cache = cache_ops.write_layer(cache, layer, slot, k, 2 * k)
+  keys, values = cache_ops.read_kv(cache, lambda x: x[0, 0, :6])  # [6, K, H]
+  step = jnp.abs(k[0]).max(-1, keepdims=True) / 127
+  assert bool((jnp.abs(keys - k[0]) <= step / 2 + 1e-6).all())
+  np.testing.assert_allclose(values, 2 * keys, rtol=1e-6)
+  cache = cache_ops.kill_segments(cache.replace(seg=cache.seg.at[0, 1].set(1)),
+                                  jnp.asarray([[False, True]]))
+  compacted = cache_ops.compact(cache, jnp.zeros(1, jnp.int32), 8)  # slot 1 dropped
+  np.testing.assert_array_equal(cache_ops.read_kv(compacted, lambda x: x[0, 0, 1:5])[0],
+                                keys[2:6])
+  moved = cache_ops.gather_slots(cache, jnp.zeros(1, jnp.int32), jnp.asarray([[5, 4]]), 2)
+  np.testing.assert_array_equal(cache_ops.read_kv(moved, lambda x: x[1, 0, :2])[1],
+                                values[jnp.asarray([5, 4])])
+
+
+def test_generate_reports_an_int8_caches_bytes():
+  model = mdjax.load(TINY)
+  c = model.config
+  outs = {dtype: mdjax.generate(model, [[5, 6, 7]], max_new_tokens=4, kv_cache_dtype=dtype)
+          for dtype in ("float32", "int8")}
+  floats, ints = (outs[d].stats["kv_cache_bytes"] for d in ("float32", "int8"))
+  assert ints / floats == (c.head_dim + 4) / (4 * c.head_dim)
+
+
+@pytest.mark.real_models
+@pytest.mark.parametrize("name, kinds", [("smollm2-135m-instruct", {"Q4_1", "Q8_0"}),
+                                         ("gemma3-270m", {"Q4_K", "Q5_0", "Q6_K", "Q8_0"})])
+def test_gguf_blocks_as_they_are_give_the_dequantized_models_logits(name, kinds):
+  """quantize="gguf": every matrix a `QuantizedWeight` read from the file's blocks (the
+  types the file holds), logits within 1e-3 (relative to each position's largest) of
+  the float32 model the file dequantizes to, the same argmax."""
+  model = mdjax.load(name, quantize="gguf")
+  assert all(kind in model.quantization for kind in kinds), model.quantization
+  matrices = [w for lp in model.params["layers"] for n, w in lp.items() if n.startswith("w")]
+  assert all(isinstance(w, QuantizedWeight) for w in matrices + [model.params["embed"]])
+  floats = mdjax.load(name, dtype="float32")
+  tokens = jnp.asarray([floats.tokenizer.encode("The capital of France is Paris, and the")])
+  logits = transformer.causal_logits(model.params, tokens, config=model.config)
+  expected = transformer.causal_logits(floats.params, tokens, config=floats.config)
+  error = jnp.abs(logits - expected).max(-1) / jnp.abs(expected).max(-1)
+  assert float(error.max()) < 1e-3
+  np.testing.assert_array_equal(logits.argmax(-1), expected.argmax(-1))
+
+
+def test_bad_quantization_options_are_one_line_naming_them():
+  cases = [(dict(quantize="int3"), "quantize='int3'"),
+           (dict(quantize="int8", quantize_group=32), "quantize_group=32"),
+           (dict(quantize="int4", quantize_group=48), "group=48 does not divide"),
+           (dict(quantize="gguf"), "quantize='gguf'")]
+  for options, phrase in cases:
+    with pytest.raises((MdjaxError, CheckpointError)) as error:
+      mdjax.load(TINY, **options)
+    assert phrase in str(error.value) and "\n" not in str(error.value)
+  model = mdjax.load(TINY, quantize="int8")
+  with pytest.raises(MdjaxError, match="quantized already"):
+    quantized.quantize_params(model.params, "int4")
+  with pytest.raises(MdjaxError, match="unknown kv_cache_dtype 'int4'; valid: float32"):
+    mdjax.generate(model, [[5, 6]], max_new_tokens=2, kv_cache_dtype="int4")
