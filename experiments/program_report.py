@@ -12,6 +12,9 @@ none), with each program's memory.
         --out_dir=docs/results/programs/v5e                                 # Colab's TPU
     JAX_PLATFORMS=cpu python3 -m experiments.program_report --tokens=1,2 --batches=1 \
         --layer_loops=scan,unrolled --target=h100 --out_dir=docs/results/programs
+    JAX_PLATFORMS=cpu python3 -m experiments.program_report --quantize=none,int8,int4 \
+        --kv_cache_dtypes=none,int8 --context=8192 --tokens=1 --batches=1,8 \
+        --layer_loops=unrolled --strategies= --out_dir=docs/results/programs/quantized
 
 Targets: `mdjax.compile_targets.TARGETS` (h100, h200; v5e, v6e, v5p). Needs jax's CUDA
 plugin and libtpu (requirements-compile-targets.txt). The model is a random llama
@@ -59,6 +62,9 @@ _PROMPT_TOKENS = flags.DEFINE_integer("prompt_tokens", 64, "Prompt tokens of a r
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "max_new_tokens of a request.")
 _DRAFT_LAYERS = flags.DEFINE_integer("draft_layers", DRAFT_LAYERS,
                                      "Layers of the draft (SmolLM2-135M's shape).")
+_QUANTIZE = flags.DEFINE_list("quantize", ["none"], "Weights: none (bfloat16), int8, int4.")
+_KV_DTYPES = flags.DEFINE_list("kv_cache_dtypes", ["none"], "Caches: none (the weights' "
+                               "dtype), bfloat16, int8.")
 _OUT_DIR = flags.DEFINE_string("out_dir", "docs/results/programs", "Where the JSON goes.")
 
 
@@ -82,12 +88,13 @@ def strategy_table(rows: list[dict]) -> str:
 
 
 def table(rows: list[dict]) -> str:
-  lines = [f"{'loop':9} {'batch':>5} {'tokens':>6} {'kernels':>8} {'scalar':>6} {'per layer':>9} "
+  lines = [f"{'loop':9} {'weights':>7} {'cache':>5} {'MiB':>6} {'batch':>5} {'tokens':>6} {'kernels':>8} {'scalar':>6} {'per layer':>9} "
            f"{'syncs':>5} {'MiB copied':>10} {'in loops':>8} {'of weights':>10} {'on chip':>8} "
            f"{'MiB: args':>9} {'out':>6} {'temp':>6} {'code':>5}  float32 products"]
   for r in rows:
     m = {k: v / 2**20 for k, v in r["memory"].items()}
-    lines.append(f"{r['layer_loop']:9} {r['batch']:>5} {r['tokens']:>6} {r['kernels']:>8} "
+    lines.append(f"{r['layer_loop']:9} {r['quantize']:>7} {r['kv_cache_dtype']:>5} "
+                 f"{r['weight_bytes'] / 2**20:>6.0f} {r['batch']:>5} {r['tokens']:>6} {r['kernels']:>8} "
                  f"{r['scalar_kernels']:>6} {r['kernels_per_layer']:>9.1f} {r['host_syncs']:>5} "
                  f"{r['copy_bytes'] / 2**20:>10.1f} {r['loop_copy_bytes'] / 2**20:>8.1f} "
                  f"{r['weight_copy_bytes'] / 2**20:>10.1f} "
@@ -138,15 +145,19 @@ def main(argv):
   check_argv(argv)
   config = RANDOM_MODELS[_MODEL.value]
   rows, generation = [], []
-  for layer_loop in _LAYER_LOOPS.value:
-    for batch in map(int, _BATCHES.value):
-      for tokens in map(int, _TOKENS.value):
-        report = decode_step_report(_TARGET.value, config, batch=batch, tokens=tokens,
-                                    slots=_CONTEXT.value, segments=_SEGMENTS.value,
-                                    layer_loop=layer_loop)
-        rows.append(dict(layer_loop=layer_loop, batch=batch, tokens=tokens, **report))
-        write(rows, generation)
-        print(table(rows[-1:]).splitlines()[-1], flush=True)
+  shapes = [(loop, batch, tokens, quantize, kv) for loop in _LAYER_LOOPS.value
+            for batch in map(int, _BATCHES.value) for tokens in map(int, _TOKENS.value)
+            for quantize in _QUANTIZE.value for kv in _KV_DTYPES.value]
+  for layer_loop, batch, tokens, quantize, kv in shapes:
+    report = decode_step_report(_TARGET.value, config, batch=batch, tokens=tokens,
+                                slots=_CONTEXT.value, segments=_SEGMENTS.value,
+                                layer_loop=layer_loop,
+                                quantize=None if quantize == "none" else quantize,
+                                kv_dtype=None if kv == "none" else kv)
+    rows.append(dict(layer_loop=layer_loop, batch=batch, tokens=tokens, quantize=quantize,
+                     kv_cache_dtype=kv, **report))
+    write(rows, generation)
+    print(table(rows[-1:]).splitlines()[-1], flush=True)
   with platform.building_for(compile_targets.get(_TARGET.value).platform):
     model = abstract_model(config, _MODEL.value)
     requests = strategy_requests(model, _PROMPT_TOKENS.value, _DRAFT_LAYERS.value)

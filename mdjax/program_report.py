@@ -23,6 +23,7 @@ from mdjax.models.attention import default_attention
 from mdjax.models.config import ModelConfig
 from mdjax.models.layer_loop import default_layer_loop, layer_loop_of, with_layer_loop
 from mdjax.models.model import Model
+from mdjax.models.quantized import quantize_params
 from mdjax.models.random_init import init_params
 from mdjax.step import decode_step
 from mdjax.strategies import prompt_layouts
@@ -30,13 +31,20 @@ from mdjax.topology import Topology
 
 
 def compile_decode_step(target: str, config, *, batch: int, tokens: int, slots: int,
-                        segments: int, layer_loop: str, dtype=jnp.bfloat16):
+                        segments: int, layer_loop: str, dtype=jnp.bfloat16,
+                        quantize: str | None = None, kv_dtype=None):
   """One `decode_step` pass compiled for `target` (weights of `dtype` laid out for
-  `layer_loop`, a cache of `dtype` with `slots` slots per row, the target's attention):
-  `(compiled, params)`, the params shapes only."""
+  `layer_loop`, quantized by `quantize` when given; a cache of `kv_dtype` (None: `dtype`)
+  with `slots` slots per row, the target's attention): `(compiled, params)`, the params
+  shapes only."""
+  def weights():
+    params = init_params(config, 0, dtype)
+    params = params if quantize is None else quantize_params(params, quantize)
+    return with_layer_loop(params, layer_loop)
+
   with platform.building_for(compile_targets.get(target).platform):
-    params = jax.eval_shape(lambda: with_layer_loop(init_params(config, 0, dtype), layer_loop))
-    cache = jax.eval_shape(lambda: KVCache.create(config, batch, slots, dtype))
+    params = jax.eval_shape(weights)
+    cache = jax.eval_shape(lambda: KVCache.create(config, batch, slots, kv_dtype or dtype))
     attention = default_attention()
   ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
   topology = Topology(parent=jax.ShapeDtypeStruct((batch, segments), jnp.int32),
@@ -62,9 +70,16 @@ def decode_step_report(target: str, config, **shape) -> dict:
   counts = hlo_report.read(text, platform=on)
   products = hlo_products.float32_products(text, platform=on)
   return dict(kernels_per_layer=counts.kernels / config.num_layers, **counts.to_json(),
+              weight_bytes=held_bytes(params),
               weight_copy_bytes=weight_copy_bytes(counts, params),
               memory=memory(compiled), f32_products=hlo_products.summary(products),
               f32_products_listed=hlo_products.grouped(products))
+
+
+def held_bytes(tree) -> int:
+  """Bytes of the arrays (or shapes) of `tree` as a device holds them: int4 two a byte."""
+  return sum(leaf.size * jnp.dtype(leaf.dtype).itemsize // (2 if leaf.dtype == jnp.int4 else 1)
+             for leaf in jax.tree.leaves(tree))
 
 
 def memory(compiled) -> dict[str, int]:

@@ -156,8 +156,10 @@ def product(x: Float[Array, "... D"], weight: QuantizedWeight, out_dtype) -> Flo
   rows = x.reshape(-1, x.shape[-1])  # [M, D]
   if platform.is_cpu():
     out = _integer_product(rows, weight)
-  else:
-    out = _fused_product(rows, weight)
+  else:  # one row computed as two, as `numerics.linear` computes a bfloat16 one (XLA:GPU
+    #      makes a one-row product a multiply and a reduce; two rows are one product)
+    out = _fused_product(jnp.broadcast_to(rows, (max(2, rows.shape[0]), rows.shape[1])),
+                         weight)[:rows.shape[0]]
   return out.reshape(*x.shape[:-1], out.shape[-1]).astype(out_dtype)
 
 
@@ -200,20 +202,21 @@ def _integer_product(rows: Float[Array, "M D"], weight: QuantizedWeight) -> Floa
 
 
 def _fused_product(rows: Float[Array, "M D"], weight: QuantizedWeight) -> Float[Array, "M F"]:
-  """GPU / TPU: q converted in the product's operand (module)."""
+  """GPU / TPU: q converted in the product's operand, the scales on its float32 output:
+  one product per column scale, or a product batched over the groups whose partial sums
+  a reduction scales and adds (module)."""
   dtype = jnp.dtype(weight.dtype)
-  contract = (((1,), (weight.q.ndim + weight.axis,)), ((), ()))
-  if weight.offset is None and weight.scale.shape[weight.axis] == 1:  # a scale per column
-    out = jax.lax.dot_general(rows.astype(dtype), weight.q.astype(dtype), contract,
-                              preferred_element_type=jnp.float32)  # [M, F]
-    return out * weight.scale.reshape(-1)
-  q, (inner, _) = _grouped(weight)
-  expand = (lambda a: a[:, None]) if weight.axis == -2 else (lambda a: a[:, :, None])
-  value = q.astype(dtype) * expand(weight.scale).astype(dtype)  # [G, g, F] or [F, G, g]
+  m, d = rows.shape
+  groups = weight.scale.shape[weight.axis]
+  q, (inner, batch) = _grouped(weight)
+  x = rows.astype(dtype).reshape(m, groups, d // groups)  # [M, G, g]
+  sums = jax.lax.dot_general(x, q.astype(dtype), (((2,), (inner,)), ((1,), (batch,))),
+                             preferred_element_type=jnp.float32)  # [G, M, F]
+  out = jnp.sum(sums * _per_group(weight.scale, weight.axis)[:, None, :], axis=0)  # [M, F]
   if weight.offset is not None:
-    value = value + expand(weight.offset).astype(dtype)
-  return jax.lax.dot_general(rows.astype(dtype), value.reshape(weight.q.shape), contract,
-                             preferred_element_type=jnp.float32)
+    sums_x = x.astype(jnp.float32).sum(-1)  # [M, G]
+    out = out + sums_x @ _per_group(weight.offset, weight.axis)
+  return out
 
 
 # the params' matrices a quantized model holds as `QuantizedWeight`s (one device's fused
