@@ -43,6 +43,9 @@ def get_base_config(strategy: str) -> ml_collections.ConfigDict:
   config.model = "code-tiny"  # HF directory, hub id, shipped or built-in random model name
   config.dtype = ""  # "float32" or "bfloat16"; "": mdjax.load's default (float32 on CPU,
   #                     bfloat16 on GPU and TPU), as the API's
+  config.quantize = ""  # "int8", "int4" or "gguf" (a GGUF's blocks): docs/quantization.md
+  config.quantize_group = 0  # int4's inputs per group; 0: 64
+  config.kv_cache_dtype = ""  # "int8", "bfloat16" or "float32"; "": the weights' dtype
   config.strategy = strategy
   config.prompt = HELDOUT_FUNCTION
   config.prompt_ids = ""

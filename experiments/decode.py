@@ -202,7 +202,8 @@ def decode(config, stream: bool | None = False) -> dict:
   if "questions" in options:
     options["questions"] = list(options["questions"])
   model = mdjax.load(config.model, dtype=config.dtype or None,
-                     mesh=mdjax.sharding.mesh_from_spec(config.mesh))
+                     mesh=mdjax.sharding.mesh_from_spec(config.mesh),
+                     quantize=config.quantize or None, quantize_group=config.quantize_group or None)
   print(model.description)
   if "draft" in options:  # a model name or directory in the config
     options["draft"] = mdjax.load(options["draft"], dtype=config.dtype or None)
@@ -215,7 +216,8 @@ def decode(config, stream: bool | None = False) -> dict:
                           options)
   (prompt_ids,) = mdjax.encode_prompts(model, [prompt])
   common = dict(max_new_tokens=config.max_new_tokens, eos_token_id=_eos(config.eos_token_id),
-                seed=config.seed)
+                seed=config.seed, **({"kv_cache_dtype": config.kv_cache_dtype}
+                                     if config.kv_cache_dtype else {}))
   can_stream = (not pipeline and config.strategy != "skeleton_fill"
                 and strategies.get(config.strategy).streams and model.tokenizer is not None)
   if stream and not can_stream:

@@ -23,6 +23,7 @@ import mdjax
 from mdjax import cache as cache_ops
 from mdjax import platform
 from mdjax.cache import KVCache
+from mdjax.checkpoints.hf import save_hf
 from mdjax.errors import CheckpointError, MdjaxError
 from mdjax.models import quantized, transformer
 from mdjax.models.quantized import QuantizedWeight
@@ -188,3 +189,20 @@ def test_bad_quantization_options_are_one_line_naming_them():
     quantized.quantize_params(model.params, "int4")
   with pytest.raises(MdjaxError, match="unknown kv_cache_dtype 'int4'; valid: float32"):
     mdjax.generate(model, [[5, 6]], max_new_tokens=2, kv_cache_dtype="int4")
+
+
+def test_a_quantized_models_params_round_trip_through_orbax(tmp_path):
+  """The params pytree (QuantizedWeights inside) saved by orbax and restored give the same
+  logits; `save_hf`, which writes float checkpoints, refuses a quantized model by name."""
+  import orbax.checkpoint as ocp
+  model = mdjax.load(TINY, quantize="int4", quantize_group=16)
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "params", model.params)
+  with ocp.StandardCheckpointer() as checkpointer:
+    restored = checkpointer.restore(tmp_path / "params", jax.eval_shape(lambda: model.params))
+  assert isinstance(restored["embed"], QuantizedWeight)
+  np.testing.assert_array_equal(
+      transformer.causal_logits(restored, TOKENS, config=model.config),
+      transformer.causal_logits(model.params, TOKENS, config=model.config))
+  with pytest.raises(CheckpointError, match="quantized \\(int4, groups of 16\\)"):
+    save_hf(model, tmp_path / "hf")

@@ -338,6 +338,10 @@ def save_hf(model: Model, path: str | os.PathLike, dtype="float32",
   Written into a temporary directory beside `path` and renamed into place, so `path`
   never holds a half-written checkpoint. An existing `path` is replaced.
   """
+  if model.quantization is not None:
+    raise CheckpointError(f"save_hf writes float checkpoints; {model.name or 'this model'} is "
+                          f"quantized ({model.quantization}): save its params with orbax, or "
+                          "save the float model and quantize it on load")
   np_dtype = weight_dtype(dtype)
   config = config_to_hf(model.config, dtype=str(np_dtype))
   with atomic_directory(path) as staging:
