@@ -24,7 +24,10 @@ from mdjax import cache as cache_ops
 from mdjax import platform
 from mdjax.cache import KVCache
 from mdjax.checkpoints.hf import save_hf
+from mdjax.checkpoints.registry import RANDOM_MODELS
 from mdjax.errors import CheckpointError, MdjaxError
+from mdjax.models.model import Model
+from mdjax.models.random_init import init_params
 from mdjax.models import quantized, transformer
 from mdjax.models.quantized import QuantizedWeight
 from tests.helpers import LOSSLESS, every_strategy, run_strategy, strategy_heads
@@ -206,3 +209,21 @@ def test_a_quantized_models_params_round_trip_through_orbax(tmp_path):
       transformer.causal_logits(model.params, TOKENS, config=model.config))
   with pytest.raises(CheckpointError, match="quantized \\(int4, groups of 16\\)"):
     save_hf(model, tmp_path / "hf")
+
+
+@pytest.mark.parametrize("scheme, group", [("int8", None), ("int4", 16)])
+def test_a_program_built_for_a_gpu_gives_the_dequantized_twins_tokens(scheme, group):
+  """Built as a GPU builds it (head_dim 32: the GPU's attention kernel runs; the
+  conversion in the operand; int8's q|k|v product in parts the kernel adds, scaled per
+  column), run on this CPU: greedy gives the tokens of the float model holding the
+  dequantized weights, and so does the CPU's own integer path."""
+  config = dataclasses.replace(RANDOM_MODELS[TINY], head_dim=32)
+  params = quantized.quantize_params(init_params(config, 0), scheme, group)
+  model = Model(config=config, params=params, name="tiny-32", quantization=scheme)
+  twin = Model(config=config, params=dequantized(params), name="tiny-32")
+  run = lambda m: mdjax.generate(m, [[5, 6, 7, 8, 9]], max_new_tokens=12, eos_token_id=[],
+                                 attention="fused").sequences  # noqa: E731
+  expected = run(twin)
+  with platform.building_for("gpu"):
+    assert run(model) == expected
+  assert run(model) == expected

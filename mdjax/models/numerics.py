@@ -67,7 +67,7 @@ def linear(x: jax.Array, weight: jax.Array, out_dtype=None, *,
   out_dtype = x.dtype if out_dtype is None else out_dtype
   if quantized.is_quantized(weight):
     return quantized.product(x, weight, out_dtype)
-  rows, single = _rows(x, weight)  # [M, D]
+  rows, single = _rows(x, weight.dtype)  # [M, D]
   contract = (((1,), (1 if transposed else 0,)), ((), ()))
   out = jax.lax.dot_general(rows.astype(weight.dtype), weight, contract,
                             preferred_element_type=jnp.float32)  # [M, F]
@@ -75,11 +75,11 @@ def linear(x: jax.Array, weight: jax.Array, out_dtype=None, *,
   return out.reshape(*x.shape[:-1], out.shape[-1]).astype(out_dtype)
 
 
-def _rows(x: jax.Array, weight: jax.Array) -> tuple[jax.Array, bool]:
-  """`x`'s rows `[M, D]` as `linear` multiplies them, and whether they are one bfloat16
-  row computed as two (see `linear`)."""
+def _rows(x: jax.Array, dtype) -> tuple[jax.Array, bool]:
+  """`x`'s rows `[M, D]` as `linear` multiplies them by a weight of `dtype`, and whether
+  they are one bfloat16 row computed as two (see `linear`)."""
   rows = x.reshape(-1, x.shape[-1])  # [M, D]
-  single = (weight.dtype == jnp.bfloat16 and rows.shape[0] == 1)
+  single = (dtype == jnp.bfloat16 and rows.shape[0] == 1)
   if single:
     rows = jnp.broadcast_to(rows, (2, rows.shape[1]))  # [2, D]
   return rows, single
@@ -91,8 +91,16 @@ def linear_parts(x: jax.Array, weight: jax.Array, parts: int) -> jax.Array:
   leading axes flattened; one bfloat16 row: M = 2, the row twice, as `linear`
   computes it). XLA:GPU computes a few-row product split in K like this and adds the
   parts in the kernel that reads them; a Pallas kernel that reads them can add them
-  itself (`mdjax.models.decode_attention`), and the sum is one kernel fewer."""
-  rows, _ = _rows(x, weight)
+  itself (`mdjax.models.decode_attention`), and the sum is one kernel fewer. An int8
+  weight with a scale per column (`quantized.per_column`) gives each part scaled."""
+  rows, _ = _rows(x, weight.dtype)
+  if quantized.is_quantized(weight):
+    return _parts(rows, weight.q.astype(weight.dtype), parts) * weight.scale.reshape(-1)
+  return _parts(rows, weight, parts)
+
+
+def _parts(rows: jax.Array, weight: jax.Array, parts: int) -> jax.Array:
+  """`[P, M, F]` float32 partial products of `rows [M, D]` over `parts` slices of D."""
   m, d = rows.shape
   contract = (((2,), (1,)), ((1,), (0,)))  # MPd,PdF->PMF
   return jax.lax.dot_general(rows.reshape(m, parts, d // parts).astype(weight.dtype),

@@ -84,6 +84,13 @@ def is_quantized(weight) -> bool:
   return isinstance(weight, QuantizedWeight)
 
 
+def per_column(weight) -> bool:
+  """Whether `weight` is a quantized `[D, F]` matrix with one scale per column and no
+  offset (int8): its product splits in D like a float one's (`numerics.linear_parts`)."""
+  return (is_quantized(weight) and weight.axis == -2 and weight.offset is None
+          and weight.scale.shape[-2] == 1)
+
+
 def take_rows(embedding, ids: Int[Array, "..."]) -> Float[Array, "... D"]:
   """Rows `ids` of an embedding `[V, D]`, float or quantized (groups along D), as floats
   of its dtype: `embedding[ids]`."""
@@ -208,6 +215,11 @@ def _fused_product(rows: Float[Array, "M D"], weight: QuantizedWeight) -> Float[
   dtype = jnp.dtype(weight.dtype)
   m, d = rows.shape
   groups = weight.scale.shape[weight.axis]
+  if groups == 1 and weight.offset is None:  # a scale per column: one product
+    contract = (((1,), (weight.q.ndim + weight.axis,)), ((), ()))
+    out = jax.lax.dot_general(rows.astype(dtype), weight.q.astype(dtype), contract,
+                              preferred_element_type=jnp.float32)  # [M, F]
+    return out * weight.scale.reshape(-1)
   q, (inner, batch) = _grouped(weight)
   x = rows.astype(dtype).reshape(m, groups, d // groups)  # [M, G, g]
   sums = jax.lax.dot_general(x, q.astype(dtype), (((2,), (inner,)), ((1,), (batch,))),
