@@ -194,21 +194,27 @@ def test_bad_quantization_options_are_one_line_naming_them():
     mdjax.generate(model, [[5, 6]], max_new_tokens=2, kv_cache_dtype="int4")
 
 
-def test_a_quantized_models_params_round_trip_through_orbax(tmp_path):
-  """The params pytree (QuantizedWeights inside) saved by orbax and restored give the same
-  logits; `save_hf`, which writes float checkpoints, refuses a quantized model by name."""
+def test_a_quantized_model_saved_and_loaded_gives_the_same_logits(tmp_path):
+  """`save_hf` of a quantized model (mdjax's own tensors: `quantized_layout`) and orbax's
+  save of its params pytree both load back to bit-identical logits; quantizing the loaded
+  model again is refused by name."""
   import orbax.checkpoint as ocp
   model = mdjax.load(TINY, quantize="int4", quantize_group=16)
+  expected = transformer.causal_logits(model.params, TOKENS, config=model.config)
+  save_hf(model, tmp_path / "hf")
+  loaded = mdjax.load(str(tmp_path / "hf"))
+  assert loaded.quantization == "int4, groups of 16"
+  np.testing.assert_array_equal(
+      transformer.causal_logits(loaded.params, TOKENS, config=loaded.config), expected)
+  with pytest.raises(MdjaxError, match="quantized already"):
+    mdjax.load(str(tmp_path / "hf"), quantize="int8")
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(tmp_path / "params", model.params)
   with ocp.StandardCheckpointer() as checkpointer:
     restored = checkpointer.restore(tmp_path / "params", jax.eval_shape(lambda: model.params))
   assert isinstance(restored["embed"], QuantizedWeight)
   np.testing.assert_array_equal(
-      transformer.causal_logits(restored, TOKENS, config=model.config),
-      transformer.causal_logits(model.params, TOKENS, config=model.config))
-  with pytest.raises(CheckpointError, match="quantized \\(int4, groups of 16\\)"):
-    save_hf(model, tmp_path / "hf")
+      transformer.causal_logits(restored, TOKENS, config=model.config), expected)
 
 
 @pytest.mark.parametrize("scheme, group", [("int8", None), ("int4", 16)])

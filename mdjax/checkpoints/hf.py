@@ -17,7 +17,7 @@ import re
 from typing import Any
 
 from mdjax import generation_config, sharding
-from mdjax.checkpoints import lazy
+from mdjax.checkpoints import lazy, quantized_layout
 from mdjax.checkpoints.hf_layout import (SafetensorsCheckpoint, params_from_hf, params_to_hf,
                                          write_weights)
 from mdjax.checkpoints.registry import RANDOM_MODELS
@@ -315,7 +315,14 @@ def load_hf_dir(path: str | os.PathLike, dtype="float32", *, name: str | None = 
   weights = SafetensorsCheckpoint(directory)
   weights.validate()
   layout = sharding.layout_for(mesh, config)
-  params = params_from_hf(config, weights, np_dtype, lazy.placer(layout))
+  quantization = cfg.get(quantized_layout.KEY)
+  if quantization is not None and mesh is not None:
+    raise CheckpointError(f"{directory} holds a quantized model ({quantization['label']}), "
+                          "which loads onto one device; load its float checkpoint onto a mesh")
+  if quantization is not None:
+    params = quantized_layout.from_tensors(weights.read_all(), quantization)
+  else:
+    params = params_from_hf(config, weights, np_dtype, lazy.placer(layout))
   tokenizer = None
   if any((directory / f).is_file() for f in TOKENIZER_FILES):
     import transformers  # only checkpoints with a tokenizer need it
@@ -325,7 +332,8 @@ def load_hf_dir(path: str | os.PathLike, dtype="float32", *, name: str | None = 
       raise CheckpointError(f"cannot load the tokenizer in {directory}: {e}") from None
   return Model(config=config, params=params, tokenizer=tokenizer, path=str(directory),
                name=name if name is not None else directory.name, layout=layout,
-               generation_defaults=defaults)
+               generation_defaults=defaults,
+               quantization=None if quantization is None else quantization["label"])
 
 
 def save_hf(model: Model, path: str | os.PathLike, dtype="float32",
@@ -338,17 +346,18 @@ def save_hf(model: Model, path: str | os.PathLike, dtype="float32",
   Written into a temporary directory beside `path` and renamed into place, so `path`
   never holds a half-written checkpoint. An existing `path` is replaced.
   """
-  if model.quantization is not None:
-    raise CheckpointError(f"save_hf writes float checkpoints; {model.name or 'this model'} is "
-                          f"quantized ({model.quantization}): save its params with orbax, or "
-                          "save the float model and quantize it on load")
   np_dtype = weight_dtype(dtype)
   config = config_to_hf(model.config, dtype=str(np_dtype))
+  if model.quantization is not None:  # mdjax's own tensors (`quantized_layout`)
+    tensors, config[quantized_layout.KEY] = quantized_layout.to_tensors(model.params,
+                                                                        model.quantization)
+  else:
+    tensors = params_to_hf(model.config, model.params, np_dtype)
   with atomic_directory(path) as staging:
     (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    write_weights(staging, params_to_hf(model.config, model.params, np_dtype), max_shard_bytes)
+    write_weights(staging, tensors, max_shard_bytes)
     if model.tokenizer is not None:
       model.tokenizer.save_pretrained(str(staging))
 

@@ -156,6 +156,12 @@ class SafetensorsCheckpoint:
     """Tensor `name`, checked to have `shape`: a fresh in-memory array."""
     return self._holding(name).get(name, shape)
 
+  def read_all(self) -> dict[str, np.ndarray]:
+    """Every tensor by name, whatever its shape (mdjax's own quantized tensors)."""
+    files = [self.source] if self.files is None else sorted(set(self.files.values()))
+    return {name: self._file(f).get(name, self._file(f)._shape(name))
+            for f in files for name in sorted(self._file(f).names)}
+
   def get_slice(self, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
     """`get(name, shape)[index]`, reading only the slice's bytes."""
     return self._holding(name).get_slice(name, shape, index)
