@@ -7,6 +7,7 @@
     gguf.py       GGUF files (llama.cpp's format), through the `gguf` package
     gguf_blocks.py  ggml's quantized blocks read as integers, scales and offsets
     gguf_native.py  `quantize="gguf"`: a GGUF's matrices kept as its blocks
+    quantized_layout.py  a quantized model's params as named tensors (`save_hf`) and back
     lazy.py       weights as recipes over checkpoint tensors, read only in the slices a
                   process's devices hold (loading onto a mesh)
 
