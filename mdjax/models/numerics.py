@@ -91,11 +91,11 @@ def linear_parts(x: jax.Array, weight: jax.Array, parts: int) -> jax.Array:
   leading axes flattened; one bfloat16 row: M = 2, the row twice, as `linear`
   computes it). XLA:GPU computes a few-row product split in K like this and adds the
   parts in the kernel that reads them; a Pallas kernel that reads them can add them
-  itself (`mdjax.models.decode_attention`), and the sum is one kernel fewer. An int8
-  weight with a scale per column (`quantized.per_column`) gives each part scaled."""
+  itself (`mdjax.models.decode_attention`), and the sum is one kernel fewer. A quantized
+  weight gives its parts scaled (`quantized.product_parts`)."""
   rows, _ = _rows(x, weight.dtype)
   if quantized.is_quantized(weight):
-    return _parts(rows, weight.q.astype(weight.dtype), parts) * weight.scale.reshape(-1)
+    return quantized.product_parts(rows, weight, parts)
   return _parts(rows, weight, parts)
 
 

@@ -84,11 +84,31 @@ def is_quantized(weight) -> bool:
   return isinstance(weight, QuantizedWeight)
 
 
-def per_column(weight) -> bool:
-  """Whether `weight` is a quantized `[D, F]` matrix with one scale per column and no
-  offset (int8): its product splits in D like a float one's (`numerics.linear_parts`)."""
-  return (is_quantized(weight) and weight.axis == -2 and weight.offset is None
-          and weight.scale.shape[-2] == 1)
+def splits(weight, parts: int) -> bool:
+  """Whether `weight`'s product comes in `parts` parts over D (`numerics.linear_parts`):
+  a float matrix; a quantized `[D, F]` one with no offset whose groups (one, or a
+  multiple of `parts`) fall into them (`product_parts`)."""
+  if not is_quantized(weight):
+    return True
+  groups = weight.scale.shape[-2]
+  return weight.axis == -2 and weight.offset is None and (groups == 1 or groups % parts == 0)
+
+
+def product_parts(rows: Float[Array, "M D"], weight: QuantizedWeight, parts: int
+                  ) -> Float[Array, "P M F"]:
+  """`rows @ value(weight)` as `parts` float32 partial products over slices of D, each
+  scaled (the GPU's path: `numerics.linear_parts`, which an attention kernel adds)."""
+  dtype = jnp.dtype(weight.dtype)
+  m, d = rows.shape
+  groups = weight.scale.shape[-2]
+  per = max(groups, parts)  # products batched over `per` slices of D
+  contract = (((2,), (1,)), ((1,), (0,)))  # MPd,PdF->PMF
+  sums = jax.lax.dot_general(rows.astype(dtype).reshape(m, per, d // per),
+                             weight.q.astype(dtype).reshape(per, d // per, -1), contract,
+                             preferred_element_type=jnp.float32)  # [per, M, F]
+  scale = weight.scale if groups == per else jnp.broadcast_to(weight.scale, (per, sums.shape[-1]))
+  scaled = sums * scale[:, None, :]
+  return scaled.reshape(parts, per // parts, m, -1).sum(1)  # [P, M, F]
 
 
 def take_rows(embedding, ids: Int[Array, "..."]) -> Float[Array, "... D"]:

@@ -69,7 +69,7 @@ from mdjax.models.attention import (ATTENTION_BLOCK, LayerAttention, Queries, at
 from mdjax.models.config import ModelConfig
 from mdjax.models.layer_loop import count_layers, layer_loop_of
 from mdjax.models.numerics import full_float32, linear, linear_parts
-from mdjax.models.quantized import is_quantized, per_column, take_rows
+from mdjax.models.quantized import is_quantized, splits, take_rows
 from mdjax.models.rope import apply_rope
 from mdjax.sharding import constrain, constrain_cache
 from mdjax.topology import Topology, visibility_limits, visible
@@ -122,7 +122,7 @@ def _attention_scales(config: ModelConfig, lp: Params, scale) -> bool:
   the norm's row `scale` (`_normed`), for the attention to apply it: one product, no
   bias, no q/k norm between the product and RoPE."""
   return (scale is not None and "wqkv" in lp and not config.qkv_bias and not config.qk_norm
-          and (not is_quantized(lp["wqkv"]) or per_column(lp["wqkv"])))
+          and splits(lp["wqkv"], decode_attention.parts(config.hidden_size)))
 
 
 def _split_heads(config: ModelConfig, qkv: Float[Array, "B T Q"]):
