@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from experiments import tpu_fit
+from experiments import fit_search
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -29,7 +29,7 @@ def search(total, usable=15.75 * GIB, max_rows=1024, says_needed=True):
       return dict(fits=True, total=need)
     return dict(fits=False, needed=round(need / GIB, 2) * GIB if says_needed else None)
 
-  return tpu_fit.largest_rows(measure, usable=lambda: usable, max_rows=max_rows), tried
+  return fit_search.largest_rows(measure, usable=lambda: usable, max_rows=max_rows), tried
 
 
 def test_a_linear_total_takes_four_compiles():
@@ -70,10 +70,10 @@ def test_rows_are_capped():
 def test_a_refusal_gives_what_was_needed_and_what_the_chip_has():
   message = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
              "HLO temporaries (15.96G) exceeds available HBM (15.75G).")
-  found = tpu_fit.refusal(message)
+  found = fit_search.refusal(message)
   assert (found["needed"], found["available"]) == (round(15.96 * GIB), round(15.75 * GIB))
-  assert tpu_fit.refusal("RESOURCE_EXHAUSTED: out of memory")["needed"] is None
-  assert tpu_fit.refusal("INVALID_ARGUMENT: bad shape") is None
+  assert fit_search.refusal("RESOURCE_EXHAUSTED: out of memory")["needed"] is None
+  assert fit_search.refusal("INVALID_ARGUMENT: bad shape") is None
 
 
 def test_quick_run_writes_its_json(tmp_path):
