@@ -90,3 +90,51 @@ def test_no_modules_import_each_other_in_a_loop():
 
 def test_the_loop_finder_finds_a_loop():
   assert loops({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def experiment_imports(path: pathlib.Path) -> set[str]:
+  """The `experiments` modules the file at `path` imports (`from experiments[.x] import y`
+  and `import experiments.x`), those that exist as files."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    names = []
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("experiments"):
+      names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+    elif isinstance(node, ast.Import):
+      names = [a.name for a in node.names if a.name.startswith("experiments")]
+    found.update(n for n in names if (ROOT / (n.replace(".", "/") + ".py")).exists())
+  return found
+
+
+def defined_flags(module: str) -> set[str]:
+  """The absl flags `module` defines at import: `flags.DEFINE_*("name", ...)` anywhere
+  outside a function."""
+  tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
+  found = set()
+  for statement in tree.body:
+    if isinstance(statement, (ast.FunctionDef, ast.ClassDef)):
+      continue
+    for node in ast.walk(statement):
+      if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+          and node.func.attr.startswith("DEFINE") and node.args
+          and isinstance(node.args[0], ast.Constant)):
+        found.add(node.args[0].value)
+  return found
+
+
+def test_the_experiments_tests_import_define_each_flag_once():
+  """A test worker imports every test file it is handed: two imported experiments (and
+  what they import in turn) that define one flag name stop the second file's collection
+  (absl's DuplicateFlagError). A test imports a script's flag-free parts instead."""
+  seen, todo = set(), set()
+  for path in (ROOT / "tests").rglob("test_*.py"):
+    todo |= experiment_imports(path)
+  while todo:
+    module = todo.pop()
+    seen.add(module)
+    todo |= experiment_imports(ROOT / (module.replace(".", "/") + ".py")) - seen
+  owners = {}
+  for module in sorted(seen):
+    for flag in defined_flags(module):
+      owners.setdefault(flag, []).append(module)
+  assert {flag: mods for flag, mods in owners.items() if len(mods) > 1} == {}
