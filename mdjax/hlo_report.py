@@ -17,6 +17,8 @@ that wait for the host and the bytes it copies inside loops (float32 products:
     counts.attention_kernels  # of the kernels, mdjax's few-token attention on a GPU
                           # (`mdjax.models.decode_attention`): one per layer of every pass
                           # of up to 32 tokens, so the layers a run passes through
+  counts.kernels_by_layer   # {index: kernels} under unrolled layer `index`'s named scope
+  counts.attention_by_layer # (`mdjax.models.layer_loop.layer_scope`), of any model's pass
 
 How a run is counted, computation by computation from ENTRY::
 
@@ -51,11 +53,13 @@ import re
 
 from mdjax.hlo_text import Instruction, nbytes, parse
 from mdjax.models.decode_attention import KERNEL_NAME as ATTENTION_KERNEL
+from mdjax.models.layer_loop import LAYER_SCOPE
 
 NO_KERNEL = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                        "after-all", "opt-barrier", "add-dependency", "partition-id",
                        "replica-id", "domain", "while", "conditional", "call", "iota"})
 HOST_TRANSFERS = frozenset({"infeed", "outfeed", "send", "recv"})
+_LAYER = re.compile(rf"/{LAYER_SCOPE}(\d+)/")
 _FOLLOWED = frozenset({"copy", "bitcast", "copy-start", "copy-done", "reshape"})  # same value
 
 
@@ -74,6 +78,8 @@ class Counts:
   loop_copy_shapes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   loops: list = dataclasses.field(default_factory=list)  # (trip count or None, kernels per trip)
   attention_kernels: int = 0  # of the kernels, mdjax's decode attention: one per layer pass
+  kernels_by_layer: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  attention_by_layer: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
   def add(self, other: "Counts", times: int = 1) -> None:
     self.kernels += times * other.kernels
@@ -85,7 +91,9 @@ class Counts:
     self.loop_copies_on_chip += times * other.loop_copies_on_chip
     for mine, theirs in ((self.kernels_by_kind, other.kernels_by_kind),
                          (self.copy_shapes, other.copy_shapes),
-                         (self.loop_copy_shapes, other.loop_copy_shapes)):
+                         (self.loop_copy_shapes, other.loop_copy_shapes),
+                         (self.kernels_by_layer, other.kernels_by_layer),
+                         (self.attention_by_layer, other.attention_by_layer)):
       for key, n in theirs.items():
         mine[key] += times * n
     self.loops.extend(other.loops)
@@ -152,7 +160,11 @@ class _Reader:
         counts.scalar_kernels += all(not dims for _, dims in instruction.arrays)
         counts.kernels_by_kind[op + (f":{kind.group(1)}" if kind else "")] += 1
         counts.host_syncs += _is_host_transfer(instruction)
-        counts.attention_kernels += f"/{ATTENTION_KERNEL}/" in instruction.op_name
+        attention = f"/{ATTENTION_KERNEL}/" in instruction.op_name
+        counts.attention_kernels += attention
+        if layer := _LAYER.search(instruction.op_name):
+          counts.kernels_by_layer[int(layer.group(1))] += 1
+          counts.attention_by_layer[int(layer.group(1))] += attention
         if op in ("copy", "copy-start") or (op == "fusion" and self.is_slice_fusion(instruction)):
           self.add_copy(counts, instruction, in_loop)
     return counts

@@ -186,7 +186,8 @@ def generation_counts(target: str, model: Model, strategy: str, prompts: list, o
   """Strategy `strategy`'s whole-generation program compiled for `target`: per step of
   its token loop (the loop under `mdjax.generate.STEP_LOOP`), kernels, host syncs and,
   on a GPU, layer passes (the target's layers, the draft's or a head's, one per pass
-  that runs them) with the kernels per layer pass, the unit of the GPU program's goal;
+  that runs them) with the kernels per layer pass, the unit of the GPU program's goal,
+  and both by unrolled layer index (every model's layer of that index, in any pass);
   the host syncs of the program outside that loop, and how many steps run between
   them; the program's loops, memory and float32 products."""
   on = compile_targets.get(target).platform
@@ -204,6 +205,8 @@ def generation_counts(target: str, model: Model, strategy: str, prompts: list, o
               layer_passes_per_step=layer_passes or None,
               kernels_per_layer_pass=(loop.iteration.kernels / layer_passes if layer_passes
                                       else None),
+              kernels_by_layer=dict(sorted(loop.iteration.kernels_by_layer.items())),
+              layer_passes_by_layer=dict(sorted(loop.iteration.attention_by_layer.items())),
               host_syncs_per_step=per_step, steps_per_check=loop.trip_count or 1,
               host_syncs_around=whole.host_syncs - per_step * (loop.trip_count or 1),
               program_kernels=whole.kernels, loops=whole.to_json()["loops"],

@@ -9,10 +9,11 @@ installed by requirements-dev.txt; no skip without it) by `mdjax.hlo_report`:
 - every registered strategy's whole-generation program, on the 1B shape, waits for the
   host in no step and launches at most 10 kernels per layer pass (the goal: a
   step's kernels over the layers its passes run, the target's, a draft's or a head's).
-  The 16-layer counts follow from two programs one layer apart (each layer of the
-  unrolled stack adds the same kernels and passes: checked on greedy's 16 layers), so
-  the test compiles those, cut to 2 and 3 layers; the smaller one's kernels also stay at
-  today's count or fewer (the pass's own kernels, the choice of tokens and the state's
+  The 16-layer counts follow from one program cut to 2 layers (a draft model's to 3),
+  whose kernels name their layer (`mdjax.models.layer_loop.layer_scope`): each layer of
+  the unrolled stack past the first adds the same kernels and passes (checked on
+  greedy's 16 layers). Its kernels but the draft's third layer's also stay at today's
+  count or fewer (the pass's own kernels, the choice of tokens and the state's
   bookkeeping: docs/benchmarks/programs.md has the 16-layer counts)."""
 
 import dataclasses
@@ -76,9 +77,9 @@ def _requests(num_layers: int, draft_layers: int):
                                                  draft_layers=draft_layers)
 
 
-@functools.cache  # the test reads the smallest program twice: once compiled
-def _step_counts(strategy: str, num_layers: int, draft_layers: int = 2) -> tuple[int, int]:
-  """(kernels, layer passes) of a step of `strategy`'s whole-generation program at the
+@functools.cache  # per test process: greedy's program is read twice
+def _step_counts(strategy: str, num_layers: int, draft_layers: int = 2) -> dict:
+  """`program_report.generation_counts` of `strategy`'s whole-generation program at the
   1B shape cut to `num_layers`, a draft model cut to `draft_layers` (the report's
   request; sample with every filter, self_speculative drafting with 4 layers)."""
   model, requests = _requests(num_layers, draft_layers)
@@ -88,19 +89,37 @@ def _step_counts(strategy: str, num_layers: int, draft_layers: int = 2) -> tuple
                                             {**options, **extra.get(strategy, {})},
                                             max_new_tokens=64)  # greedy's cache: 128 slots
   assert_no_host_sync_per_step(counts)
-  return counts["kernels_per_step"], counts["layer_passes_per_step"]
+  return counts
+
+
+def _by_layer(counts: dict, index: int) -> tuple[int, int]:
+  """(kernels, layer passes) per step under layer `index`'s named scope, every model's."""
+  return counts["kernels_by_layer"].get(index, 0), counts["layer_passes_by_layer"].get(index, 0)
+
+
+def _layer_costs(strategy: str) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+  """(kernels, layer passes) per step of the smallest program (`FIRST_LAYERS`, a 2-layer
+  draft model), and what one more target layer and one more draft layer add, read from
+  one program by the layers' named scopes: the target's last layer, and a draft model's
+  third layer, which the target does not have (the draft given 3 layers). Every layer
+  past the first runs the same kernels (the first's norm has no product to add before
+  it), so a scope's count is what one more such layer adds."""
+  first = FIRST_LAYERS.get(strategy, 2)
+  has_draft = "draft" in _requests(first, 2)[1][strategy][1]
+  counts = _step_counts(strategy, first, 3 if has_draft else 2)
+  draft = _by_layer(counts, 2) if has_draft else (0, 0)
+  target = tuple(t - d for t, d in zip(_by_layer(counts, first - 1), draft))  # the draft's
+  #                                                  layer of that index runs there too
+  whole = (counts["kernels_per_step"], counts["layer_passes_per_step"] or 0)
+  return tuple(w - d for w, d in zip(whole, draft)), target, draft
 
 
 def _extrapolated(strategy: str, num_layers: int, draft_layers: int) -> tuple[int, int]:
   """(kernels, layer passes) per step at `num_layers` layers (a draft model's at
-  `draft_layers`), from the smallest programs and those one layer deeper: each layer of
-  an unrolled stack adds the same kernels and passes."""
+  `draft_layers`): the smallest program's, and each layer more's."""
   first = FIRST_LAYERS.get(strategy, 2)
-  low = _step_counts(strategy, first)
-  deeper = [(_step_counts(strategy, first + 1), num_layers - first)]
-  if "draft" in _requests(first, 2)[1][strategy][1]:
-    deeper.append((_step_counts(strategy, first, 3), draft_layers - 2))
-  return tuple(low[i] + sum(more * (counts[i] - low[i]) for counts, more in deeper)
+  smallest, target, draft = _layer_costs(strategy)
+  return tuple(smallest[i] + (num_layers - first) * target[i] + (draft_layers - 2) * draft[i]
                for i in (0, 1))
 
 
@@ -112,9 +131,11 @@ def test_a_generation_step_launches_at_most_10_kernels_per_layer_pass(strategy):
   buffer's selects. Greedy's extrapolation is checked against its 16-layer program
   (the others' give docs/benchmarks/programs.md's counts exactly: eagle 194 and 20,
   speculative, with a 30-layer draft, 738 and 136)."""
-  smallest = _step_counts(strategy, FIRST_LAYERS.get(strategy, 2))[0]
+  smallest = _layer_costs(strategy)[0][0]
   assert smallest <= STEP_KERNELS_TODAY[strategy], smallest
   kernels, passes = _extrapolated(strategy, LAYERS, DRAFT_LAYERS)
   assert kernels <= GOAL * passes, (kernels, passes)
   if strategy == "greedy":
-    assert _step_counts(strategy, LAYERS) == _extrapolated(strategy, LAYERS, 2)
+    deep = _step_counts(strategy, LAYERS)
+    assert (deep["kernels_per_step"], deep["layer_passes_per_step"]) == _extrapolated(
+        strategy, LAYERS, 2)

@@ -66,6 +66,7 @@ from jaxtyping import Array, Float
 
 from mdjax import platform
 from mdjax.models.decode_attention import TILE, tile  # the smallest side of a Triton product
+from mdjax.models.layer_loop import layer_scope
 from mdjax.models.numerics import linear, linear_parts
 from mdjax.models.quantized import is_quantized
 
@@ -393,13 +394,14 @@ def layers(config, params: dict, x: Float[Array, "B T D"], attend, carry,
 
   pending, kept = None, {}  # pending: the last down product's parts, not added yet
   for index, lp in enumerate(stack):
-    x, qkv = normed(pending, x, lp["attn_norm"], lp["wqkv"])
-    out, carry = attend(qkv.reshape(1, -1, qkv.shape[-1] // config.head_dim, config.head_dim),
-                        index, carry)  # [B, T, N, H]
-    x, parts = added(x, out.reshape(*out.shape[:2], -1), lp["wo"], lp["w_gate_up"], True)
-    x, act = normed(parts, x, lp["mlp_norm"], lp["w_gate_up"], gated=True)  # [B, T, F]
-    reader = stack[min(index + 1, len(stack) - 1)]["wqkv"]  # after the last: as if a layer
-    x, pending = added(x, act, lp["w_down"], reader, False)  # followed (XLA's final norm)
+    with jax.named_scope(layer_scope(index)):
+      x, qkv = normed(pending, x, lp["attn_norm"], lp["wqkv"])
+      out, carry = attend(qkv.reshape(1, -1, qkv.shape[-1] // config.head_dim, config.head_dim),
+                          index, carry)  # [B, T, N, H]
+      x, parts = added(x, out.reshape(*out.shape[:2], -1), lp["wo"], lp["w_gate_up"], True)
+      x, act = normed(parts, x, lp["mlp_norm"], lp["w_gate_up"], gated=True)  # [B, T, F]
+      reader = stack[min(index + 1, len(stack) - 1)]["wqkv"]  # after the last: as if a layer
+      x, pending = added(x, act, lp["w_down"], reader, False)  # followed (XLA's final norm)
     if index in keep_after:
       kept[index] = _added(x, pending)
   return _added(x, pending), kept, carry

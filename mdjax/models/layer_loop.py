@@ -26,6 +26,13 @@ from mdjax import platform
 from mdjax.errors import MdjaxError
 
 LAYER_LOOPS = ("scan", "unrolled")
+LAYER_SCOPE = "layer_"  # + the index: the named scope of an unrolled layer's operations
+
+
+def layer_scope(index: int) -> str:
+  """The `jax.named_scope` of unrolled layer `index`: a compiled program's op names say
+  which layer each kernel computes (`mdjax.hlo_report`'s per-layer counts)."""
+  return f"{LAYER_SCOPE}{index}"
 
 
 def layer_loop_of(params: dict) -> str:

@@ -46,8 +46,7 @@ On a GPU a pass of a few tokens under the fused attention runs kernels of mdjax'
 beside it, and writes their K/V in place; an RMSNorm and the product after it are one
 kernel (`mdjax.models.decode_products`), or split by `_normed`.
 
-The model knows nothing of strategies: it maps tokens at explicit positions, in
-explicit segments, over an explicit cache, to logits.
+The model knows no strategy: tokens at explicit positions and segments, over a cache, to logits.
 """
 
 from __future__ import annotations
@@ -67,7 +66,7 @@ from mdjax.models import decode_attention, decode_products
 from mdjax.models.attention import (ATTENTION_BLOCK, LayerAttention, Queries, attention_fn,
                                     masked_attention)
 from mdjax.models.config import ModelConfig
-from mdjax.models.layer_loop import count_layers, layer_loop_of
+from mdjax.models.layer_loop import count_layers, layer_loop_of, layer_scope
 from mdjax.models.numerics import full_float32, linear, linear_parts
 from mdjax.models.quantized import is_quantized, splits, take_rows
 from mdjax.models.rope import apply_rope
@@ -200,7 +199,8 @@ def decoder_layers(config: ModelConfig, params: Params, x: Float[Array, "B T D"]
                                     aux_layers, aux, rope_in_attention)
   else:
     for index, lp in enumerate(params["layers"]):
-      x, carry = _layer(config, lp, x, positions, attend, carry, index, index, rope_in_attention)
+      with jax.named_scope(layer_scope(index)):
+        x, carry = _layer(config, lp, x, positions, attend, carry, index, index, rope_in_attention)
       aux = _keep(aux, aux_layers, index, x)
   hidden = _norm(config, x, params["final_norm"]) if final_norm and "final_norm" in params else x
   return hidden, (None if aux is None else jnp.moveaxis(aux, 0, 2)), carry
