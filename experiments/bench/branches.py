@@ -67,10 +67,11 @@ class Settings:
   question_len: int
   repeats: int
   skip_sequential_above: int
+  bandwidth_mib: int = PROBE_MIB  # the array of the bandwidth probe (`common.memory_bandwidth`)
 
 
 QUICK = dict(model="random-llama-tiny", ns=(1, 2), contexts=(32,), new_tokens=(4,), question_len=4,
-             repeats=1)
+             repeats=1, bandwidth_mib=64)
 
 
 def kv_bytes(model: mdjax.Model, slots: int) -> int:
@@ -144,7 +145,7 @@ def run(settings: Settings, partial: pathlib.Path | None = None) -> dict:
   so a long run that is stopped keeps what it measured."""
   with tempfile.TemporaryDirectory() as scratch:
     model, reference = load_pair(settings.model, 0, pathlib.Path(scratch))
-  bandwidth = memory_bandwidth(PROBE_MIB)
+  bandwidth = memory_bandwidth(settings.bandwidth_mib)
   results = dict(machine=machine_info(bandwidth), settings=dataclasses.asdict(settings),
                  model=model.description, points=[])
   grid = list(itertools.product(settings.contexts, settings.new_tokens, settings.ns))

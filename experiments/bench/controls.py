@@ -14,7 +14,8 @@ Three measures, in one run (`mdjax.controls`):
    min_new_tokens 1, logprobs) against the same request without any, greedy and sample at
    batch 1 and 8: seconds per token after the first (median of paired repeats).
 3. **Kernels per GPU step** with each control alone, from the program compiled for an
-   H200 on this CPU (`mdjax.program_report`), greedy at the 1B shape cut to 2 layers:
+   H200 on this CPU (`mdjax.program_report`), greedy at the 1B shape cut to 2 layers (the
+   smoke test's: 1, one compile in a few CPU seconds less; a control adds the same kernels):
    the difference to no control is what the control adds to every step.
 
 Writes `bench_controls.json` and `bench_controls.png`.
@@ -46,7 +47,7 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repetitions (median).")
 _OUT_DIR = flags.DEFINE_string("out_dir", results_dir("controls"), "Where JSON and PNG go.")
 _QUICK = flags.DEFINE_bool("quick", False, "Smoke test: a tiny random llama, sample's sweeps of "
                            "3 values, greedy's step at batch 2 (8 tokens, one repeat), one "
-                           "control's kernels.")
+                           "control's kernels at 1 layer.")
 
 PROMPT = "Write a short story about a lighthouse keeper and a storm."
 EVERY_CONTROL = dict(repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.2,
@@ -70,17 +71,18 @@ class Settings:
   step_strategies: tuple[str, ...]
   batches: tuple[int, ...]
   kernel_controls: tuple[str, ...]
+  kernel_layers: int  # of the 1B shape whose GPU program is read
 
 
 def settings() -> Settings:
   if _QUICK.value:
     return Settings(strategies=("sample",), sweep=3, new_tokens=8, repeats=1,
                     step_strategies=("greedy",), batches=(2,),
-                    kernel_controls=("repetition_penalty",))
+                    kernel_controls=("repetition_penalty",), kernel_layers=1)
   return Settings(strategies=tuple(_STRATEGIES.value), sweep=_SWEEP.value,
                   new_tokens=_NEW_TOKENS.value, repeats=_REPEATS.value,
                   step_strategies=("greedy", "sample"), batches=(1, 8),
-                  kernel_controls=tuple(ALONE))
+                  kernel_controls=tuple(ALONE), kernel_layers=2)
 
 
 def strategy_options(model: mdjax.Model, strategy: str) -> dict:
@@ -143,9 +145,9 @@ def step_costs(model, prompt, s: Settings) -> list[dict]:
 
 def kernels(s: Settings) -> dict:
   """Kernels per greedy step, compiled for an H200, with no control and each alone."""
-  config = dataclasses.replace(RANDOM_MODELS["random-llama-1b"], num_layers=2)
+  config = dataclasses.replace(RANDOM_MODELS["random-llama-1b"], num_layers=s.kernel_layers)
   with platform.building_for(compile_targets.get("h200").platform):
-    model = program_report.abstract_model(config, "random-llama-1b, 2 layers")
+    model = program_report.abstract_model(config, f"random-llama-1b, {s.kernel_layers} layers")
   def count(options):
     return program_report.generation_counts("h200", model, "greedy", [list(range(3, 67))],
                                             options, max_new_tokens=64)["kernels_per_step"]

@@ -113,10 +113,12 @@ class Settings:
   skip_above_s: float
   sequential_questions: int
   warmup_below_s: float
+  bandwidth_mib: int = PROBE_MIB  # the array of the bandwidth probe (`common.memory_bandwidth`)
 
 
 QUICK = dict(model="random-llama-tiny", ns=(1, 3), new_tokens=(2, 5), context_tokens=40,
-             repeats=1, baselines=BASELINES, skip_above_s=0, sequential_questions=2)
+             repeats=1, baselines=BASELINES, skip_above_s=0, sequential_questions=2,
+             bandwidth_mib=64)
 
 
 # --------------------------------------------------------------------------- workload
@@ -345,7 +347,7 @@ def run(settings: Settings, partial: pathlib.Path | None = None) -> dict:
   with tempfile.TemporaryDirectory() as scratch:
     model, reference = load_pair(settings.model, 0, pathlib.Path(scratch))
   work = workload(model, settings.context_tokens, max(settings.ns))
-  bandwidth = memory_bandwidth(PROBE_MIB)
+  bandwidth = memory_bandwidth(settings.bandwidth_mib)
   results = dict(machine=machine_info(bandwidth), settings=dataclasses.asdict(settings),
                  model=model.description, transformers_class=type(reference).__name__,
                  reference=dict(points=list(REFERENCE), setup="Llama-3.2-1B, one A100"),

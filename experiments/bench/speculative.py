@@ -47,6 +47,7 @@ from experiments.bench.common import (DRAFT_TOKENS, LOOKUP, PROBE_MIB, agreement
                                       load_pair, machine_info, machine_line, memory_bandwidth, plt,
                                       results_dir, run_mdjax, save_figure, set_torch_threads,
                                       summarize, timed, torch_oracle, write_results)
+from mdjax.models.layer_loop import default_layer_loop, with_layer_loop
 from mdjax.train import data
 
 
@@ -63,8 +64,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions of every conten
 _TORCH_THREADS = flags.DEFINE_integer("torch_threads", 0, "torch intra-op threads (0: default; "
                                       "--quick: 1).")
 _OUT_DIR = flags.DEFINE_string("out_dir", results_dir("speculative"), "Where JSON and PNG go.")
-_QUICK = flags.DEFINE_bool("quick", False, "Smoke test: 1 row, gamma 2, 8 tokens, 1 repeat, "
-                           "smaller trees and windows.")
+_QUICK = flags.DEFINE_bool("quick", False, "Smoke test: 1 row, gamma 2, 4 tokens, 1 repeat, "
+                           "smaller trees and windows, the layers scanned.")
 
 COPY_INSTRUCTION = "\n# The code above, repeated exactly:\n"
 
@@ -78,10 +79,14 @@ class Settings:
   new_tokens: int
   repeats: int
   options: dict  # the contenders' options but greedy's and the chains' (`OPTIONS`)
+  layer_loop: str  # both models' (`mdjax.models.layer_loop`)
+  bandwidth_mib: int = PROBE_MIB  # the array of the bandwidth probe (`common.memory_bandwidth`)
 
 
 # The options of the contenders but greedy and the chains of gamma tokens; the smoke
-# test's are smaller (the same strategies, each compiled in a second or two less).
+# test's are smaller (the same strategies, each compiled in a second or two less), and
+# its models' layers scanned (one layer compiled, not six: about half the compile time;
+# scan gives the unrolled loop's tokens, tests/test_layer_loop.py).
 OPTIONS = dict(prompt_lookup=LOOKUP,
                heuristic=dict(draft_schedule="heuristic", num_draft_tokens=DRAFT_TOKENS,
                               max_draft_tokens=8),
@@ -92,8 +97,8 @@ QUICK_OPTIONS = dict(prompt_lookup=dict(LOOKUP, prompt_lookup_num_tokens=4),
                                     max_draft_tokens=4),
                      tree=dict(tree_depth=2, tree_top_k=2, tree_budget=4),
                      lookahead=dict(window=3, ngram=3, guess_set=3))
-QUICK = dict(batches=(1,), gammas=(2,), prompts=1, prompt_len=64, new_tokens=8, repeats=1,
-             options=QUICK_OPTIONS)
+QUICK = dict(batches=(1,), gammas=(2,), prompts=1, prompt_len=64, new_tokens=4, repeats=1,
+             options=QUICK_OPTIONS, layer_loop="scan", bandwidth_mib=64)
 
 
 def heldout_prompts(model: mdjax.Model, count: int, length: int) -> np.ndarray:
@@ -219,8 +224,9 @@ def bench_batch(target, draft, reference, batch: int, settings: Settings) -> dic
 
 def run(settings: Settings) -> dict:
   target, reference = load_pair(_TARGET.value, 0, pathlib.Path("."))
-  draft = mdjax.load(_DRAFT.value)
-  bandwidth = memory_bandwidth(PROBE_MIB)
+  target = dataclasses.replace(target, params=with_layer_loop(target.params, settings.layer_loop))
+  draft = mdjax.load(_DRAFT.value, layer_loop=settings.layer_loop)
+  bandwidth = memory_bandwidth(settings.bandwidth_mib)
   results = dict(machine=machine_info(bandwidth), settings=dataclasses.asdict(settings),
                  target=target.description, draft=draft.description, batches={})
   for batch in settings.batches:
@@ -289,7 +295,8 @@ def main(argv):
   settings = Settings(batches=tuple(int(b) for b in _BATCHES.value),
                       gammas=tuple(int(g) for g in _GAMMAS.value), prompts=_PROMPTS.value,
                       prompt_len=_PROMPT_LEN.value,
-                      new_tokens=_NEW_TOKENS.value, repeats=_REPEATS.value, options=OPTIONS)
+                      new_tokens=_NEW_TOKENS.value, repeats=_REPEATS.value, options=OPTIONS,
+                      layer_loop=default_layer_loop())
   if _QUICK.value:
     settings = dataclasses.replace(settings, **QUICK)
   if settings.new_tokens < 2:
