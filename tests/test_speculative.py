@@ -27,66 +27,86 @@ def draft():
   return random_model("llama", 7, layers=1, hidden=16, heads=2, kv_heads=1)  # another shape
 
 
+# The full-acceptance runs: a 16-token prompt (a whole bucket) and a shorter one, 64 new
+# tokens; the EOS test below runs the same programs.
+FULL_PROMPTS = [list(range(3, 19)), [9, 10, 11, 12, 13]]
+
+
 def test_draft_equal_to_target_accepts_every_token(targets):
-  """Also a run that fills the cache exactly: prompt and budget are whole buckets
-  (16 and 64), so a slot leaked per step would overflow it and change the output."""
+  """Also a run that fills the cache exactly: the first prompt and the budget are whole
+  buckets (16 and 64), so a slot leaked per step would overflow it and change the output."""
   target = targets[0]
-  prompt = list(range(3, 19))
-  greedy = mdjax.generate(target, [prompt], max_new_tokens=64, eos_token_id=[]).sequences
+  greedy = mdjax.generate(target, FULL_PROMPTS, max_new_tokens=64, eos_token_id=[]).sequences
   for gamma in (1, 3):
-    out = mdjax.generate(target, [prompt], strategy="speculative", draft=target,
+    out = mdjax.generate(target, FULL_PROMPTS, strategy="speculative", draft=target,
                          num_draft_tokens=gamma, max_new_tokens=64, eos_token_id=[])
     assert out.stats["accepted"] == out.stats["drafted"]
     assert out.stats["target_passes"] == -(-63 // (gamma + 1))  # (gamma + 1) tokens per pass
     assert out.sequences == greedy
 
 
+# Each target with each kind of draft (`draft`, of another shape; a random model of the
+# target's own family and shape), and each chain length with each kind: a draft's shape and
+# the chain's length shape different parts of the program (the draft's pass; the chain
+# loop and the verify width), so these four runs meet every pair of them that the eight
+# combinations would.
 @pytest.mark.parametrize("gamma", [1, 5])  # the shortest and a long chain (3: above)
 def test_speculative_equals_target_greedy(targets, draft, gamma):
   rng = np.random.default_rng(gamma)
-  for target in targets:
+  for i, target in enumerate(targets):
     prompts = [rng.integers(3, VOCAB, n).tolist() for n in (9, 2, 5)]
     greedy = mdjax.generate(target, prompts, max_new_tokens=29, eos_token_id=[])
-    for d in (draft, random_model(target.config.family, 11)):
-      out = mdjax.generate(target, prompts, strategy="speculative", draft=d,
-                           num_draft_tokens=gamma, max_new_tokens=29, eos_token_id=[])
-      assert out.sequences == greedy.sequences
-      assert out.stats["draft_passes"] == gamma * out.stats["target_passes"]
+    d = draft if (i + (gamma > 1)) % 2 == 0 else random_model(target.config.family, 11)
+    out = mdjax.generate(target, prompts, strategy="speculative", draft=d,
+                         num_draft_tokens=gamma, max_new_tokens=29, eos_token_id=[])
+    assert out.sequences == greedy.sequences
+    assert out.stats["draft_passes"] == gamma * out.stats["target_passes"]
+    assert 0 < out.stats["accepted"] < out.stats["drafted"]  # drafts kept and rejected
 
 
 def test_eos_inside_an_accepted_block(targets):
+  """Draft == target, 3 tokens a chain: 4 tokens a pass after the first, so the 7th
+  token ends its first row in the middle of an accepted block; the other row goes on."""
   target = targets[0]
-  prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
-  free = mdjax.generate(target, prompts, max_new_tokens=20, eos_token_id=[]).sequences
+  free = mdjax.generate(target, FULL_PROMPTS, max_new_tokens=64, eos_token_id=[]).sequences
   eos = free[0][6]
-  out = mdjax.generate(target, prompts, strategy="speculative", draft=target, num_draft_tokens=4,
-                       max_new_tokens=20, eos_token_id=eos)
-  assert out.sequences == mdjax.generate(target, prompts, max_new_tokens=20,
+  out = mdjax.generate(target, FULL_PROMPTS, strategy="speculative", draft=target,
+                       num_draft_tokens=3, max_new_tokens=64, eos_token_id=eos)
+  assert out.sequences == mdjax.generate(target, FULL_PROMPTS, max_new_tokens=64,
                                          eos_token_id=eos).sequences
+  assert out.sequences[0][-1] == eos and len(out.sequences[1]) > 7
 
 
-@pytest.mark.parametrize("schedule", [
-    dict(draft_schedule="heuristic", num_draft_tokens=2, max_draft_tokens=6),
-    dict(confidence_threshold=0.3, num_draft_tokens=4),
-    dict(draft_schedule="heuristic", num_draft_tokens=1, confidence_threshold=0.2),
+SCHEDULE_PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3]]
+
+
+# Each schedule with both drafts (one rejects often, the target's own accepts every
+# token: the budget shrinks and grows), on one target each, both targets between them: a
+# schedule sets the chain's budget from the draft's confidences and the accepted counts,
+# whatever model verifies (both families verify every chain length: above).
+@pytest.mark.parametrize("schedule, target_index", [
+    (dict(draft_schedule="heuristic", num_draft_tokens=1, max_draft_tokens=6), 0),
+    (dict(confidence_threshold=0.3, num_draft_tokens=4), 1),
+    (dict(draft_schedule="heuristic", num_draft_tokens=1, confidence_threshold=0.2), 0),
 ])
-def test_draft_schedules_stay_greedy_exact(targets, draft, schedule):
-  prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3]]
-  for target in targets:
-    greedy = mdjax.generate(target, prompts, max_new_tokens=25, eos_token_id=[]).sequences
-    for d in (draft, target):
-      out = mdjax.generate(target, prompts, strategy="speculative", draft=d,
-                           max_new_tokens=25, eos_token_id=[], **schedule)
-      assert out.sequences == greedy
+def test_draft_schedules_stay_greedy_exact(targets, draft, schedule, target_index):
+  target = targets[target_index]
+  greedy = mdjax.generate(target, SCHEDULE_PROMPTS, max_new_tokens=27,
+                          eos_token_id=[]).sequences
+  for d in (draft, target):
+    out = mdjax.generate(target, SCHEDULE_PROMPTS, strategy="speculative", draft=d,
+                         max_new_tokens=27, eos_token_id=[], **schedule)
+    assert out.sequences == greedy
 
 
 def test_heuristic_grows_the_chain_while_everything_is_accepted(targets):
-  """Draft == target: budgets 1, 3, 5, 6, 6, ... tokens (+2 per full accept, capped)."""
+  """Draft == target: budgets 1, 3, 5, 6, 6, ... tokens (+2 per full accept, capped), in
+  each of the three rows (the first schedule's program above)."""
   target = targets[0]
-  out = mdjax.generate(target, [[4, 5, 6]], strategy="speculative", draft=target,
+  out = mdjax.generate(target, SCHEDULE_PROMPTS, strategy="speculative", draft=target,
                        draft_schedule="heuristic", num_draft_tokens=1, max_draft_tokens=6,
                        max_new_tokens=1 + 2 + 4 + 6 + 7 + 7, eos_token_id=[])
-  assert out.stats["drafted_at"] == [5, 4, 4, 3, 3, 2]
+  assert out.stats["drafted_at"] == [3 * n for n in (5, 4, 4, 3, 3, 2)]
   assert out.stats["acceptance_rate_at"] == [1.0] * 6
 
 

@@ -51,7 +51,7 @@ def random_model(num_kv_heads: int, num_layers: int = 2, seed: int = 0) -> mdjax
 def requests(model: mdjax.Model, draft: mdjax.Model) -> dict:
   """Every strategy family the issue names: name -> generate's keyword arguments. A
   request has a cache row per prompt (beam's beams and multi_question's questions are
-  branches in their prompt's row), 8 or 4: a data axis of 4 splits every one."""
+  branches in their prompt's row), 8 or 4: a data axis of 2 or 4 splits every one."""
   return {
       "greedy": dict(prompts=PROMPTS),
       "sample": dict(prompts=PROMPTS, strategy="sample", temperature=0.9, top_k=40, top_p=0.9,
@@ -129,33 +129,35 @@ def split_axes(shape, kv: int) -> frozenset[str]:
 
 
 # The logits and greedy of one device on every kind of layout mesh that the three KV-head
-# counts make on the four meshes: each combination of split axes, and each mesh
-# (test_the_cases_...). Seven combinations: on 1x8, 1, 2 and 8 KV heads split tensor_q,
-# both tensor axes and tensor_kv; on 2x4, each of these and data; on 8x1, data alone
-# (there a KV-head count splits nothing). The other (mesh, count) pairs split the same
-# axes as one of these, in other sizes: they shard every weight, the cache and each step
-# alike, a compile more for no case. On 4x2, 1 KV head splits data and tensor_q, as on
-# 2x4; 2 and 8 split data and tensor_kv, as 8 on 2x4 (2 is kept: every strategy, below).
+# counts make on the four meshes: each combination of split axes (test_the_cases_...).
+# Seven combinations: on 1x8, 1, 2 and 8 KV heads split tensor_q, both tensor axes and
+# tensor_kv; on 2x4, each of these and data; on 8x1, data alone (there a KV-head count
+# splits nothing). The other (mesh, count) pairs split the same axes as one of these, in
+# other sizes: they shard every weight, the cache and each step alike, a compile more for
+# no case. On 4x2, 1 KV head splits data and tensor_q, as on 2x4; 2 and 8 split data and
+# tensor_kv, as 8 on 2x4.
 CASES = [((1, 8), 1), ((1, 8), 2), ((1, 8), 8), ((2, 4), 1), ((2, 4), 2), ((2, 4), 8),
-         ((4, 2), 2), ((8, 1), 2)]
-# Every strategy family on two of them, with 2 KV heads. A strategy's own steps (sampling,
-# beam reordering, branches, drafts, heads) meet the mesh through its rows, split over
-# data, and its vocabulary and heads, split over tensor: 1x8 splits the tensor axis alone,
-# 8 ways (250 vocabulary rows padded to 256; the KV heads over tensor_kv 2, replicated
-# over tensor_q 4); 4x2 splits both (every request's rows over data 4, the KV heads over
-# tensor 2). A data-only mesh adds only a tensor axis of 1, which no strategy's step meets
-# otherwise than greedy's (8x1 above); the KV-head count changes only how the model's
-# attention reads the cache, the same for every strategy as for greedy (above); 2x4 runs
-# every registered strategy on two processes (test_distributed.py). So one device's
-# references are greedy for 1 and 8 KV heads, every family for 2.
-EVERY_STRATEGY = {(1, 8): 2, (4, 2): 2}
+         ((8, 1), 2)]
+# Every strategy family on the one of them that splits every axis: 2x4 with 2 KV heads
+# (rows over data 2; the KV heads over tensor_kv 2, the query heads over tensor 4; the 250
+# vocabulary rows padded to 252, over tensor 4). A strategy's own steps (sampling, beam
+# reordering, branches, drafts, heads) meet the mesh only through its rows, split over
+# data, and its vocabulary and heads, split over tensor. Another mesh splits the same
+# arrays in other sizes (1x8: the tensor axis alone, 8 ways; 4x2: the rows 4 ways), sizes
+# whose sharded steps greedy meets above as every strategy's step does: a second mesh
+# would compile each family again for no case. The KV-head count changes only how the
+# model's attention reads the cache, the same for every strategy as for greedy (above);
+# every registered strategy runs on a 2x4 mesh across two processes too
+# (test_distributed.py). So one device's references are greedy for 1 and 8 KV heads,
+# every family for 2.
+EVERY_STRATEGY = {(2, 4): 2}
 
 
-def test_the_cases_split_every_combination_of_axes_on_every_mesh():
+def test_the_cases_split_every_combination_of_axes():
   every = {split_axes(shape, kv) for shape in MESHES for kv in KV_HEADS}
   assert len(every) == 7 and {split_axes(*case) for case in CASES} == every
-  assert {shape for shape, _ in CASES} == set(MESHES)
   assert set(EVERY_STRATEGY.items()) <= set(CASES)
+  assert all(split_axes(*case) == set(sharding.LAYOUT_AXES) for case in EVERY_STRATEGY.items())
 
 
 @pytest.mark.parametrize("shape, kv", CASES, ids=[f"{d}x{t}-kv{kv}" for (d, t), kv in CASES])
@@ -184,14 +186,16 @@ def assert_spec(x: jax.Array, *parts):
 
 def test_a_scan_model_and_an_unsharded_draft_on_a_mesh_equal_one_device(one_device):
   """Layers stacked (one more, replicated axis) and scanned over a sharded cache; the
-  speculative draft given unsharded, replicated onto the mesh by `generate`."""
+  speculative draft given unsharded, replicated onto the mesh by `generate`. (Beam's
+  reordering of the cache is outside the layer loop, the same whatever its layout: the
+  unrolled case above.)"""
   model, draft, logits, expected = one_device[2]
   scan = dataclasses.replace(model, params=with_layer_loop(model.params, "scan"))
   sharded = mdjax.shard(scan, jax.make_mesh((2, 4), ("data", "tensor")))
   assert_spec(sharded.params["layers"]["wq"], None, None, ("tensor_kv", "tensor_q"))
   np.testing.assert_allclose(mdjax.forward_logits(sharded, PROMPTS[0]), logits, atol=1e-5,
                              rtol=0)
-  assert_same(outputs(sharded, draft, ["greedy", "beam", "speculative"]), expected)
+  assert_same(outputs(sharded, draft, ["greedy", "speculative"]), expected)
 
 
 def test_weights_and_cache_are_sharded_by_the_rules():
@@ -259,7 +263,7 @@ def test_no_step_gathers_a_weight_or_the_cache(kv):
 def test_a_program_compiled_for_one_mesh_is_not_reused_on_another(one_device):
   model, _, _, expected = one_device[2]
   mdjax.clear_compiled()
-  for shape in [(2, 4), (4, 2), (2, 4)]:
+  for shape in [(2, 4), (1, 8), (2, 4)]:
     sharded = mdjax.shard(model, jax.make_mesh(shape, ("data", "tensor")))
     out = mdjax.generate(sharded, PROMPTS, max_new_tokens=10, eos_token_id=[])
     assert out.sequences == expected["greedy"][0]

@@ -1,19 +1,21 @@
-"""One process of a two-process `jax.distributed` run, or the one-process reference:
-what `tests/test_distributed.py` starts (its name keeps pytest from collecting it).
+"""One process of a two-process `jax.distributed` run, and the one-process reference:
+what `tests/test_distributed.py` starts and calls (its name keeps pytest from collecting
+it).
 
     python -m tests.multidevice.process_checks 0 PORT OUT     ┐ a pair: 4 CPU devices
     python -m tests.multidevice.process_checks 1 PORT OUT     ┘ each, one 2x4 mesh
-    python -m tests.multidevice.process_checks reference 0 OUT  one process, no mesh
+    one_process()                                               the test's process, no mesh
 
-Each writes OUT/<role>.json as it goes: every registered strategy's sequences (the
-pair on the global mesh, the reference on one device), `stream`, `forward_logits`
-and a pipeline; then the pair checks that prompts differing between processes are a
-clear error, loads OUT/checkpoint (which the parent wrote) onto a 1x8 mesh recording
-what each process reads (`local_reads`), and process 1 kills itself in the middle
-of a generate while process 0 generates until the runtime stops it (the parent
-times it).
+Each of the pair writes OUT/<role>.json as it goes: every registered strategy's
+sequences on the global mesh, `stream`, `forward_logits` and a pipeline; then it checks
+that prompts differing between processes are a clear error, loads OUT/checkpoint (which
+the parent wrote) onto a 1x8 mesh recording what each process reads (`local_reads`),
+and process 1 kills itself in the middle of a generate while process 0 generates until
+the runtime stops it (the parent times it). `one_process` returns the same calls' results
+on one device (greedy and the lossy strategies).
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -36,15 +38,11 @@ def write(out: pathlib.Path, found: dict):
 
 
 def main(role: str, port: str, out_dir: str):
-  if role != "reference":  # the reference keeps one device, as the test processes do: JAX's
-    # compilation cache keys a program by the process's device count, so its programs are
-    # the ones other tests compile (tests/test_layer_loop.py's unrolled runs), compiled once
-    jax.config.update("jax_num_cpu_devices", 4)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.config.update("jax_num_cpu_devices", 4)
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
   from mdjax import distributed
-  if role != "reference":
-    distributed.initialize(f"localhost:{port}", 2, int(role), heartbeat_timeout_s=HEARTBEAT_S,
-                           initialization_timeout_s=120)
+  distributed.initialize(f"localhost:{port}", 2, int(role), heartbeat_timeout_s=HEARTBEAT_S,
+                         initialization_timeout_s=120)
 
   import numpy as np
 
@@ -52,22 +50,11 @@ def main(role: str, port: str, out_dir: str):
   from mdjax.strategies import STRATEGIES
   from tests import helpers
 
-  out, found = pathlib.Path(out_dir) / f"{role}.json", {"devices": jax.device_count()}
+  out = pathlib.Path(out_dir) / f"{role}.json"
   base = mdjax.load("random-llama-tiny")
-  draft = helpers.random_model("llama", 5, vocab_size=base.config.vocab_size, layers=1, std=0.05)
-  requests = helpers.every_strategy(draft, helpers.strategy_heads(base))
-  model = base if role == "reference" else mdjax.load(
-      "random-llama-tiny", mesh=jax.make_mesh((2, 4), ("data", "tensor")))
-
-  names = sorted(set(STRATEGIES) - helpers.LOSSLESS) if role == "reference" else sorted(STRATEGIES)
-  found["strategies"] = {name: helpers.run_strategy(model, name, requests[name]).sequences
-                         for name in names}  # the reference: greedy and the lossy ones
-  found["stream"] = [sum(rows, []) for rows in zip(*mdjax.stream(
-      model, helpers.STRATEGY_PROMPTS, max_new_tokens=12, eos_token_id=[]))]
-  found["forward_logits"] = mdjax.forward_logits(model, helpers.STRATEGY_PROMPTS[0]).tolist()
+  model = mdjax.load("random-llama-tiny", mesh=jax.make_mesh((2, 4), ("data", "tensor")))
+  found = {"devices": jax.device_count(), **calls(model, base, sorted(STRATEGIES))}
   write(out, found)
-  if role == "reference":
-    return
 
   mine = [[3, 4, 5]] if role == "0" else [[3, 4, 6]]
   try:
@@ -88,6 +75,56 @@ def main(role: str, port: str, out_dir: str):
   write(out, found)
   while True:  # greedy's program, compiled above: the death comes while it runs
     mdjax.generate(model, helpers.STRATEGY_PROMPTS, max_new_tokens=12, eos_token_id=[])
+
+
+def one_layer(name: str) -> bool:
+  """Whether strategy `name` runs on `first_layer` of the model: a lossless strategy (held
+  to greedy's tokens of the same model) but self_speculative, which drafts with its
+  target's first layer. A layer's collectives are the same in every layer, and a layer
+  fewer is about a fifth less to compile; greedy and the lossy strategies keep both
+  layers, programs tests/test_layer_loop.py compiles too on one device."""
+  from tests import helpers
+  return name in helpers.LOSSLESS and name != "self_speculative"
+
+
+def first_layer(model):
+  """`model` cut after its first layer (on its mesh, if it lies on one)."""
+  from mdjax.models.layer_loop import take_layers
+  return dataclasses.replace(model, config=dataclasses.replace(model.config, num_layers=1),
+                             params=take_layers(model.params, 1), name=f"{model.name}[:1]")
+
+
+def calls(model, base, names) -> dict:
+  """`names`' sequences (each strategy with its `tests.helpers.every_strategy` request, for
+  `base`; on `model` or, by `one_layer`, its first layer), `stream` and `forward_logits` of
+  `model` (`base`, or `base` on a mesh)."""
+  import mdjax
+  from tests import helpers
+  draft = helpers.random_model("llama", 5, vocab_size=base.config.vocab_size, layers=1, std=0.05)
+  requests = helpers.every_strategy(draft, helpers.strategy_heads(base))
+  short = first_layer(model)
+  return {
+      "strategies": {name: helpers.run_strategy(short if one_layer(name) else model, name,
+                                                requests[name]).sequences for name in names},
+      "stream": [sum(rows, []) for rows in zip(*mdjax.stream(
+          model, helpers.STRATEGY_PROMPTS, max_new_tokens=12, eos_token_id=[]))],
+      "forward_logits": mdjax.forward_logits(model, helpers.STRATEGY_PROMPTS[0]).tolist()}
+
+
+def one_process() -> dict:
+  """The reference, in the calling process (one device, as the test processes have:
+  JAX's compilation cache keys a program by the process's device count, so these are the
+  programs other tests compile, tests/test_layer_loop.py's unrolled runs): `calls` of
+  greedy and the lossy strategies without a mesh (a lossless strategy gives greedy's
+  tokens), and greedy's of the first layer alone."""
+  import mdjax
+  from mdjax.strategies import STRATEGIES
+  from tests import helpers
+  model = mdjax.load("random-llama-tiny")
+  found = calls(model, model, sorted(set(STRATEGIES) - helpers.LOSSLESS))
+  found["one_layer_greedy"] = helpers.run_strategy(first_layer(model), "greedy",
+                                                   ([], {})).sequences
+  return found
 
 
 def local_reads(checkpoint: pathlib.Path) -> dict:
