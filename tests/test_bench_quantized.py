@@ -1,0 +1,85 @@
+"""experiments.bench.quantized --quick runs end to end (a tiny random llama in float32,
+int8 and int4) and writes its JSON and plot; its helpers count what they say.
+
+No timing is asserted: benchmarks measure, tests check that they can.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.bench import quality
+from mdjax.checkpoints.registry import RANDOM_MODELS
+from mdjax.models.quantized import quantize
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_bench_quantized_quick(tmp_path):
+  subprocess.run([sys.executable, "-m", "experiments.bench.quantized", "--quick",
+                  f"--out_dir={tmp_path}"], cwd=REPO, check=True, timeout=600, capture_output=True)
+  assert (tmp_path / "bench_quantized.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  results = json.loads((tmp_path / "bench_quantized.json").read_text())
+
+  assert results["command"].startswith("python3 -m experiments.bench.quantized --quick")
+  assert results["date"] and results["corpus"]["words"] > 100
+  for moment in ("before", "after"):
+    assert "load average" in results[moment]["uptime"] and len(results[moment]["load"]) == 3
+  assert {"cpu_count", "load_average", "jax", "bandwidth"} <= set(results["machine"])
+  (entry,) = results["models"].values()
+  assert entry["int4_group"] == 64 and not entry["int4_group_note"]
+  schemes = entry["quality"]["schemes"]
+  assert list(schemes) == ["float32", "int8", "int4"]
+  assert schemes["int4"]["label"] == "int4, groups of 64"
+  for name, cell in schemes.items():
+    assert cell["perplexity"] > 1 and cell["scored_tokens"] == 95  # 96 ids, the first unscored
+    assert set(cell["agreement"]) == set(cell["kv_cache_bytes"]) == {"bfloat16", "int8"}
+    for agreement in cell["agreement"].values():
+      assert 0 <= agreement["prefix_fraction"] <= 1 and 0 <= agreement["mean_prefix"] <= 8
+    assert cell["kv_cache_bytes"]["int8"] < cell["kv_cache_bytes"]["bfloat16"]
+    assert (cell["weight_ratio"] < 0.3) == (name != "float32")
+    assert cell["heads"] == {}  # no shipped heads for the tiny model
+  assert entry["quality"]["heads"] == []
+  assert schemes["int4"]["weight_bytes_packed"] < schemes["int8"]["weight_bytes_packed"]
+  rows = entry["speed"]["rows"]
+  assert [(r["strategy"], r["batch"], r["scheme"]) for r in rows] == [
+      ("greedy", 2, s) for s in schemes]
+  assert rows[0]["ratio"] == 1 and all(len(r["samples_ms"]) == 1 for r in rows)
+  assert entry["speed"]["skipped"] == ["mixed: --nomixed"]
+
+
+def test_int4_group_falls_back_to_a_divisor():
+  config = RANDOM_MODELS["random-llama-tiny"]  # hidden 64, heads 4 x 16, MLP 128
+  assert quality.int4_group(config, 64) == (64, "")
+  group, note = quality.int4_group(config, 48)
+  assert group == 32 and "48 does not divide" in note
+
+
+def test_weight_bytes_count_held_and_packed_values():
+  w = quantize(jnp.ones((128, 8), jnp.float32), 4, 64)  # 1,024 values, scales [2, 8]
+  bytes_ = quality.weight_bytes({"w": w, "norm": jnp.ones(8, jnp.float32)})
+  assert bytes_ == dict(held=1024 + 64 + 32, packed=512 + 64 + 32)
+
+
+def test_agreement_counts_prefixes_before_the_first_divergence():
+  out = quality.agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 9, 4], [5, 6, 7, 8]])
+  assert out["prefixes"] == [2, 4] and out["mean_prefix"] == 3
+  assert out["prefix_fraction"] == 6 / 8 and out["matching_fraction"] == 7 / 8
+
+
+def test_perplexity_scores_every_token_once(monkeypatch):
+  """Windows of 6 every 3 over 11 ids: each id after the first scored exactly once,
+  from its own window's position (a fake NLL: the id itself)."""
+  def fake(params, tokens, *, config):
+    return np.asarray(tokens[0, 1:], np.float64)
+  monkeypatch.setattr(quality, "nll_program", fake)
+  model = type("M", (), {"params": None, "config": None})
+  ids = list(range(1, 12))
+  out = quality.perplexity(model, ids, 0, 6, 3)
+  assert out["scored_tokens"] == 10 and np.isclose(out["mean_nll"], np.mean(ids[1:]))
+  out = quality.perplexity(model, [100] + ids, 1, 6, 5)  # a BOS leads every window
+  assert out["scored_tokens"] == 11 and np.isclose(out["mean_nll"], np.mean(ids))
