@@ -18,6 +18,15 @@ slots of this layer in place (the cache arrays are its outputs, aliased)::
       out           online softmax, [Rt, H] -> out[b, t, k R .. k R + R]
       write         t's key and value of head k -> cache k, v [l, b, slot[b, t], k]
 
+An int8 cache (`mdjax.cache.quantize_kv`) comes as four arrays, and the kernel reads
+and writes each slot's values with their scale, computing in the model's dtype::
+
+      walk          k, v int8 [BLOCK, H] x k_scale, v_scale [BLOCK] -> [BLOCK, H]
+      then          the new keys and values quantized and dequantized [P, H]: what
+                    the cache gives back (what XLA's attention reads after its write)
+      write         t's key and value quantized -> k, v int8 [l, b, slot[b, t], k, :],
+                    their scales -> k_scale, v_scale [l, b, slot[b, t], k]
+
 The mask (`pass_mask`) is computed once per pass; slots the pass writes are invisible
 in the cache part (the new tokens' part shows what lands there), so a program that
 reads a slot another program writes ignores it. Queries that see nothing give 0. Off a
@@ -25,7 +34,9 @@ GPU, `reference` computes the same with jnp.
 
 Einsum letters as in `mdjax.models.attention`: B batch, T new tokens (P: padded to a
 Triton tile), S slots, K kv heads, R query heads per kv head (N = K R; Rt: R padded),
-H head dim, L layers, D model width, Q the product's parts, M its rows.
+H head dim, L layers, D model width, Q the product's parts, M its rows. `cache`: the
+cache's `(k, v)` `[L, B, S, K, H]`, or an int8 cache's `(k, v, k_scale, v_scale)`
+(`mdjax.cache.KVCache.slot_fields`).
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from mdjax import platform
+from mdjax.cache import KV_STEP, KVCache, read_kv, write_layer
 from mdjax.models.attention import masked_attention
 from mdjax.models.rope import apply_rope
 from mdjax.topology import visible
@@ -114,16 +126,44 @@ def _row_scales(rows_ref, b, tokens: int, size: int, eps: float | None):
   return scales
 
 
+def _rounded_quotient(x: Float[Array, "..."], y: Float[Array, "..."],
+                      interpret: bool) -> Float[Array, "..."]:
+  """round(x / y), ties to even, in float32, as XLA computes `quantize_kv`'s: on a GPU by
+  PTX (Triton divides approximately, `div.full.f32`, and has no rounding op; `div.rn` is
+  XLA:GPU's IEEE division); interpreted, jnp's (XLA:CPU multiplies by 1 / y)."""
+  y = jnp.broadcast_to(y, x.shape)
+  if interpret:
+    return jnp.round(x / y)
+  [out] = plgpu.elementwise_inline_asm(
+      "div.rn.f32 $0, $1, $2;\n\tcvt.rni.f32.f32 $0, $0;", args=[x, y], constraints="=f,f,f",
+      pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+  return out
+
+
+def _quantized(parts, interpret: bool):
+  """`mdjax.cache.quantize_kv` of keys or values that come as `parts` along H (halves, or
+  whole), `[..., X]` each: the int8 values as float32 parts, and the scales `[...]`."""
+  parts = [part.astype(jnp.float32) for part in parts]
+  peak = functools.reduce(jnp.maximum, [jnp.abs(part).max(axis=-1) for part in parts])
+  scale = peak * (1 / KV_STEP)  # max / 127 as XLA computes it (by the constant's inverse)
+  safe = jnp.where(scale == 0, 1.0, scale)[..., None]
+  return [_rounded_quotient(part, safe, interpret) for part in parts], scale
+
+
 def _kernel(qkv_ref, rows_ref, positions_ref, freqs_ref, slot_ref, length_ref, layer_ref,
-            mask_ref, k_ref, v_ref, out_ref, k_out_ref, v_out_ref, *, tokens: int, group: int,
-            block: int, scale: float, eps: float | None, precision):
+            mask_ref, *refs, tokens: int, group: int, block: int, scale: float,
+            eps: float | None, dtype, precision, interpret: bool):
   """One (row b, kv head k, token t) program: t's R query heads, a tile of rows [Rt, H]
   (rows past R masked), attend over the row's filled cache blocks of layer
   `layer_ref[0]`, then over the T new keys [P, H]; an online softmax. The projections
   are the sum of the product's parts, multiplied by their token's norm scale
-  (`_row_scales`) and rounded to the cache's dtype, then RoPE'd by halves as
-  `mdjax.models.rope.apply_rope` does; t's own key and value go to its slot (`k_out_ref`,
-  `v_out_ref`: the cache arrays, `k_ref`, `v_ref` aliased)."""
+  (`_row_scales`) and rounded to `dtype`, then RoPE'd by halves as
+  `mdjax.models.rope.apply_rope` does; t's own key and value go to its slot. `refs`: the
+  cache's arrays (`cache`), `out_ref`, then the same arrays again as outputs (aliased)."""
+  count = (len(refs) - 1) // 2
+  cache, out_ref, cache_out = refs[:count], refs[count], refs[count + 1:]
+  k_ref, v_ref, k_scale_ref, v_scale_ref = (*cache, None, None)[:4]
+  k_out_ref, v_out_ref, k_scale_out_ref, v_scale_out_ref = (*cache_out, None, None)[:4]
   b, head, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   layer = layer_ref[0]
   num_q = out_ref.shape[2]
@@ -134,7 +174,6 @@ def _kernel(qkv_ref, rows_ref, positions_ref, freqs_ref, slot_ref, length_ref, l
   row_ok = (jnp.arange(rows) < group)[:, None]  # [Rt, 1]
   token_ok = jnp.arange(keys_new) < tokens  # [P]
   lo, hi, whole = pl.ds(0, half), pl.ds(half, half), pl.ds(0, 2 * half)
-  dtype = k_ref.dtype
   by = _row_scales(rows_ref, b, tokens, keys_new, eps)  # [P]
   mine = jnp.where(jnp.arange(keys_new) == t, by, 0).sum()  # this token's scale
   freqs = freqs_ref[jax.lax.rem(layer, freqs_ref.shape[0]), :]  # [H/2]
@@ -147,10 +186,24 @@ def _kernel(qkv_ref, rows_ref, positions_ref, freqs_ref, slot_ref, length_ref, l
       total = total + load(part).astype(jnp.float32)
     return total
 
-  def rotated(first, second, angles):  # halves [..., H/2], as the cache holds them -> RoPE'd
+  def rotated(first, second, angles):  # halves [..., H/2] in `dtype` -> RoPE'd
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     first, second = first.astype(jnp.float32), second.astype(jnp.float32)
     return (first * cos - second * sin).astype(dtype), (second * cos + first * sin).astype(dtype)
+
+  def cached(ref, scale_ref, window, columns):  # slots `window` of head `head`: [X, ...] each
+    at = (layer, b, window, head)
+    if scale_ref is None:
+      return tuple(ref[(*at, column)] for column in columns)
+    scales = scale_ref[at][:, None]  # [X, 1]
+    return tuple((ref[(*at, column)].astype(jnp.float32) * scales).astype(dtype)
+                 for column in columns)
+
+  def read_back(parts, scale_ref):  # the new tokens' [P, X] parts as the cache gives them back
+    if scale_ref is None:
+      return parts
+    ints, scales = _quantized(parts, interpret)
+    return tuple((part * scales[:, None]).astype(dtype) for part in ints)
 
   row = b * tokens + t  # t's row of the product
   angles = positions_ref[b, t].astype(jnp.float32) * freqs  # [H/2]
@@ -172,8 +225,9 @@ def _kernel(qkv_ref, rows_ref, positions_ref, freqs_ref, slot_ref, length_ref, l
 
   def visit(index, carry):
     window = pl.ds(pl.multiple_of(index * block, block), block)
-    keys = (k_ref[layer, b, window, head, lo], k_ref[layer, b, window, head, hi])
-    return absorb(carry, keys, v_ref[layer, b, window, head, :], mask_ref[b, t, window])
+    [values] = cached(v_ref, v_scale_ref, window, (whole,))
+    return absorb(carry, cached(k_ref, k_scale_ref, window, (lo, hi)), values,
+                  mask_ref[b, t, window])
 
   empty = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
            jnp.zeros((rows, 2 * half), jnp.float32))
@@ -183,9 +237,10 @@ def _kernel(qkv_ref, rows_ref, positions_ref, freqs_ref, slot_ref, length_ref, l
       lambda p: qkv_ref.at[p, pl.ds(b * tokens, keys_new), column, part], token_ok[:, None])
       * by[:, None]).astype(dtype)  # [P, X]
   new_positions = plgpu.load(positions_ref.at[b, pl.ds(0, keys_new)], mask=token_ok, other=0)
-  keys = rotated(new(num_q + head, lo), new(num_q + head, hi),
-                 new_positions.astype(jnp.float32)[:, None] * freqs[None, :])  # [P, H/2] x2
-  values = new(num_q + num_kv + head, whole)  # [P, H]
+  keys = read_back(rotated(new(num_q + head, lo), new(num_q + head, hi),
+                           new_positions.astype(jnp.float32)[:, None] * freqs[None, :]),
+                   k_scale_ref)  # [P, H/2] x2
+  [values] = read_back((new(num_q + num_kv + head, whole),), v_scale_ref)  # [P, H]
   _, total, acc = absorb(carry, keys, values, mask_ref[b, t, pl.ds(num_slots, keys_new)])
   out = acc / jnp.where(total > 0, total, 1.0)[:, None]
   plgpu.store(out_ref.at[b, t, pl.ds(head * group, rows), :], out.astype(out_ref.dtype),
@@ -194,25 +249,40 @@ def _kernel(qkv_ref, rows_ref, positions_ref, freqs_ref, slot_ref, length_ref, l
   slot = slot_ref[b, t]
   slot = jnp.where(slot < 0, slot + num_slots, slot)  # as jnp's indexing reads it
 
+  def write(ref, scale_ref, parts, columns):  # t's key or value of head `head` -> its slot
+    if scale_ref is not None:
+      parts, step = _quantized(parts, interpret)
+      plgpu.store(scale_ref.at[layer, b, slot, head], step)
+    for part, column in zip(parts, columns):
+      plgpu.store(ref.at[layer, b, slot, head, column], part.astype(ref.dtype))
+
   @pl.when((slot >= 0) & (slot < num_slots))  # else dropped: padding, or past the end
   def _():
     own = lambda column, part: (summed(lambda p: qkv_ref.at[p, row, column, part])
                                 * mine).astype(dtype)  # [X]
-    for key, part in zip(rotated(own(num_q + head, lo), own(num_q + head, hi), angles), (lo, hi)):
-      plgpu.store(k_out_ref.at[layer, b, slot, head, part], key)
-    plgpu.store(v_out_ref.at[layer, b, slot, head, whole], own(num_q + num_kv + head, whole))
+    write(k_out_ref, k_scale_out_ref,
+          rotated(own(num_q + head, lo), own(num_q + head, hi), angles), (lo, hi))
+    write(v_out_ref, v_scale_out_ref, (own(num_q + num_kv + head, whole),), (whole,))
+
+
+def _dtype(cache_k: Array, dtype) -> jnp.dtype:
+  """What the kernel computes in: a float cache's dtype, an int8 one's `dtype`."""
+  if cache_k.dtype != jnp.int8:
+    return cache_k.dtype
+  if dtype is None:
+    raise ValueError("the attention over an int8 cache needs the model's dtype")
+  return jnp.dtype(dtype)
 
 
 def decode_attention(qkv: Float[Array, "Q M N+2K H"], rows: Float[Array, "B T D"] | None,
                      positions: Int[Array, "B T"], freqs: Float[Array, "F H/2"],
                      slot: Int[Array, "B T"], length: Int[Array, "B"], layer,
-                     mask: Int[Array, "B T S+P"], cache_k: Float[Array, "L B S K H"],
-                     cache_v: Float[Array, "L B S K H"], *, scale: float,
-                     eps: float | None = None, interpret: bool = False):
+                     mask: Int[Array, "B T S+P"], *cache: Array, scale: float,
+                     eps: float | None = None, dtype=None, interpret: bool = False):
   """The new tokens' attention over layer `layer` (an int, or a traced int32 scalar) of
-  the cache before this pass and over themselves: `(out [B, T, N, H], cache_k, cache_v)`,
-  the cache with the new tokens' K/V written into layer `layer` at `slot` (in place:
-  donate the cache; a slot past the end writes nothing).
+  the cache before this pass and over themselves: `(out [B, T, N, H], *cache)`, the
+  cache with the new tokens' K/V (and an int8 cache's scales) written into layer `layer`
+  at `slot` (in place: donate the cache; a slot past the end writes nothing).
 
   `qkv`: Q parts of the q|k|v product (their sum is the product; row b T + t is token
   t of row b), each row the token's query heads, then its K keys, then its K values,
@@ -220,40 +290,46 @@ def decode_attention(qkv: Float[Array, "Q M N+2K H"], rows: Float[Array, "B T D"
   from the residual `rows` (`mdjax.models.transformer._normed`). RoPE's angles are
   `positions` times `freqs[layer % F]` (F tables: one per layer of a period, as
   `mdjax.models.transformer.layer_period`); `length`: the rows' lengths (the walk's end:
-  before the pass or after it, as the slots it writes are masked); `mask`: `pass_mask`."""
+  before the pass or after it, as the slots it writes are masked); `mask`: `pass_mask`;
+  `dtype`: an int8 cache's, the model's (what XLA's path rounds the projections to and
+  computes in; a float cache's kernel computes in the cache's dtype)."""
   b, t = positions.shape
-  num_kv, h = cache_k.shape[3], cache_k.shape[4]
+  num_kv, h = cache[0].shape[3], cache[0].shape[4]
   num_q = qkv.shape[2] - 2 * num_kv
-  precision = jax.lax.Precision.HIGHEST if cache_k.dtype == jnp.float32 else None
+  dtype = _dtype(cache[0], dtype)
+  precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
   kernel = functools.partial(_kernel, tokens=t, group=num_q // num_kv,
-                             block=min(BLOCK, cache_k.shape[2]), scale=scale,
-                             eps=None if rows is None else eps, precision=precision)
+                             block=min(BLOCK, cache[0].shape[2]), scale=scale,
+                             eps=None if rows is None else eps, dtype=dtype,
+                             precision=precision, interpret=interpret)
   whole = pl.BlockSpec()  # the whole array: each program indexes its part
   return pl.pallas_call(
-      kernel, grid=(b, num_kv, t), in_specs=[whole] * 10, out_specs=[whole] * 3,
-      out_shape=[jax.ShapeDtypeStruct((b, t, num_q, h), cache_k.dtype),
-                 jax.ShapeDtypeStruct(cache_k.shape, cache_k.dtype),
-                 jax.ShapeDtypeStruct(cache_v.shape, cache_v.dtype)],
-      input_output_aliases={8: 1, 9: 2},
+      kernel, grid=(b, num_kv, t), in_specs=[whole] * (8 + len(cache)),
+      out_specs=[whole] * (1 + len(cache)),
+      out_shape=[jax.ShapeDtypeStruct((b, t, num_q, h), dtype),
+                 *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in cache)],
+      input_output_aliases={8 + i: 1 + i for i in range(len(cache))},
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret, name=KERNEL_NAME,
   )(qkv, qkv if rows is None else rows,  # no rows: never read (qkv stands in, not a kernel
     positions, jnp.asarray(freqs, jnp.float32), slot, length,  # writing zeros)
-    jnp.asarray(layer, jnp.int32).reshape(1), mask, cache_k, cache_v)
+    jnp.asarray(layer, jnp.int32).reshape(1), mask, *cache)
 
 
 def reference(qkv: Float[Array, "Q M N+2K H"], rows: Float[Array, "B T D"] | None,
               positions: Int[Array, "B T"], freqs: Float[Array, "F H/2"],
               slot: Int[Array, "B T"], length: Int[Array, "B"], layer,
-              mask: Int[Array, "B T S+P"], cache_k: Float[Array, "L B S K H"],
-              cache_v: Float[Array, "L B S K H"], *, scale: float, eps: float | None = None):
-  """What `decode_attention` computes, as one masked softmax over the cache's slots
-  followed by the new tokens, and a scatter (any platform: the kernel's stand-in off a
-  GPU). `length` is not needed: slots past it are never visible."""
+              mask: Int[Array, "B T S+P"], *cache: Array, scale: float,
+              eps: float | None = None, dtype=None):
+  """What `decode_attention` computes, as XLA's path does it: the new K/V written by
+  `mdjax.cache.write_layer`, then one masked softmax over the cache's slots before the
+  pass followed by the new tokens as the cache gives them back (`read_kv`) (any
+  platform: the kernel's stand-in off a GPU). `length` is not needed: slots past it
+  are never visible."""
   del length
   b, t = positions.shape
-  num_slots, num_kv = cache_k.shape[2], cache_k.shape[3]
-  dtype = cache_k.dtype
+  num_slots, num_kv = cache[0].shape[2], cache[0].shape[3]
+  dtype = _dtype(cache[0], dtype)
   qkv = jnp.sum(qkv.astype(jnp.float32), axis=0)[:b * t]  # [B T, N + 2K, H]
   qkv = qkv.reshape(b, t, *qkv.shape[1:])  # --> [B, T, N + 2K, H]
   if rows is not None and eps is not None:
@@ -262,33 +338,32 @@ def reference(qkv: Float[Array, "Q M N+2K H"], rows: Float[Array, "B T D"] | Non
   q, k, v = jnp.split(qkv.astype(dtype), [qkv.shape[2] - 2 * num_kv, qkv.shape[2] - num_kv],
                       axis=2)
   inv_freq = jnp.asarray(freqs, jnp.float32)[layer % len(freqs)]  # [H/2]
-  k = apply_rope(k, positions, inv_freq)
-  keys = jnp.concatenate([cache_k[layer], k], axis=1)  # [B, S + T, K, H]
-  values = jnp.concatenate([cache_v[layer], v], axis=1)
-  seen = mask[..., :num_slots + t] != 0  # [B, T, S + T]
-  out = masked_attention(apply_rope(q, positions, inv_freq), keys, values, seen, scale=scale)
+  before = KVCache(*cache[:2], None, None, None, *cache[2:])  # K/V (and scales): all it reads
+  after = write_layer(before, layer, slot, apply_rope(k, positions, inv_freq), v)
   rows_ = jnp.arange(b)[:, None]  # [B, 1]
-  return (out, cache_k.at[layer, rows_, slot].set(k, mode="drop"),
-          cache_v.at[layer, rows_, slot].set(v, mode="drop"))
+  new = lambda x: x.at[layer, rows_, slot].get(mode="clip")  # [B, T, K(, H)]: padding's unseen
+  keys, values = (jnp.concatenate([old, written], axis=1) for old, written in zip(
+      read_kv(before, lambda x: x[layer]), read_kv(after, new)))  # [B, S + T, K, H]
+  seen = mask[..., :num_slots + t] != 0  # [B, T, S + T] (dropped tokens' columns: unseen)
+  out = masked_attention(apply_rope(q, positions, inv_freq), keys, values, seen, scale=scale)
+  return (out, *after.slot_fields().values())
 
 
-def attention(qkv, rows, positions, freqs, slot, length, layer, mask, cache_k, cache_v, *,
-              scale: float, eps: float | None = None):
+def attention(qkv, rows, positions, freqs, slot, length, layer, mask, *cache, scale: float,
+              eps: float | None = None, dtype=None):
   """`decode_attention` where the program is lowered for an NVIDIA GPU, `reference`
   elsewhere (a program built for a GPU but run on this host: the tests)."""
-  static = dict(scale=scale, eps=eps)
+  static = dict(scale=scale, eps=eps, dtype=dtype)
   return jax.lax.platform_dependent(
-      qkv, rows, positions, freqs, slot, length, layer, mask, cache_k, cache_v,
+      qkv, rows, positions, freqs, slot, length, layer, mask, *cache,
       cuda=functools.partial(decode_attention, **static),
       default=functools.partial(reference, **static))
 
 
 def applies(config, cache, tokens: int) -> bool:
   """Whether a pass of `tokens` tokens over `cache` runs `attention` (else the fused
-  product): built for a GPU, on one device (no layout mesh), a float cache (an int8 one:
-  XLA's attention, which reads it through `read_kv`), no soft-capped scores, and shapes
-  the kernel tiles (`fits`)."""
+  product): built for a GPU, on one device (no layout mesh), no soft-capped scores, and
+  shapes the kernel tiles (`fits`)."""
   return (platform.current() == "gpu" and jax.sharding.get_abstract_mesh().empty
-          and not cache.quantized
           and config.attn_logit_softcapping is None
           and fits(tokens, cache.num_slots, config.head_dim))

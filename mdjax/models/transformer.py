@@ -388,8 +388,7 @@ def _layers_beside_cache(config: ModelConfig, params: Params, x: Float[Array, "B
   pass's slots claimed, their K/V not written yet) and the new tokens beside it, which
   writes their K/V in place; the mask is computed once per pass. Where
   `decode_products.applies`, its products that begin with a norm are kernels too."""
-  num_layers = count_layers(params)
-  positions = meta["positions"]
+  num_layers, positions = count_layers(params), meta["positions"]
   masks = {window: decode_attention.pass_mask(
       meta["limit"], positions, meta["segments"], meta["slots"], cache.seg, cache.pos,
       window=window) for window in {config.layer_window(i) for i in range(num_layers)}}
@@ -399,19 +398,20 @@ def _layers_beside_cache(config: ModelConfig, params: Params, x: Float[Array, "B
   def attend(qkv, index, spec, kv, norm_input=None):  # qkv: [Q, M, N + 2K, H], before RoPE
     out, *kv = decode_attention.attention(
         qkv, norm_input, positions, freqs, meta["slots"], cache.length, index,
-        masks[spec.sliding_window], *kv, scale=spec.scale, eps=config.rms_norm_eps)
+        masks[spec.sliding_window], *kv, scale=spec.scale, eps=config.rms_norm_eps, dtype=x.dtype)
     return out, tuple(kv)
 
+  fields = cache.slot_fields()  # k, v (and an int8 cache's scales): the kernel's carry
   if not decode_products.applies(config, params, x.shape[0] * x.shape[1]):
-    hidden, aux, (k, v) = decoder_layers(config, params, x, positions, attend, (cache.k, cache.v),
-                                         aux_layers, rope_in_attention=True, final_norm=final_norm)
-    return hidden, aux, cache.replace(k=k, v=v)
+    hidden, aux, kv = decoder_layers(config, params, x, positions, attend, tuple(fields.values()),
+                                     aux_layers, rope_in_attention=True, final_norm=final_norm)
+    return hidden, aux, cache.replace(**dict(zip(fields, kv)))
   _check_aux_layers(num_layers, aux_layers)
-  x, kept, (k, v) = decode_products.layers(config, params, x, lambda qkv, i, kv: attend(
-      qkv, i, layer_attention(config, i), kv), (cache.k, cache.v), aux_layers)
+  x, kept, kv = decode_products.layers(config, params, x, lambda qkv, i, kv: attend(
+      qkv, i, layer_attention(config, i), kv), tuple(fields.values()), aux_layers)
   hidden = _norm(config, x, params["final_norm"]) if final_norm and "final_norm" in params else x
   aux = jnp.stack([kept[i] for i in aux_layers], axis=2) if aux_layers else None
-  return hidden, aux, cache.replace(k=k, v=v)
+  return hidden, aux, cache.replace(**dict(zip(fields, kv)))
 
 
 @full_float32
