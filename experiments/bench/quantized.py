@@ -16,8 +16,9 @@ of two below it that divides every matrix's inputs) and gguf (the GGUF file's ow
    tokens of 4 prompts (EOS off), with a bfloat16 and an int8 KV cache
    (`kv_cache_dtype`): the fraction of positions before each row's first divergence and
    the mean identical prefix; the shipped EAGLE and Medusa heads' tokens per target
-   pass (greedy, the same prompts and tokens) where the model has them; the weight
-   bytes (every leaf's, a `QuantizedWeight`'s q, scales and offsets) against float32's.
+   pass (greedy, the same prompts and tokens, a tree of 16 nodes) where the model has
+   them; the weight bytes (every leaf's, a `QuantizedWeight`'s q, scales and offsets)
+   against float32's.
 2. **Speed.** Seconds per token after the first of greedy at each batch of `--batches`
    and of `mixed` (shipped EAGLE head and prompt lookup) at batch 1 where the model has a
    shipped head: the schemes interleaved in every repeat (rotated), the median of
@@ -78,7 +79,8 @@ PROMPTS = ("Write a short story about a lighthouse keeper and a storm.",
            "What are three good habits for learning a new language?",
            "Describe the water cycle to a ten-year-old.")
 KV_CACHES = {"bfloat16": "bfloat16", "int8": "int8"}  # the caches of agreement
-HEADS = ("eagle", "medusa")  # strategies whose shipped heads' acceptance is measured
+HEADS = ("eagle", "medusa")  # strategies whose shipped heads' acceptance is measured,
+HEAD_OPTIONS = dict(tree_budget=16)  # on one fixed tree for every scheme
 MIXED_OPTIONS = dict(prompt_lookup_num_tokens=4, tree_budget=16)  # as the controls bench's mix
 
 
@@ -162,7 +164,7 @@ def quality(models: dict, reference_name: str, text: str, s: Settings) -> dict:
       cell["kv_cache_bytes"][cache] = int(out.stats["kv_cache_bytes"])
     for strategy, head in heads.items():
       out = mdjax.generate(model, prompts, strategy=strategy, heads=head,
-                           max_new_tokens=s.new_tokens, eos_token_id=[])
+                           max_new_tokens=s.new_tokens, eos_token_id=[], **HEAD_OPTIONS)
       cell["heads"][strategy] = dict(tokens_per_pass=float(out.stats["tokens_per_pass"]),
                                      target_passes=int(out.stats["target_passes"]))
     rows[scheme] = cell
