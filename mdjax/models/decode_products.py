@@ -48,6 +48,13 @@ Each of its programs reads all of a, as each of XLA's split products reads a's s
 once per output tile (there 8 to 16 columns wide, here 16): no more L2 traffic than
 XLA's product, and no float32 parts written and read again.
 
+Quantized weights (`mdjax.models.quantized`: int8 with a scale per column, int4 in
+groups along the input) take the same five kernels a layer: both kernels read q and
+convert it in registers, block by block, each block's float32 sum scaled by its
+group's scale (`mdjax.models.weight_tiles`): no float copy of a weight is written. An
+int8 product's parts come from XLA's split product, scaled in that kernel; a product
+in groups along K comes through `residual_product` (`feeding_parts`).
+
 Letters: B batch, T tokens, M = B T rows (Mt: padded to a Triton tile), D model
 width, F a product's width, K a residual product's input width, Q a product's parts.
 Off a GPU, `reference` and `residual_reference` compute the same with jnp.
@@ -65,10 +72,11 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float
 
 from mdjax import platform
+from mdjax.models import weight_tiles
 from mdjax.models.decode_attention import TILE, tile  # the smallest side of a Triton product
 from mdjax.models.layer_loop import layer_scope
 from mdjax.models.numerics import linear, linear_parts
-from mdjax.models.quantized import is_quantized
+from mdjax.models.quantized import QuantizedWeight, is_quantized
 
 MAX_ROWS = 32  # rows (tokens times batch) per pass up to which the kernels replace XLA's
 TILE_F = 64  # output columns per program (a 1B llama's gate|up: 128 programs)
@@ -109,12 +117,13 @@ def part_count(width: int, rows: int) -> int:
   return _power_of_two_dividing(width // TILE, min(count, PARTS)) if width % TILE == 0 else 1
 
 
-def takes_parts(rows: int, num_parts: int, gated: bool, itemsize: int) -> bool:
+def takes_parts(rows: int, num_parts: int, gated: bool, itemsize: float) -> bool:
   """Whether the kernel adds a product's parts itself, or a `residual_product` adds the
   product first. Each program reads every row of every part (float32), where it reads
-  its own weight tiles (`itemsize` bytes each, two tiles `gated`): past `PARTS_SHARE`
+  its own weight tiles (`itemsize` bytes a value, two tiles `gated`): past `PARTS_SHARE`
   of those bytes, the parts' reads (from L2) cost more than the kernel saved. A 1B
-  llama in bfloat16 adds them itself at 1-4 rows (gate|up) and 1-2 rows (q|k|v)."""
+  llama in bfloat16 adds them itself at 1-4 rows (gate|up) and 1-2 rows (q|k|v); in
+  int8 at 1-2 rows and 1 row."""
   return rows * num_parts * 4 * PARTS_SHARE <= (2 if gated else 1) * TILE_F * itemsize
 
 
@@ -139,34 +148,52 @@ def _per_column(padded: int, num_parts: int, tile_f: int, tiles: int, itemsize: 
   return padded * (4 * num_parts + itemsize) + tiles * itemsize * tile_f
 
 
-def block_columns(width: int, rows: int, num_parts: int, gated: bool, itemsize: int) -> int:
+def block_columns(width: int, rows: int, num_parts: int, gated: bool, itemsize: int,
+                  group: int | None = None) -> int:
   """Model-width columns per step of a program's walk over a product `width` wide in,
-  for `rows` rows, `num_parts` parts, weights of `itemsize` bytes: at most `BLOCK_D`,
-  and within `stage_bytes`."""
+  for `rows` rows, `num_parts` parts, weights of `itemsize` bytes (a quantized weight's:
+  its activations', which q's staged bytes and its scales' stay within): at most
+  `BLOCK_D`, within `stage_bytes`, and dividing a quantized weight's `group`."""
   per_column = _per_column(tile(rows), num_parts, TILE_F, 2 if gated else 1, itemsize)
-  return _largest_block(width, per_column, BLOCK_D)
+  return _largest_block(width, per_column, BLOCK_D, group)
 
 
-def residual_block(width: int, rows: int, in_itemsize: int, itemsize: int) -> int:
+def residual_block(width: int, rows: int, in_itemsize: int, itemsize: int,
+                   group: int | None = None) -> int:
   """Input columns per step of a `residual_product` program's walk over `width`, for
-  `rows` rows of `in_itemsize` bytes and weights of `itemsize`: at most `RESIDUAL_BLOCK`,
-  and within `stage_bytes`."""
-  return _largest_block(width, tile(rows) * in_itemsize + TILE_OUT * itemsize, RESIDUAL_BLOCK)
+  `rows` rows of `in_itemsize` bytes and weights of `itemsize` (as `block_columns`): at
+  most `RESIDUAL_BLOCK`, within `stage_bytes`, and dividing a quantized weight's `group`."""
+  return _largest_block(width, tile(rows) * in_itemsize + TILE_OUT * itemsize, RESIDUAL_BLOCK,
+                        group)
 
 
-def _largest_block(width: int, per_column: int, most: int) -> int:
-  """The most columns of `per_column` bytes each, a power of two dividing `width`, of
-  at most `most`, that one step loads within `stage_bytes` (a Triton tile at least)."""
+def _largest_block(width: int, per_column: int, most: int, group: int | None) -> int:
+  """The most columns of `per_column` bytes each, a power of two dividing `width` (and
+  `group`, if any), of at most `most`, that one step loads within `stage_bytes` (a
+  Triton tile at least)."""
   while most > TILE and most * per_column > stage_bytes():
     most //= 2
-  return _power_of_two_dividing(width, most)
+  block = _power_of_two_dividing(width, most)
+  return block if group is None else _power_of_two_dividing(group, block)
 
 
-def kernel_parts(rows: int, in_width: int, gated: bool, itemsize: int) -> int:
+def kernel_parts(rows: int, in_width: int, gated: bool, itemsize: float) -> int:
   """How many parts of a product `in_width` wide in (`part_count`) the kernel after it
   adds itself: all of them where it `takes_parts`, else 0 (a `residual_product` first)."""
   count = part_count(in_width, rows)
   return count if takes_parts(rows, count, gated, itemsize) else 0
+
+
+def feeding_parts(rows: int, feeding: Float[Array, "K D"] | QuantizedWeight,
+                  reader: Float[Array, "D F"] | QuantizedWeight, gated: bool) -> int:
+  """How many parts of the product of `feeding` the normed product of `reader` adds
+  itself (`kernel_parts`, weighed against the bytes of `reader`'s values); 0: a
+  `residual_product` adds it first. A quantized product comes in parts only with a
+  scale per column and no offset (int8): XLA's split product then scales its output in
+  the same kernel, where groups along K would take a kernel more to scale and sum."""
+  if is_quantized(feeding) and (feeding.group < feeding.shape[0] or feeding.offset is not None):
+    return 0
+  return kernel_parts(rows, feeding.shape[0], gated, weight_tiles.value_bytes(reader))
 
 
 def fits(rows: int, width: int, out_width: int, itemsize: int, num_parts: int,
@@ -187,19 +214,22 @@ def residual_fits(rows: int, width: int, out_width: int) -> bool:
   return rows <= MAX_ROWS and width % TILE == 0 and out_width % TILE_OUT == 0
 
 
-def _kernel(*refs, rows: int, num_parts: int, gated: bool, eps: float, precision):
+def _kernel(*refs, rows: int, num_parts: int, gated: bool, eps: float, operand_dtype,
+            group: int | None, precision):
   """Program j: `out`'s columns j TILE_F .. (see the module's docstring). `refs`: the
-  parts (when `num_parts`), the residual, the norm's weight, the weight, then x (when
-  `num_parts`) and out."""
+  parts (when `num_parts`), the residual, the norm's weight, the weight's tile refs
+  (`weight_tiles.specs`; gated: the gate's, then the up's), then x (when `num_parts`)
+  and out. The product's operand is in `operand_dtype` (the weight's, or a quantized
+  weight's activations'), a quantized weight's blocks within its groups of `group`."""
   if num_parts:
-    parts_ref, residual_ref, norm_ref, w_ref, x_ref, out_ref = refs
+    parts_ref, residual_ref, norm_ref, *tile_refs, x_ref, out_ref = refs
   else:
-    residual_ref, norm_ref, w_ref, out_ref = refs
+    residual_ref, norm_ref, *tile_refs, out_ref = refs
   j = pl.program_id(0)
   width, out_width = residual_ref.shape[1], out_ref.shape[1]
   tile_f = _power_of_two_dividing(out_width, TILE_F)
   padded = tile(rows)
-  block = block_columns(width, rows, num_parts, gated, w_ref.dtype.itemsize)
+  block = block_columns(width, rows, num_parts, gated, operand_dtype.itemsize, group)
   row_ok = (jnp.arange(padded) < rows)[:, None]  # [Mt, 1]
   dtype = residual_ref.dtype
 
@@ -214,7 +244,8 @@ def _kernel(*refs, rows: int, num_parts: int, gated: bool, eps: float, precision
       x = x + out.astype(dtype).astype(jnp.float32)
     return x.astype(dtype), columns
 
-  starts = [j * tile_f] + ([out_width + j * tile_f] if gated else [])  # gate (and up)
+  per_tile = len(tile_refs) // (2 if gated else 1)
+  tiles = [tile_refs[i:i + per_tile] for i in range(0, len(tile_refs), per_tile)]  # gate, up
 
   def step(k, carry):  # x's squares summed [Mt], and [Mt, TILE_F] per weight tile
     total, sums = carry
@@ -224,15 +255,15 @@ def _kernel(*refs, rows: int, num_parts: int, gated: bool, eps: float, precision
       def _():
         plgpu.store(x_ref.at[pl.ds(0, padded), columns], x, mask=row_ok)
 
-    operand = (x * norm_ref[columns][None, :]).astype(w_ref.dtype)  # [Mt, BLOCK_D]
-    sums = tuple(acc + plgpu.dot(operand, w_ref[columns, pl.ds(pl.multiple_of(start, tile_f),
-                                                                tile_f)], precision=precision)
-                 for acc, start in zip(sums, starts))
+    operand = (x * norm_ref[columns][None, :]).astype(operand_dtype)  # [Mt, BLOCK_D]
+    sums = tuple(acc + weight_tiles.block_product(weight_refs, operand, k * block, group=group,
+                                                  precision=precision)
+                 for acc, weight_refs in zip(sums, tiles))
     x = x.astype(jnp.float32)
     return total + (x * x).sum(axis=1), sums
 
   empty = (jnp.zeros((padded,), jnp.float32),
-           tuple(jnp.zeros((padded, tile_f), jnp.float32) for _ in starts))
+           tuple(jnp.zeros((padded, tile_f), jnp.float32) for _ in tiles))
   total, sums = jax.lax.fori_loop(0, width // block, step, empty)
   scale = jax.lax.rsqrt(total / width + eps)[:, None]  # [Mt, 1]: the row scale commutes
   #                                                     with the product
@@ -246,38 +277,46 @@ def _kernel(*refs, rows: int, num_parts: int, gated: bool, eps: float, precision
 
 
 def normed_product(parts: Float[Array, "Q M2 D"] | None, residual: Float[Array, "B T D"],
-                   norm: Float[Array, "D"], weight: Float[Array, "D F"], *, eps: float,
-                   gated: bool = False, interpret: bool = False
+                   norm: Float[Array, "D"], weight: Float[Array, "D F"] | QuantizedWeight, *,
+                   eps: float, gated: bool = False, interpret: bool = False
                    ) -> tuple[Float[Array, "B T D"], Float[Array, "B T F"]]:
   """`(x, out)`: the residual stream `residual` plus the sum of a product's `parts`
   (`linear_parts`: row b T + t is token t of row b; rows past B T ignored; None: x is
-  `residual`), and the product of x's RMSNorm (`norm`, `eps`) with `weight`, float32;
-  `gated`: `silu(gate) * up` of its halves, `[B, T, F/2]` in the residual's dtype."""
+  `residual`), and the product of x's RMSNorm (`norm`, `eps`) with `weight` (float or
+  quantized: `weight_tiles`), float32; `gated`: `silu(gate) * up` of its halves,
+  `[B, T, F/2]` in the residual's dtype."""
   b, t, width = residual.shape
   rows = b * t
   out_width = weight.shape[1] // 2 if gated else weight.shape[1]
+  tile_f = _power_of_two_dividing(out_width, TILE_F)
   num_parts = 0 if parts is None else parts.shape[0]
-  precision = jax.lax.Precision.HIGHEST if weight.dtype == jnp.float32 else None
+  operand_dtype = jnp.dtype(weight.dtype)  # a quantized weight's: its activations'
+  precision = jax.lax.Precision.HIGHEST if operand_dtype == jnp.float32 else None
   kernel = functools.partial(_kernel, rows=rows, num_parts=num_parts, gated=gated, eps=eps,
+                             operand_dtype=operand_dtype, group=weight_tiles.group(weight),
                              precision=precision)
   out_shape = [jax.ShapeDtypeStruct((rows, out_width), residual.dtype if gated else jnp.float32)]
   if num_parts:
     out_shape.insert(0, jax.ShapeDtypeStruct((rows, width), residual.dtype))
-  inputs = [residual.reshape(rows, width), norm, weight]
+  firsts = (0, out_width // tile_f) if gated else (0,)  # the gate's first tile (and the up's)
   whole = pl.BlockSpec()  # the whole array: each program indexes its part
   outs = pl.pallas_call(
-      kernel, grid=(out_width // _power_of_two_dividing(out_width, TILE_F),),
-      in_specs=[whole] * (len(inputs) + bool(num_parts)), out_specs=[whole] * len(out_shape),
-      out_shape=out_shape, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+      kernel, grid=(out_width // tile_f,),
+      in_specs=[whole] * (2 + bool(num_parts))
+      + [spec for first in firsts for spec in weight_tiles.specs(weight, tile_f, first)],
+      out_specs=[whole] * len(out_shape), out_shape=out_shape,
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
       interpret=interpret, name=KERNEL_NAME,
-  )(*([parts] if num_parts else []), *inputs)
+  )(*([parts] if num_parts else []), residual.reshape(rows, width), norm,
+    *weight_tiles.operands(weight) * len(firsts))
   x = outs[0].reshape(b, t, width) if num_parts else residual
   return x, outs[-1].reshape(b, t, out_width)
 
 
 def reference(parts: Float[Array, "Q M2 D"] | None, residual: Float[Array, "B T D"],
-              norm: Float[Array, "D"], weight: Float[Array, "D F"], *, eps: float,
-              gated: bool = False) -> tuple[Float[Array, "B T D"], Float[Array, "B T F"]]:
+              norm: Float[Array, "D"], weight: Float[Array, "D F"] | QuantizedWeight, *,
+              eps: float, gated: bool = False
+              ) -> tuple[Float[Array, "B T D"], Float[Array, "B T F"]]:
   """What `normed_product` computes, as `mdjax.models.transformer` computes it on a GPU
   without it (the norm's weight into the product's operand, its row scale after)."""
   dtype = residual.dtype
@@ -291,19 +330,23 @@ def reference(parts: Float[Array, "Q M2 D"] | None, residual: Float[Array, "B T 
   return x, jax.nn.silu(gate) * up
 
 
-def _residual_kernel(a_ref, w_ref, residual_ref, out_ref, *, rows: int, precision):
-  """Program j: the new residual stream's columns j TILE_OUT .. (the module's docstring)."""
+def _residual_kernel(a_ref, *refs, rows: int, operand_dtype, group: int | None, precision):
+  """Program j: the new residual stream's columns j TILE_OUT .. (the module's docstring).
+  `refs`: the weight's tile refs (`weight_tiles.specs`), the residual, out; the rest as
+  `_kernel`'s."""
+  *tile_refs, residual_ref, out_ref = refs
   j = pl.program_id(0)
   padded = tile(rows)
   width = a_ref.shape[1]
-  block = residual_block(width, rows, a_ref.dtype.itemsize, w_ref.dtype.itemsize)
+  block = residual_block(width, rows, a_ref.dtype.itemsize, operand_dtype.itemsize, group)
   row_ok = (jnp.arange(padded) < rows)[:, None]  # [Mt, 1]
   columns = pl.ds(pl.multiple_of(j * TILE_OUT, TILE_OUT), TILE_OUT)
 
   def step(k, total):  # [Mt, TILE_OUT]: a's block times w's
     inputs = pl.ds(pl.multiple_of(k * block, block), block)
     a = plgpu.load(a_ref.at[pl.ds(0, padded), inputs], mask=row_ok, other=0)
-    return total + plgpu.dot(a.astype(w_ref.dtype), w_ref[inputs, columns], precision=precision)
+    return total + weight_tiles.block_product(tile_refs, a.astype(operand_dtype), k * block,
+                                              group=group, precision=precision)
 
   product = jax.lax.fori_loop(0, width // block, step,
                               jnp.zeros((padded, TILE_OUT), jnp.float32))
@@ -314,26 +357,30 @@ def _residual_kernel(a_ref, w_ref, residual_ref, out_ref, *, rows: int, precisio
 
 
 def residual_product(residual: Float[Array, "B T D"], a: Float[Array, "B T K"],
-                     weight: Float[Array, "K D"], *, interpret: bool = False
+                     weight: Float[Array, "K D"] | QuantizedWeight, *, interpret: bool = False
                      ) -> Float[Array, "B T D"]:
-  """The residual stream plus `a @ weight` (accumulated in float32, rounded to the
-  residual's dtype, then added), in one kernel, not split in K (the module's docstring)."""
+  """The residual stream plus `a @ weight` (float or quantized: `weight_tiles`;
+  accumulated in float32, rounded to the residual's dtype, then added), in one kernel,
+  not split in K (the module's docstring)."""
   b, t, out_width = residual.shape
   rows, width = b * t, a.shape[-1]
-  precision = jax.lax.Precision.HIGHEST if weight.dtype == jnp.float32 else None
+  operand_dtype = jnp.dtype(weight.dtype)
+  precision = jax.lax.Precision.HIGHEST if operand_dtype == jnp.float32 else None
   whole = pl.BlockSpec()  # the whole array: each program indexes its part
   out = pl.pallas_call(
-      functools.partial(_residual_kernel, rows=rows, precision=precision),
-      grid=(out_width // TILE_OUT,), in_specs=[whole] * 3, out_specs=whole,
+      functools.partial(_residual_kernel, rows=rows, operand_dtype=operand_dtype,
+                        group=weight_tiles.group(weight), precision=precision),
+      grid=(out_width // TILE_OUT,),
+      in_specs=[whole, *weight_tiles.specs(weight, TILE_OUT), whole], out_specs=whole,
       out_shape=jax.ShapeDtypeStruct((rows, out_width), residual.dtype),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
       interpret=interpret, name=RESIDUAL_NAME,
-  )(a.reshape(rows, width), weight, residual.reshape(rows, out_width))
+  )(a.reshape(rows, width), *weight_tiles.operands(weight), residual.reshape(rows, out_width))
   return out.reshape(b, t, out_width)
 
 
 def residual_reference(residual: Float[Array, "B T D"], a: Float[Array, "B T K"],
-                       weight: Float[Array, "K D"]) -> Float[Array, "B T D"]:
+                       weight: Float[Array, "K D"] | QuantizedWeight) -> Float[Array, "B T D"]:
   """What `residual_product` computes, as `mdjax.models.transformer` adds a product."""
   return residual + linear(a, weight, residual.dtype)
 
@@ -351,18 +398,19 @@ def applies(config, params: dict, rows: int) -> bool:
   `layers` (else XLA's products): unrolled layers (a scanned layer's weights are slices
   of the stack, which a kernel's operand would copy) of the llama family's plainest
   form (an attention norm, q|k|v and gate|up fused, SiLU, no biases, no q/k or post
-  norms), whose float weights' products `fits` (quantized weights: XLA's products, the
-  conversion fused into them); unless the environment sets `OFF_SWITCH` to 0."""
+  norms), whose weights, float or quantized (`weight_tiles.takes`), give products that
+  `fits`; unless the environment sets `OFF_SWITCH` to 0."""
   layers = params["layers"]
   if (os.environ.get(OFF_SWITCH, "1") == "0" or platform.current() != "gpu"
       or not isinstance(layers, list) or config.family == "gemma3"
-      or any(is_quantized(w) for lp in layers for w in lp.values())
+      or not all(weight_tiles.takes(lp[name]) for lp in layers
+                 for name in ("wqkv", "wo", "w_gate_up", "w_down") if name in lp)
       or config.qkv_bias or config.qk_norm or config.o_bias or config.mlp_bias):
     return False
 
   def runs(weight, feeding, gated):  # the normed product of `weight`, and the product
     #                                  `feeding` it: its parts, or a residual product
-    parts = kernel_parts(rows, feeding.shape[0], gated, weight.dtype.itemsize)
+    parts = feeding_parts(rows, feeding, weight, gated)
     return fits(rows, *weight.shape, weight.dtype.itemsize, parts, gated) and (
         parts > 0 or residual_fits(rows, *feeding.shape))
 
@@ -383,8 +431,8 @@ def layers(config, params: dict, x: Float[Array, "B T D"], attend, carry,
   stack = params["layers"]
 
   def added(x, a, weight, reader, gated):  # (x, parts): the parts where `reader` adds them
-    count = part_count(a.shape[-1], rows)
-    if takes_parts(rows, count, gated, reader.dtype.itemsize):
+    count = feeding_parts(rows, weight, reader, gated)
+    if count:
       return x, linear_parts(a, weight, count)  # [Q, M, D]
     return _anywhere(residual_product, residual_reference, x, a, weight), None
 
