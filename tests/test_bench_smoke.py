@@ -48,6 +48,21 @@ def test_bench_decode_quick(tmp_path):
     assert tokens["total_tokens"] == int(batch) * results["settings"]["new_tokens"]
 
 
+def test_bench_context_quick(tmp_path):
+  results = run_quick("context", "bench_context", tmp_path)
+  assert results["command"].startswith("python3 -m experiments.bench.context --quick")
+  contenders = {"transformers"} | {f"mdjax block_sparse {loop} {kv}" for loop in
+                                   ("unrolled", "scan") for kv in ("float32", "int8")}
+  points = results["points"]
+  assert [p["context"] for p in points] == [32, 96]
+  for p in points:
+    assert set(p["step_ms"]) == contenders and all(ms > 0 for ms in p["step_ms"].values())
+  assert 0 < points[0]["roofline_ms"] < points[1]["roofline_ms"]  # more K/V to read
+  assert "prefill_ms" not in points[0] and set(points[1]["prefill_ms"]) == {"mdjax",
+                                                                           "transformers"}
+  assert set(results["growth"]) == contenders
+
+
 def test_lookup_prior_quick(tmp_path):
   """Every rate is a share of what was offered; a later token is scored only after the
   ones before it were right."""
