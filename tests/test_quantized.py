@@ -30,7 +30,9 @@ from mdjax.models.model import Model
 from mdjax.models.random_init import init_params
 from mdjax.models import quantized, transformer
 from mdjax.models.quantized import QuantizedWeight
-from tests.helpers import LOSSLESS, every_strategy, run_strategy, strategy_heads
+from tests.helpers import (LOSSLESS, every_strategy, random_medusa_heads, run_strategy,
+                           strategy_heads)
+from tests.test_draft_vocab import cut
 
 TINY = "random-llama-tiny"  # hidden 64, intermediate 128, 2 layers, vocab 256
 TOKENS = jnp.asarray([[1, 5, 9, 3, 7, 2, 40, 41], [8, 8, 9, 100, 7, 2, 3, 4]])
@@ -109,6 +111,30 @@ def test_lossless_strategies_on_quantized_weights_and_an_int8_cache_are_greedy(
   greedy = run_strategy(model, "greedy", (prompts, dict(kv_cache_dtype="int8")), 16)
   ours = run_strategy(model, strategy, (prompts, dict(options, kv_cache_dtype="int8")), 16)
   assert ours.sequences == greedy.sequences
+
+
+@pytest.mark.parametrize("bits, group, offset", [(8, None, False), (4, 16, True)])
+def test_a_quantized_matrixs_columns_are_its_values_columns(bits, group, offset):
+  """`take_columns`, what heads with a draft vocabulary gather from an untied head."""
+  weight = quantized.quantize(jax.random.normal(jax.random.key(0), (32, 40)), bits, group)
+  if offset:
+    weight = dataclasses.replace(weight, offset=0.3 * weight.scale)
+  ids = jnp.asarray([0, 7, 39, 12])
+  np.testing.assert_array_equal(quantized.take_columns(weight, ids),
+                                quantized.dequantize(weight)[:, ids])
+
+
+def test_heads_reading_a_quantized_models_draft_columns_are_greedy(quantized_models):
+  """Medusa heads with a draft vocabulary, sharing the model's unembedding: the strategy
+  gathers its draft columns from the quantized tied embedding (as floats), and decodes
+  greedy's tokens."""
+  model = quantized_models["int8"]
+  heads = cut(random_medusa_heads(mdjax.load(TINY), seed=2), np.arange(0, 256, 3))
+  prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10, 11]]
+  greedy = mdjax.generate(model, prompts, max_new_tokens=16, eos_token_id=[])
+  out = mdjax.generate(model, prompts, strategy="medusa", heads=heads, max_new_tokens=16,
+                       eos_token_id=[])
+  assert out.sequences == greedy.sequences
 
 
 def test_branches_in_a_shared_int8_cache_are_each_branch_alone(quantized_models):

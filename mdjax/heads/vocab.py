@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from mdjax.errors import MdjaxError, check_count
+from mdjax.models.quantized import take_columns, take_rows
 from mdjax.models.transformer import Params
 
 
@@ -90,7 +91,8 @@ def column_of(draft_ids: Int[Array, "Vd"], vocab_size: int) -> Int[Array, "V"]:
 
 def unembedding_columns(target_params: Params, draft_ids: Int[Array, "Vd"]) -> Float[Array, "D Vd"]:
   """The target's unembedding restricted to the draft vocabulary, `[D, V_d]`: gathered
-  once per request, not per step (`lm_head`, or the tied embedding's rows)."""
+  once per request, not per step (`lm_head`, or the tied embedding's rows), as floats of
+  the weights' dtype (a quantized target's columns dequantized, these alone)."""
   if "lm_head" in target_params:
-    return jnp.take(target_params["lm_head"], draft_ids, axis=1)
-  return jnp.take(target_params["embed"], draft_ids, axis=0).T
+    return take_columns(target_params["lm_head"], draft_ids)
+  return take_rows(target_params["embed"], draft_ids).T

@@ -122,6 +122,18 @@ def take_rows(embedding, ids: Int[Array, "..."]) -> Float[Array, "... D"]:
   return value.astype(embedding.dtype)
 
 
+def take_columns(matrix, ids: Int[Array, "C"]) -> Float[Array, "D C"]:
+  """Columns `ids` of a `[D, V]` matrix, float or quantized (groups along D), as floats
+  of its dtype: `matrix[:, ids]`."""
+  if not is_quantized(matrix):
+    return jnp.take(matrix, ids, axis=1)
+  picked = dataclasses.replace(matrix, q=jnp.take(matrix.q, ids, axis=-1),
+                               scale=jnp.take(matrix.scale, ids, axis=-1),
+                               offset=None if matrix.offset is None else
+                               jnp.take(matrix.offset, ids, axis=-1))
+  return dequantize(picked).astype(matrix.dtype)
+
+
 def held_bits_dtype(bits: int):
   """The integer dtype q is held in: int4 on a GPU or TPU, int8 on CPU (see the module)."""
   return jnp.int4 if bits == 4 and not platform.is_cpu() else jnp.int8
