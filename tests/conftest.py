@@ -53,8 +53,8 @@ REAL_MODEL_FIXTURES = {"smollm2", "gemma3_270m"}
 
 
 # The files that take longest (a minute or more each), longest first by their seconds
-# in the last timed run (docs/testing.md, "Time per file"). They start first, so that the two workers
-# (`--dist loadfile`) end together rather than one running the 8-device subprocess
+# in the last timed run (docs/testing.md, "Time per file"). They start first, so that the two
+# workers (`--dist loadfile`) end together rather than one running the 8-device subprocess
 # alone at the end; the two multi-process files (three processes each, on heartbeat
 # timeouts) are five files apart, so that they do not run at the same time.
 SLOW_FILES = ("test_bench_smoke.py", "test_gpu_programs.py", "test_distributed.py",

@@ -293,7 +293,8 @@ def table(results: dict) -> str:
                    f"{c['perplexity']:.3f} | {a['prefix_fraction']:.3f} | {a['mean_prefix']:.1f} "
                    f"| {k['prefix_fraction']:.3f} | {k['mean_prefix']:.1f} | "
                    + "".join(f"{c['heads'][h]['tokens_per_pass']:.2f} | " for h in q["heads"]))
-    lines += ["", "| strategy | batch | scheme | ms per token | vs float32 |", "|---|---|---|---|---|"]
+    lines += ["", "| strategy | batch | scheme | ms per token | vs float32 |",
+              "|---|---|---|---|---|"]
     lines += [f"| {r['strategy']} | {r['batch']} | {r['scheme']} | {r['ms_per_token']:.2f} | "
               f"{r['ratio']:.3f} |" for r in entry["speed"]["rows"]]
     lines.append("")
