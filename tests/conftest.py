@@ -52,14 +52,13 @@ import mdjax  # noqa: E402
 REAL_MODEL_FIXTURES = {"smollm2", "gemma3_270m"}
 
 
-# The files that take longest (a minute or more each), longest first by their seconds
-# in the last timed run (docs/testing.md, "Time per file"). They start first, so that the two
-# workers (`--dist loadfile`) end together rather than one running the 8-device subprocess
+# Files that take a minute or more, started first, so that the two workers
+# (`--dist loadfile`) end together rather than one running the 8-device subprocess
 # alone at the end; the two multi-process files (three processes each, on heartbeat
 # timeouts) are five files apart, so that they do not run at the same time.
-SLOW_FILES = ("test_bench_smoke.py", "test_gpu_programs.py", "test_distributed.py",
-              "test_controls.py", "test_gguf.py", "test_notebooks.py", "test_quantized.py",
-              "test_distributed_train.py", "test_sharding.py", "test_cli_configs.py")
+SLOW_FILES = ("test_bench_smoke.py", "test_sharding.py", "test_distributed.py", "test_gguf.py",
+              "test_cli_configs.py", "test_speculative.py", "test_notebooks.py",
+              "test_distributed_train.py")
 
 
 def pytest_collection_modifyitems(items):
