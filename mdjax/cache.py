@@ -2,6 +2,7 @@
 
     k, v    [layers, batch, slots, kv_heads, head_dim]   float, or int8 with:
     k_scale, v_scale  float32[layers, batch, slots, kv_heads]   (int8 only; else None)
+            (each a stack, or a tuple of L per-layer arrays [batch, slots, ...]: below)
     pos     int32[batch, slots]   RoPE position of the token in each slot
     seg     int32[batch, slots]   segment owning the slot; -1 = empty or dead
     length  int32[batch]          append cursor: slots >= length are free
@@ -16,6 +17,19 @@ KV head as 127 * x / max|x| rounded, and max|x| / 127 beside it (`quantize_kv`):
 quarter of float32's bytes plus 4 bytes per head_dim values. Writes quantize (`write_layer`),
 reads dequantize (`read_kv`: attention sees float32), and every move of slots moves
 the scales with the values.
+
+K/V come in one of two layouts (`KVCache.create(..., per_layer=)`), with the same
+contents and operations:
+
+    stacked     k: [L, B, S, K, H]               what a scanned layer loop carries
+    per layer   k: ([B, S, K, H], ... L of them)  for the unrolled loop
+
+A per-layer cache is what the unrolled loop reads fastest: XLA:CPU reads a layer of a
+stack by copying it out, and transposing it, before attention's products, so a stacked
+cache cost SmolLM2's decode step ~3x what reading its bytes costs at a 6k context
+(docs/benchmarks/context.md). Code reads and writes one layer through `at_layer` /
+`with_layer`, which hand it a stack and an index either way (a per-layer array as a
+stack of one: a reshape, not a copy).
 
 Example, one row after a prompt of 3 tokens and two decoded beams (segments 1, 2)::
 
@@ -37,6 +51,7 @@ from jaxtyping import Array, Bool, Float, Int
 from mdjax import platform, programs
 from mdjax.errors import MdjaxError
 from mdjax.models.config import ModelConfig
+from mdjax.models.layer_loop import layer_loop_of
 from mdjax.sharding import constrain_cache
 
 FEW_TOKENS = 32  # tokens per pass up to which a GPU claims slots by selects (`set_few`)
@@ -63,31 +78,49 @@ class CacheRegions(NamedTuple):
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-  k: Float[Array, "L B S K H"]
-  v: Float[Array, "L B S K H"]
+  k: Float[Array, "L B S K H"] | tuple[Float[Array, "B S K H"], ...]
+  v: Float[Array, "L B S K H"] | tuple[Float[Array, "B S K H"], ...]
   pos: Int[Array, "B S"]
   seg: Int[Array, "B S"]
   length: Int[Array, "B"]
-  k_scale: Float[Array, "L B S K"] | None = None  # an int8 cache's scales
-  v_scale: Float[Array, "L B S K"] | None = None
+  k_scale: Float[Array, "L B S K"] | tuple[Float[Array, "B S K"], ...] | None = None  # int8's
+  v_scale: Float[Array, "L B S K"] | tuple[Float[Array, "B S K"], ...] | None = None
 
   @classmethod
-  def create(cls, config: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> "KVCache":
-    """An empty cache for K/V of `dtype`. On CPU a bfloat16 cache is stored as float32,
-    which holds the same values (attention reads K/V in float32 anyway): XLA:CPU writes
-    into a bfloat16 array by converting all of it to float32 and back, the whole cache
-    of every layer at each layer's write, ~70% of a bfloat16 SmolLM2 pass. An int8 cache
-    has its scales (see the module)."""
+  def create(cls, config: ModelConfig, batch: int, slots: int, dtype=jnp.float32, *,
+             per_layer: bool = False) -> "KVCache":
+    """An empty cache for K/V of `dtype`, stacked or `per_layer` (see the module; a
+    per-layer cache serves the unrolled layer loop only). On CPU a bfloat16 cache is
+    stored as float32, which holds the same values (attention reads K/V in float32
+    anyway): XLA:CPU writes into a bfloat16 array by converting all of it to float32 and
+    back, the whole cache of every layer at each layer's write, ~70% of a bfloat16
+    SmolLM2 pass. An int8 cache has its scales (see the module)."""
     if jnp.dtype(dtype) == jnp.bfloat16 and platform.is_cpu():
       dtype = jnp.float32
     shape = (config.num_layers, batch, slots, config.num_kv_heads, config.head_dim)
-    scales = (dict(k_scale=jnp.zeros(shape[:-1], jnp.float32),
-                   v_scale=jnp.zeros(shape[:-1], jnp.float32))
+
+    def zeros(shape, dtype):
+      if not per_layer:
+        return jnp.zeros(shape, dtype)
+      return tuple(jnp.zeros(shape[1:], dtype) for _ in range(shape[0]))
+
+    scales = (dict(k_scale=zeros(shape[:-1], jnp.float32), v_scale=zeros(shape[:-1], jnp.float32))
               if jnp.dtype(dtype) == jnp.int8 else {})
-    return constrain_cache(cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+    return constrain_cache(cls(k=zeros(shape, dtype), v=zeros(shape, dtype),
                                pos=jnp.zeros((batch, slots), jnp.int32),
                                seg=jnp.full((batch, slots), -1, jnp.int32),
                                length=jnp.zeros((batch,), jnp.int32), **scales))
+
+  @classmethod
+  def for_params(cls, config: ModelConfig, params: dict, batch: int, slots: int,
+                 dtype=jnp.float32) -> "KVCache":
+    """`create` in the layout the layer loop of `params` reads fastest (see the module):
+    per layer under "unrolled" on a CPU, else stacked. A GPU's passes move slots of all
+    layers at once (a beam's reorder, an accepted path): over a stack one kernel per
+    field, per layer L of them (compiled for an H200: past the 10 kernels a layer's pass
+    `tests/test_gpu_programs.py` allows)."""
+    unrolled = layer_loop_of(params) == "unrolled"
+    return cls.create(config, batch, slots, dtype, per_layer=unrolled and platform.is_cpu())
 
   @property
   def num_slots(self) -> int:
@@ -96,6 +129,20 @@ class KVCache:
   @property
   def quantized(self) -> bool:
     return self.k_scale is not None
+
+  @property
+  def per_layer(self) -> bool:
+    """Whether K/V are a tuple of per-layer arrays (else one stack each)."""
+    return isinstance(self.k, tuple)
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    """The dtype K and V are stored in."""
+    return (self.k[0] if self.per_layer else self.k).dtype
+
+  @property
+  def num_kv_heads(self) -> int:
+    return (self.k[0] if self.per_layer else self.k).shape[-2]
 
   def replace(self, **changes) -> "KVCache":
     return dataclasses.replace(self, **changes)
@@ -125,14 +172,59 @@ def quantize_kv(x: Float[Array, "... K H"]) -> tuple[Int[Array, "... K H"], Floa
   return q.astype(jnp.int8), scale
 
 
-def read_kv(cache: KVCache, pick) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
-  """`(pick(k), pick(v))`, dequantized to float32 for an int8 cache: `pick` indexes or
-  slices the leading axes (layer, batch, slot, KV head) only, so it applies to the scales
-  too (e.g. `lambda x: x[layer]`)."""
+def split_layers(cache: KVCache) -> KVCache:
+  """A stacked `cache` as a per-layer one (its K/V and scales cut apart: a copy); a
+  per-layer one as it is."""
+  if cache.per_layer:
+    return cache
+  return cache.replace(**{name: tuple(x) for name, x in cache.slot_fields().items()})
+
+
+def at_layer(field, layer) -> tuple[Array, int | Array]:
+  """`(stack, index)` such that `stack[index]` is `layer` of one K/V field (or scale):
+  a stacked field and `layer` as they are, or a per-layer field's array as a stack of
+  one `[1, B, S, ...]` (a reshape, no copy) and 0; `layer` must then be an int."""
+  if not isinstance(field, tuple):
+    return field, layer
+  return field[_static(layer)][None], 0
+
+
+def _static(layer) -> int:
+  """`layer`, which indexes a per-layer field: an int, or one line naming the option."""
+  if not isinstance(layer, int):
+    raise MdjaxError("a per-layer KV cache is read by the unrolled layer loop only; "
+                     "layer_loop='scan' takes a stacked one (KVCache.create(per_layer=False))")
+  return layer
+
+
+def with_layer(field, layer, stack: Array):
+  """`field` with `layer` replaced by what `at_layer` gave, updated (`stack`)."""
+  if isinstance(field, tuple):
+    return field[:layer] + (stack[0],) + field[layer + 1:]
+  return stack
+
+
+def read_kv(cache: KVCache, layer, pick=lambda x, index: x[index]
+            ) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
+  """`layer`'s K and V as `pick(stack, index)` reads them from `at_layer`'s view,
+  dequantized to float32 for an int8 cache. `pick` indexes or slices the leading axes
+  (layer, batch, slot, KV head) only, so it applies to the scales too; by default the
+  whole layer `[B, S, K, H]`."""
+  read = lambda field: pick(*at_layer(field, layer))
   if not cache.quantized:
-    return pick(cache.k), pick(cache.v)
-  return tuple(pick(values).astype(jnp.float32) * pick(scale)[..., None]
+    return read(cache.k), read(cache.v)
+  return tuple(read(values).astype(jnp.float32) * read(scale)[..., None]
                for values, scale in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)))
+
+
+def each_layer(fn, field):
+  """`fn(x, lead)` over a stacked field (`lead`: `(slice(None),)`, its layer axis), or
+  over each array of a per-layer one (`lead`: `()`), so that `x[lead + (rows, slots)]`
+  indexes the batch and slot axes of either: for operations on every layer alike
+  (moving slots), each in place."""
+  if isinstance(field, tuple):
+    return tuple(fn(x, ()) for x in field)
+  return fn(field, (slice(None),))
 
 
 def claim_slots(cache: KVCache, positions: Int[Array, "B T"], segments: Int[Array, "B T"],
@@ -199,17 +291,26 @@ def write_layer(cache: KVCache, layer: int, slot: Int[Array, "B T"], k: Float[Ar
     tokens = jnp.broadcast_to(jnp.arange(slot.shape[1], dtype=jnp.int32), slot.shape)  # [B, T]
     src = jnp.full(cache.seg.shape, -1, jnp.int32).at[rows, slot].set(tokens, mode="drop")
 
-    def put(stack, values):  # [L, B, S, K(, H)], [B, T, K(, H)]
-      written = jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)  # [B, S, K(, H)]
+    def put(stack, index, values):  # [L, B, S, K(, H)], [B, T, K(, H)]
+      written = jax.lax.dynamic_index_in_dim(stack, index, keepdims=False)  # [B, S, K(, H)]
       taken = (src[(...,) + (None,) * (written.ndim - 2)])  # [B, S, 1(, 1)]
       for t in range(slot.shape[1]):
         written = jnp.where(taken == t, values[:, t, None].astype(stack.dtype), written)
-      return jax.lax.dynamic_update_index_in_dim(stack, written, layer, 0)
+      return jax.lax.dynamic_update_index_in_dim(stack, written, index, 0)
+  else:
+    def put(stack, index, values):
+      return stack.at[index, rows, slot].set(values.astype(stack.dtype), mode="drop")
 
-    return cache.replace(**{name: put(getattr(cache, name), values)
-                            for name, values in new.items()})
-  return cache.replace(**{name: getattr(cache, name).at[layer, rows, slot].set(
-      values.astype(getattr(cache, name).dtype), mode="drop") for name, values in new.items()})
+  def put_field(name, values):
+    field = getattr(cache, name)
+    if isinstance(field, tuple) and platform.current() != "tpu":  # into the layer's own array:
+      # through `at_layer`'s stack of one, XLA:CPU copied the whole layer for the scatter
+      own = field[_static(layer)].at[rows, slot].set(values.astype(field[layer].dtype),
+                                                     mode="drop")
+      return field[:layer] + (own,) + field[layer + 1:]
+    return with_layer(field, layer, put(*at_layer(field, layer), values))
+
+  return cache.replace(**{name: put_field(name, values) for name, values in new.items()})
 
 
 def _written(cache: KVCache, k: Float[Array, "B T K H"], v: Float[Array, "B T K H"]) -> dict:
@@ -303,14 +404,16 @@ def _move_window(cache: KVCache, start: Int[Array, "B"], source: Int[Array, "B W
   position, and its segment if `keep[b, i]` (else the slot is freed). Destinations
   past the end are dropped.
 
-  K/V (and an int8 cache's scales) move by a gather and a scatter (in place); positions and segments by one select
-  over the whole row, which a GPU fuses with their gather (a scatter is a kernel of
-  its own per array, after a copy of the array it updates)."""
+  K/V (and an int8 cache's scales) move by a gather and a scatter (in place); positions
+  and segments by one select over the whole row, which a GPU fuses with their gather (a
+  scatter is a kernel of its own per array, after a copy of the array it updates)."""
   width = source.shape[1]
   rows = jnp.arange(source.shape[0])[:, None]  # [B, 1]
   source = jnp.minimum(source, cache.num_slots - 1)
   destination = start[:, None] + jnp.arange(width)[None, :]  # [B, W]
-  moved = cache.replace(**{name: x.at[:, rows, destination].set(x[:, rows, source], mode="drop")
+  move = lambda x, lead: x.at[lead + (rows, destination)].set(x[lead + (rows, source)],
+                                                             mode="drop")
+  moved = cache.replace(**{name: each_layer(move, x)
                            for name, x in cache.slot_fields().items()})  # [L, B, S, K(, H)]
   if keep is None:
     return moved

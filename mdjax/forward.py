@@ -23,7 +23,8 @@ def forward_logits(model: Model, ids) -> np.ndarray:
   segments = np.where(np.arange(slots) < len(ids), 0, -1)[None].astype(np.int32)
   positions = np.arange(slots, dtype=np.int32)[None]
   with sharding.active(model.layout):
-    cache = KVCache.create(model.config, 1, slots, model.params["embed"].dtype)
+    cache = KVCache.for_params(model.config, model.params, 1, slots,
+                               model.params["embed"].dtype)
     logits, _, _ = decode_step(model.params, cache, tokens, positions, segments,
                                Topology.causal(1), config=model.config)
   return distributed.to_host(logits)[0, :len(ids)]

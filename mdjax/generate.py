@@ -52,7 +52,9 @@ class GenerationOutput:
 def _start(strategy, params, prompt: Prompt, limits: Limits, *, num_slots: int, capacity: int,
            cache_dtype):
   """An empty cache of `num_slots` per row, then the strategy's prefill: its first state."""
-  cache = KVCache.create(strategy.model.config, prompt.tokens.shape[0], num_slots, cache_dtype)
+  model_params = params["target"] if "target" in params else params  # beside heads, a draft
+  cache = KVCache.for_params(strategy.model.config, model_params, prompt.tokens.shape[0],
+                             num_slots, cache_dtype)
   return strategy.init(params, prompt, cache, limits, capacity)
 
 

@@ -164,8 +164,14 @@ def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
 
 
 def constrain_cache(cache):
-  """The KV cache (`mdjax.cache.KVCache`) with every field constrained by `CACHE_AXES`."""
-  return cache.replace(**{name: constrain(getattr(cache, name), *axes)
+  """The KV cache (`mdjax.cache.KVCache`) with every field constrained by `CACHE_AXES`
+  (a per-layer field's arrays each by the axes after the layer's)."""
+  def constrained(field, axes):
+    if isinstance(field, tuple):
+      return tuple(constrain(x, *axes[1:]) for x in field)
+    return constrain(field, *axes)
+
+  return cache.replace(**{name: constrained(getattr(cache, name), axes)
                           for name, axes in CACHE_AXES.items()
                           if getattr(cache, name) is not None})
 

@@ -167,8 +167,10 @@ def test_reorder_moves_only_branch_slots(pairs):
 
   first, cache = jax.device_get(run(plan.params, plan.prompt, plan.limits))
   for row, p in enumerate(prompts):
-    np.testing.assert_array_equal(cache.k[:, row, :len(p)], first.k[:, row, :len(p)])
-    np.testing.assert_array_equal(cache.v[:, row, :len(p)], first.v[:, row, :len(p)])
+    np.testing.assert_array_equal(np.asarray(cache.k)[:, row, :len(p)],
+                                  np.asarray(first.k)[:, row, :len(p)])
+    np.testing.assert_array_equal(np.asarray(cache.v)[:, row, :len(p)],
+                                  np.asarray(first.v)[:, row, :len(p)])
     assert cache.length[row] == len(p) + passes * k
     branch = cache.seg[row, len(p):len(p) + passes * k]
     assert (branch == np.tile(np.arange(1, k + 1), passes)).all()

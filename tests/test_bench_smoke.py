@@ -53,6 +53,7 @@ def test_bench_context_quick(tmp_path):
   assert results["command"].startswith("python3 -m experiments.bench.context --quick")
   contenders = {"transformers"} | {f"mdjax block_sparse {loop} {kv}" for loop in
                                    ("unrolled", "scan") for kv in ("float32", "int8")}
+  contenders |= {f"mdjax block_sparse unrolled {kv} stacked" for kv in ("float32", "int8")}
   points = results["points"]
   assert [p["context"] for p in points] == [32, 96]
   for p in points:

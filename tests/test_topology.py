@@ -19,6 +19,8 @@ import pytest
 from mdjax import cache as cache_ops
 from mdjax import platform
 from mdjax.cache import CacheRegions, KVCache
+from mdjax.errors import MdjaxError
+from mdjax.models.layer_loop import with_layer_loop
 from mdjax.models.config import ModelConfig
 from mdjax.models.random_init import init_params
 from mdjax.step import decode_step
@@ -353,3 +355,57 @@ def test_a_tpu_writes_a_layer_as_the_cpu_does():
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
       np.testing.assert_array_equal(a, b)
     assert not np.array_equal(expected.k, cache.k)  # the test writes something
+
+
+def _stacked(cache: KVCache) -> dict:
+  """Every field of `cache` as numpy, per-layer K/V (and scales) stacked `[L, ...]`."""
+  return {name: np.asarray(getattr(cache, name)) for name in
+          ("k", "v", "pos", "seg", "length", "k_scale", "v_scale")
+          if getattr(cache, name) is not None}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_a_per_layer_cache_takes_every_operation_as_a_stacked_one(dtype):
+  """The same writes (the CPU's scatter and the TPU's selects), reads and slot moves
+  (`compact`, `move_slots`, `gather_slots`, `rollback`) on a cache held per layer give
+  what they give on the stacked one, field by field."""
+  rng = np.random.default_rng(1)
+  stacked = KVCache.create(CONFIG, 2, 8, dtype)
+  k = rng.standard_normal((2, 6, CONFIG.num_kv_heads, CONFIG.head_dim))  # [B, T, K, H]
+  stacked, slots = cache_ops.claim_slots(stacked, jnp.asarray([[0, 1, 2, 3, 4, 5]] * 2),
+                                         jnp.asarray([[0, 0, 1, -1, 1, 0], [0, 1, 0, 0, 1, 1]]))
+  per_layer = cache_ops.split_layers(stacked)
+  assert per_layer.per_layer and not stacked.per_layer and per_layer.dtype == stacked.dtype
+  ops = [lambda c: cache_ops.write_layer(c, 1, slots, jnp.asarray(k), jnp.asarray(-k)),
+         lambda c: cache_ops.write_layer(c, 0, slots, jnp.asarray(2 * k), jnp.asarray(k))]
+  for op in ops:
+    stacked, per_layer = op(stacked), op(per_layer)
+    with platform.building_for("tpu"):
+      tpu = jax.jit(op)(per_layer)
+    for name, value in _stacked(per_layer).items():
+      np.testing.assert_array_equal(_stacked(tpu)[name], value)
+  moves = [lambda c: cache_ops.gather_slots(c, jnp.asarray([2, 1]), jnp.asarray([[3, 2], [5, 1]]),
+                                            width=2),
+           lambda c: cache_ops.compact(c, jnp.asarray([1, 2]), width=4),
+           lambda c: cache_ops.move_slots(c, jnp.asarray([0, 1]), jnp.asarray([[2, 0], [3, 4]]),
+                                          jnp.asarray([2, 1])),
+           lambda c: cache_ops.rollback(c, jnp.asarray([1, 2]))]
+  for op in [None] + moves:
+    if op is not None:
+      stacked, per_layer = op(stacked), op(per_layer)
+    expected = _stacked(stacked)
+    for name, value in _stacked(per_layer).items():
+      np.testing.assert_array_equal(value, expected[name], err_msg=name)
+    for layer in range(CONFIG.num_layers):
+      for a, b in zip(cache_ops.read_kv(per_layer, layer), cache_ops.read_kv(stacked, layer)):
+        np.testing.assert_array_equal(a, b)
+  assert np.abs(expected["k"]).sum() > 0  # the test wrote something
+
+
+def test_a_per_layer_cache_under_the_scan_loop_is_one_clear_error():
+  params = dict(_params(CONFIG))
+  cache = KVCache.for_params(CONFIG, params, 1, 8)
+  assert cache.per_layer  # the unrolled loop's layout
+  scanned = with_layer_loop(params, "scan")
+  with pytest.raises(MdjaxError, match="per-layer KV cache .* layer_loop='scan'"):
+    step(scanned, cache, [[1, 2]], [[0, 1]], [[0, 0]], Topology.causal(1, 4), CONFIG)

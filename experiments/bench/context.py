@@ -9,8 +9,10 @@ Three measures, each context's contenders interleaved in every repeat (the media
 1. **Decode.** One token's step over a cache holding `context` tokens: mdjax's
    `decode_step` at T=1 in a jitted loop of `LOOP_STEPS` greedy steps, as `generate`
    runs it (each attention of `--attentions`, each layer loop of `--layer_loops`, each
-   cache of `--kv_cache_dtypes`; the cache filled with random K/V, what a step costs does
-   not depend on the values), and transformers' forward of one token over its
+   cache of `--kv_cache_dtypes`, in the layout `generate` gives the loop: per layer when
+   unrolled, stacked when scanned, and with `--unrolled_stacked` the unrolled loop over a
+   stacked cache too; the cache filled with random K/V, what a step costs does not depend
+   on the values), and transformers' forward of one token over its
    `DynamicCache` after a prefill of `context` tokens. ms per step, and each one's
    growth from the first context.
 2. **Prefill.** `generate` of one token after a prompt of each context in mdjax (its
@@ -45,7 +47,7 @@ from experiments.bench.common import (FIRST_PROMPT_ID, load_pair, machine_info, 
                                       memory_bandwidth, plt, random_ids, results_dir, save_figure,
                                       set_torch_threads, step_bytes, torch_oracle, write_results)
 from experiments.cli import check_argv, one_line_errors
-from mdjax.cache import KVCache
+from mdjax.cache import KVCache, split_layers
 from mdjax.models.layer_loop import with_layer_loop
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Model (anything mdjax.load reads).")
@@ -54,6 +56,8 @@ _CONTEXTS = flags.DEFINE_list("contexts", ["256", "1024", "2048", "4096", "6144"
 _ATTENTIONS = flags.DEFINE_list("attentions", ["block_sparse", "dense"], "mdjax's attentions.")
 _LAYER_LOOPS = flags.DEFINE_list("layer_loops", ["unrolled", "scan"], "mdjax's layer loops.")
 _KV_DTYPES = flags.DEFINE_list("kv_cache_dtypes", ["float32", "int8"], "mdjax's caches.")
+_UNROLLED_STACKED = flags.DEFINE_bool("unrolled_stacked", True, "Also the unrolled loop over a "
+                                      "stacked cache (the layout before the per-layer one).")
 _PREFILL_CONTEXTS = flags.DEFINE_list("prefill_contexts", ["256", "6144"],
                                       "Contexts whose prefill is timed.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats (median).")
@@ -71,6 +75,7 @@ class Settings:
   attentions: tuple[str, ...]
   layer_loops: tuple[str, ...]
   kv_dtypes: tuple[str, ...]
+  unrolled_stacked: bool
   prefill_contexts: tuple[int, ...]
   repeats: int
   bandwidth_mib: int
@@ -80,17 +85,17 @@ def settings() -> Settings:
   if _QUICK.value:
     return Settings(model="random-llama-tiny", contexts=(32, 96), attentions=("block_sparse",),
                     layer_loops=("unrolled", "scan"), kv_dtypes=("float32", "int8"),
-                    prefill_contexts=(96,), repeats=1, bandwidth_mib=64)
+                    unrolled_stacked=True, prefill_contexts=(96,), repeats=1, bandwidth_mib=64)
   return Settings(model=_MODEL.value, contexts=tuple(map(int, _CONTEXTS.value)),
                   attentions=tuple(_ATTENTIONS.value), layer_loops=tuple(_LAYER_LOOPS.value),
-                  kv_dtypes=tuple(_KV_DTYPES.value),
+                  kv_dtypes=tuple(_KV_DTYPES.value), unrolled_stacked=_UNROLLED_STACKED.value,
                   prefill_contexts=tuple(map(int, _PREFILL_CONTEXTS.value)),
                   repeats=_REPEATS.value, bandwidth_mib=_BANDWIDTH_MIB.value)
 
 
 def filled_cache(config, context: int, kv_dtype: str, rng: np.random.Generator) -> KVCache:
-  """One row's cache of `context` + 128 slots, its first `context` holding random K/V
-  (int8: random integers and scales) at positions 0 to context - 1."""
+  """One row's stacked cache of `context` + 128 slots, its first `context` holding random
+  K/V (int8: random integers and scales) at positions 0 to context - 1."""
   slots = context + 128
   cache = KVCache.create(config, 1, slots, kv_dtype)
   filled = np.arange(slots) < context
@@ -201,8 +206,11 @@ def run(s: Settings) -> dict:
     for kv_dtype in s.kv_dtypes:
       cache = filled_cache(model.config, context, kv_dtype, rng)
       for loop, attention in itertools.product(s.layer_loops, s.attentions):
-        calls[f"mdjax {attention} {loop} {kv_dtype}"] = mdjax_steps(loops[loop], cache, context,
-                                                                    attention)
+        name = f"mdjax {attention} {loop} {kv_dtype}"
+        layout = split_layers(cache) if loop == "unrolled" else cache  # as `generate` has it
+        calls[name] = mdjax_steps(loops[loop], layout, context, attention)
+        if loop == "unrolled" and s.unrolled_stacked:
+          calls[name + " stacked"] = mdjax_steps(loops[loop], cache, context, attention)
     step_ms = medians(calls, s.repeats, f"decode at {context}")
     point = dict(context=context, step_ms=step_ms,
                  roofline_ms=step_bytes(model, 1, context) / bandwidth["read_gbps"] / 1e6)

@@ -134,7 +134,8 @@ class BareStep:
                        bucket(new_tokens), 1)
     self.topology = mdjax.Topology.causal(batch)
     positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), prompts.shape)
-    cache = KVCache.create(config, batch, slots, model.params["embed"].dtype)
+    cache = KVCache.for_params(config, model.params, batch, slots,
+                               model.params["embed"].dtype)
     _, _, self.prefilled = mdjax.decode_step(
         model.params, cache, jnp.asarray(prompts, jnp.int32), positions,
         jnp.zeros_like(positions), self.topology, config=config,

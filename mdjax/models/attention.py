@@ -114,7 +114,7 @@ def dense_attention(queries: Queries, cache: KVCache, layer: int,
   """Reference: every slot of `layer`, one masked softmax."""
   mask = visible(queries.limit, queries.segments, queries.positions, cache.seg, cache.pos,
                  spec.sliding_window)  # [B, T, S]
-  return masked_attention(queries.q, *read_kv(cache, lambda x: x[layer]), mask, scale=spec.scale,
+  return masked_attention(queries.q, *read_kv(cache, layer), mask, scale=spec.scale,
                           softcap=spec.softcap)
 
 
@@ -130,7 +130,7 @@ def fused_attention(queries: Queries, cache: KVCache, layer, spec: LayerAttentio
   mask = visible(queries.limit, queries.segments, queries.positions, cache.seg, cache.pos,
                  spec.sliding_window)  # [B, T, S]
   q = queries.q
-  keys, values = read_kv(cache, lambda x: x[layer])  # [B, S, K, H]
+  keys, values = read_kv(cache, layer)  # [B, S, K, H]
   out = jax.nn.dot_product_attention(q, keys.astype(q.dtype),
                                      values.astype(q.dtype), mask=mask[:, None],
                                      scale=spec.scale)  # [B, T, N, H]
@@ -159,7 +159,7 @@ def _visit_blocks(qg: Float[Array, "B T K R H"], queries: Queries, cache: KVCach
   """The online-softmax carry of the queries over the visible key blocks of `layer`.
 
   Blocks past the fullest row's `length` are not visited; a visited block's K/V
-  are sliced out of the stacked cache only when some query can see into it, so
+  are sliced out of the cache only when some query can see into it, so
   invisible blocks are never read.
   """
   b, _, k, _, h = qg.shape
@@ -173,10 +173,9 @@ def _visit_blocks(qg: Float[Array, "B T K R H"], queries: Queries, cache: KVCach
                    spec.sliding_window)  # [B, T, Bk]
 
     def read_block(carry):
-      index = (layer, 0, start, 0, 0)
       size = (1, b, block_size, k, h)
-      keys, values = read_kv(cache, lambda x: jax.lax.dynamic_slice(
-          x, index[:x.ndim], size[:x.ndim])[0])  # [B, Bk, K, H] each
+      keys, values = read_kv(cache, layer, lambda x, at: jax.lax.dynamic_slice(
+          x, (at, 0, start, 0, 0)[:x.ndim], size[:x.ndim])[0])  # [B, Bk, K, H] each
       return _absorb(carry, _scores(qg, keys, mask, spec.softcap),
                      functools.partial(_weigh, values=values))
 
@@ -203,7 +202,7 @@ def block_sparse_attention(queries: Queries, cache: KVCache, layer: int, spec: L
       key blocks      ctx ctx | q0-q3 | q4-q7 | ...
       query tile 0    ctx ctx | q0-q3                 (q4... never read by tile 0)
   """
-  qg = _grouped(queries.q, cache.k.shape[3], spec.scale)  # [B, T, K, R, H]
+  qg = _grouped(queries.q, cache.num_kv_heads, spec.scale)  # [B, T, K, R, H]
   b, t = queries.segments.shape
   if t <= QUERY_BLOCK:
     _, total, acc = _visit_blocks(qg, queries, cache, layer, spec, block_size=block_size)
@@ -243,11 +242,11 @@ def cascade_attention(queries: Queries, cache: KVCache, layer: int, spec: LayerA
   are their regions' newest tokens (the strategy's layout guarantees both; the mask
   still decides within them).
   """
-  qg = _grouped(queries.q, cache.k.shape[3], spec.scale)  # [B, T, K, R, H]
+  qg = _grouped(queries.q, cache.num_kv_heads, spec.scale)  # [B, T, K, R, H]
   shared = slice(0, regions.shared)
   mask = visible(queries.limit, queries.segments, queries.positions, cache.seg[:, shared],
                  cache.pos[:, shared], spec.sliding_window)  # [B, T, shared]
-  keys, values = read_kv(cache, lambda x: x[layer, :, shared])  # [B, shared, K, H]
+  keys, values = read_kv(cache, layer, lambda x, at: x[at, :, shared])  # [B, shared, K, H]
   carry = _absorb(_no_keys(qg), _scores(qg, keys, mask, spec.softcap),
                   functools.partial(_weigh, values=values))
   _, total, acc = _absorb_own_regions(carry, qg, queries, cache, layer, regions, spec)
@@ -284,9 +283,9 @@ def _absorb_own_regions(carry, qg: Float[Array, "B T K R H"], queries: Queries, 
 
   def gathered(index, carry):
     slot = shared + (region * size + index * chunk)[..., None] + jnp.arange(chunk)  # [B, T, C]
-    # one gather at (layer, row, slot): indexing cache.k[layer] first would copy the whole
-    # layer out of the cache, every chunk, when `layer` is traced (the scan layer loop)
-    return absorb(*read_kv(cache, lambda x: x[layer, rows, slot]), cache.seg[rows, slot],
+    # one gather at (layer, row, slot): indexing the stack at the layer first would copy
+    # the whole layer out of it, every chunk, when `layer` is traced (the scan layer loop)
+    return absorb(*read_kv(cache, layer, lambda x, at: x[at, rows, slot]), cache.seg[rows, slot],
                   cache.pos[rows, slot], carry)
 
   def in_order_chunk(index, carry):
@@ -295,10 +294,10 @@ def _absorb_own_regions(carry, qg: Float[Array, "B T K R H"], queries: Queries, 
           *x.shape[:axis], t, size, *x.shape[axis + 1:])
       return jax.lax.dynamic_slice_in_dim(regions_view, index * chunk, chunk, axis=axis + 1)
 
-    def cut_layer(x):  # [L, B, S, K, H] -> [B, T, C, K, H]; the layer picked last, so that
-      # only the chunk is read (picked first, the whole layer would be copied out)
-      return jax.lax.dynamic_index_in_dim(cut(x, axis=2), layer, keepdims=False)
-    return absorb(*read_kv(cache, cut_layer), cut(cache.seg), cut(cache.pos), carry)
+    def cut_layer(x, at):  # [L, B, S, K, H] -> [B, T, C, K, H]; the layer picked last, so
+      # that only the chunk is read (picked first, the whole layer would be copied out)
+      return jax.lax.dynamic_index_in_dim(cut(x, axis=2), at, keepdims=False)
+    return absorb(*read_kv(cache, layer, cut_layer), cut(cache.seg), cut(cache.pos), carry)
 
   if in_order and shared + t * size > cache.num_slots:
     raise ValueError(f"an in-order pass of {t} queries needs {t} regions of {size} slots after "

@@ -36,7 +36,8 @@ Einsum letters as in `mdjax.models.attention`: B batch, T new tokens (P: padded 
 Triton tile), S slots, K kv heads, R query heads per kv head (N = K R; Rt: R padded),
 H head dim, L layers, D model width, Q the product's parts, M its rows. `cache`: the
 cache's `(k, v)` `[L, B, S, K, H]`, or an int8 cache's `(k, v, k_scale, v_scale)`
-(`mdjax.cache.KVCache.slot_fields`).
+(`mdjax.cache.KVCache.slot_fields`; a per-layer cache's layer as a stack of one:
+`mdjax.cache.at_layer`).
 """
 
 from __future__ import annotations
@@ -341,9 +342,9 @@ def reference(qkv: Float[Array, "Q M N+2K H"], rows: Float[Array, "B T D"] | Non
   before = KVCache(*cache[:2], None, None, None, *cache[2:])  # K/V (and scales): all it reads
   after = write_layer(before, layer, slot, apply_rope(k, positions, inv_freq), v)
   rows_ = jnp.arange(b)[:, None]  # [B, 1]
-  new = lambda x: x.at[layer, rows_, slot].get(mode="clip")  # [B, T, K(, H)]: padding's unseen
+  new = lambda x, at: x.at[at, rows_, slot].get(mode="clip")  # [B, T, K(, H)]: padding's unseen
   keys, values = (jnp.concatenate([old, written], axis=1) for old, written in zip(
-      read_kv(before, lambda x: x[layer]), read_kv(after, new)))  # [B, S + T, K, H]
+      read_kv(before, layer), read_kv(after, layer, new)))  # [B, S + T, K, H]
   seen = mask[..., :num_slots + t] != 0  # [B, T, S + T] (dropped tokens' columns: unseen)
   out = masked_attention(apply_rope(q, positions, inv_freq), keys, values, seen, scale=scale)
   return (out, *after.slot_fields().values())

@@ -14,7 +14,8 @@ Stacking is generic over whatever keys the per-layer dicts hold (fused `wqkv` or
 split `wq`, `wk`, `wv`, ...); every layer must hold the same keys with the same
 shapes (an EAGLE-1 head, whose first layer has no `attn_norm`, stays a list).
 
-The KV cache is `[L, B, S, K, H]` in both layouts.
+The KV cache is `[L, B, S, K, H]` under "scan"; "unrolled" reads it stacked too, but
+faster held per layer (`mdjax.cache`, `KVCache.for_params`).
 """
 
 from __future__ import annotations

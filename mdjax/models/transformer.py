@@ -39,8 +39,8 @@ layers mix sliding-window and full attention, each kind with its own RoPE
 `layers` is a list walked by a Python loop ("unrolled"), or the same leaves stacked
 `[L, ...]` in one dict and walked by `lax.scan` ("scan", see `mdjax.models.layer_loop`:
 compile time flat in depth; on CPU slower per token, so "unrolled" is CPU's default).
-Both run each layer through `_layer`. The KV cache is stacked `[L, ...]` either way:
-each layer writes its new K/V into its slots in place, then attends over the cache.
+Both run each layer through `_layer`. The KV cache is stacked `[L, ...]`, or per layer
+under "unrolled" (`mdjax.cache`): each layer writes its new K/V in place, then attends.
 On a GPU a pass of a few tokens under the fused attention runs kernels of mdjax's own
 (`_layers_beside_cache`): the attention reads the cache as it was, with the new tokens
 beside it, and writes their K/V in place; an RMSNorm and the product after it are one
@@ -258,8 +258,7 @@ def _layer(config: ModelConfig, lp: Params, x: Float[Array, "B T D"],
     q, k, v = _project_qkv(config, lp, h, scale, positions, like)
     out, carry = attend(q, k, v, layer, spec, carry)  # [B, T, N, H]
   out = linear(out.reshape(*out.shape[:2], -1), lp["wo"])  # --> [B, T, D]
-  if config.o_bias:
-    out = out + lp["bo"]
+  out = out + lp["bo"] if config.o_bias else out
   if config.gemma_norms:
     out = _norm(config, out, lp["post_attn_norm"])
   x = x + out
@@ -396,10 +395,11 @@ def _layers_beside_cache(config: ModelConfig, params: Params, x: Float[Array, "B
   freqs = np.stack([config.inv_freq(i) for i in range(period)])  # [P, H/2]
 
   def attend(qkv, index, spec, kv, norm_input=None):  # qkv: [Q, M, N + 2K, H], before RoPE
-    out, *kv = decode_attention.attention(
-        qkv, norm_input, positions, freqs, meta["slots"], cache.length, index,
-        masks[spec.sliding_window], *kv, scale=spec.scale, eps=config.rms_norm_eps, dtype=x.dtype)
-    return out, tuple(kv)
+    stacks, at = zip(*(cache_ops.at_layer(field, index) for field in kv))  # this layer's
+    out, *written = decode_attention.attention(qkv, norm_input, positions, freqs, meta["slots"],
+        cache.length, at[0], masks[spec.sliding_window], *stacks, scale=spec.scale,
+        eps=config.rms_norm_eps, dtype=x.dtype)
+    return out, tuple(cache_ops.with_layer(f, index, w) for f, w in zip(kv, written))
 
   fields = cache.slot_fields()  # k, v (and an int8 cache's scales): the kernel's carry
   if not decode_products.applies(config, params, x.shape[0] * x.shape[1]):

@@ -89,7 +89,8 @@ def kv_join_logits(model, prompt: list[int], pieces: list[list[int]], tail: list
   joins[0, join, 1:join] = True
   topology = Topology(parent=jnp.asarray(parent), fork=jnp.asarray(fork),
                       joins=jnp.asarray(joins))
-  cache = KVCache.create(model.config, 1, len(tokens), model.params["embed"].dtype)
+  cache = KVCache.for_params(model.config, model.params, 1, len(tokens),
+                             model.params["embed"].dtype)
   at = jnp.arange(len(tokens) - len(tail), len(tokens))[None]
   logits, _, _ = decode_step(model.params, cache, jnp.asarray([tokens]),
                              jnp.asarray([positions]), jnp.asarray([segments]), topology,

@@ -139,8 +139,8 @@ class DraftModelState:
             first: Int[Array, "B"]) -> "DraftModelState":
     """The draft's prefill into a cache shaped like the target's; `first` (the
     target's first token) pending."""
-    cache = KVCache.create(draft.config, prompt.tokens.shape[0], target_cache.num_slots,
-                           target_cache.k.dtype)
+    cache = KVCache.for_params(draft.config, params, prompt.tokens.shape[0],
+                               target_cache.num_slots, target_cache.dtype)
     _, cache, _ = prefill(draft, params, prompt, cache)
     return cls(cache=cache, pending=jnp.stack([first] * 2, axis=1),
                pending_count=jnp.ones_like(first))

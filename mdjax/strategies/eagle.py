@@ -161,7 +161,7 @@ class Eagle(TreeDrafter):
                            return_metadata=self.return_metadata,
                            prefilled=(logits, target_cache, topology))
     head_config = get_family(self.heads.family).cache_config(self.heads, self.model.config)
-    head_cache = KVCache.create(head_config, batch, target_cache.num_slots, target_cache.k.dtype)
+    head_cache = KVCache.create(head_config, batch, target_cache.num_slots, target_cache.dtype)
     shifted = jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))  # [B, P, H] h_{t-1}, 0 at t = 0
     _, _, head_cache = self.head_pass_of(params)(
         head_cache, prompt.tokens, prompt.positions, prompt.segments, topology, shifted,

@@ -301,7 +301,7 @@ class Medusa(Sampled):
                           read=self.guess.start(self._used(params), hidden, prompt.branch_last,
                                                 Feed(prompt.positions, prompt.segments,
                                                      prompt.topology()),
-                                                cache.num_slots, cache.k.dtype),
+                                                cache.num_slots, cache.dtype),
                           branch_segment=branch_segment,
                           parents=trees.pass_parents(topology.parent, parent, branch_segment))
 

@@ -182,7 +182,7 @@ class ParallelHeads(HeadsSource):
   def start(self, params, prompt: Prompt, hidden, cache: KVCache, **_) -> dict:
     feed = Feed(prompt.positions, prompt.segments, prompt.topology())
     return dict(read=self.guess.start(self.used(params), hidden, prompt.branch_last, feed,
-                                      cache.num_slots, cache.k.dtype))
+                                      cache.num_slots, cache.dtype))
 
   def propose(self, params, state, count, keys):
     used, arrays = self.used(params), self.arrays
@@ -248,7 +248,7 @@ class SequentialHead(HeadsSource):
     one (zeros at position 0); `first` pending, with the last prompt token's state."""
     batch = first.shape[0]
     config = get_family(self.heads.family).cache_config(self.heads, self.target.config)
-    head_cache = KVCache.create(config, batch, cache.num_slots, cache.k.dtype)
+    head_cache = KVCache.create(config, batch, cache.num_slots, cache.dtype)
     shifted = jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))  # [B, P, H] h_{t-1}
     head_pass = self.drafter.head_pass_of(params)
     _, _, head_cache = head_pass(head_cache, prompt.tokens, prompt.positions, prompt.segments,

@@ -223,7 +223,7 @@ def _passes(params, repeats, *, model: ModelFn, batch: int, width: int, prefix: 
   slots = -(-(prefix + WIDTHS[-1]) // ATTENTION_BLOCK) * ATTENTION_BLOCK
   slot = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (batch, slots))
   dtype = params["embed"].dtype
-  cache = KVCache.create(model.config, batch, slots, dtype).replace(
+  cache = KVCache.for_params(model.config, params, batch, slots, dtype).replace(
       pos=slot, seg=jnp.where(slot < prefix, 0, -1), length=jnp.full((batch,), prefix, jnp.int32))
   tokens = jnp.zeros((batch, width), jnp.int32)
   positions = jnp.broadcast_to(prefix + jnp.arange(width, dtype=jnp.int32), (batch, width))

@@ -136,7 +136,7 @@ def refill(params: Params, state: CaptureState, rows: Int[Array, "R"], tokens: I
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (r, p))  # [R, P]
   segments = jnp.where(positions < lengths[:, None], 0, -1)  # [R, P] padding: -1
   logits, hidden, fresh, *aux = decode_step(
-      params, KVCache.create(options.config, r, p, state.cache.k.dtype), tokens, positions,
+      params, KVCache.create(options.config, r, p, state.cache.dtype), tokens, positions,
       segments, Topology.causal(r), config=options.config, logits_at=(lengths - 1)[:, None],
       aux_layers=options.aux_layers)  # logits [R, 1, V]
   first, greedy = pick_tokens(row_keys(key, items, jnp.zeros_like(items)), logits[:, 0],
