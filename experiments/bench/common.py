@@ -10,6 +10,7 @@ description and the writing of results."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import math
 import os
@@ -25,7 +26,6 @@ import jax.numpy as jnp
 import matplotlib
 import numpy as np
 import tqdm
-import transformers
 from jax.sharding import NamedSharding
 
 import mdjax
@@ -290,6 +290,7 @@ def load_pair(name: str, seed: int, scratch: pathlib.Path):
   hub id, a GGUF's converted copy such as `smollm2-135m-instruct`'s) transformers reads
   from the same directory (`model.path`); a random model is exported with `save_hf`
   into `scratch` first."""
+  import transformers  # here, not at the top: a bench without the oracle starts faster
   model = mdjax.load(name, seed=seed, dtype="float32")  # not the accelerators' bfloat16
   directory = model.path
   if directory is None:
@@ -354,7 +355,7 @@ def machine_info(bandwidth: dict) -> dict:
   return dict(cpu_count=os.cpu_count(), load_average=os.getloadavg()[0],
               processor=platform.processor() or platform.machine(),
               python=platform.python_version(), jax=jax.__version__, numpy=np.__version__,
-              transformers=transformers.__version__, **oracle,
+              transformers=importlib.metadata.version("transformers"), **oracle,
               jax_devices=[str(d) for d in jax.devices()], bandwidth=bandwidth)
 
 

@@ -147,9 +147,11 @@ class Settings:
 
 
 # The smoke test: a prompt of 12 tokens, so that greedy at batch 2 and the questions' batch
-# (12 + `QUESTION_LEN` tokens) run one compiled program (prompt bucket 16) on each mesh.
-QUICK = dict(model="", preset="tiny", draft="tiny", batches=(1, 2), questions=2, prompt_len=12,
-             new_tokens=8, repeats=1, bandwidth_mib=64)
+# (12 + `QUESTION_LEN` tokens) run one compiled program (prompt bucket 16) on each mesh; the
+# layers scanned (one layer traced and compiled per program, not two: scan gives the
+# unrolled loop's tokens on a mesh too, tests/test_layer_loop.py and tests/test_sharding.py).
+QUICK = dict(model="", preset="tiny", draft="tiny", layer_loop="scan", batches=(1, 2),
+             questions=2, prompt_len=12, new_tokens=8, repeats=1, bandwidth_mib=64)
 
 
 def accelerator() -> bool:

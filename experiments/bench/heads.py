@@ -172,7 +172,9 @@ def setup(settings: Settings) -> tuple[mdjax.Model, list[HeadLine], list[Prompt]
   """The model, its head strategies, the prompts and what they were (for the JSON)."""
   questions = selected(read_questions(_QUESTIONS.value), settings.kinds, settings.per_kind)
   if _QUICK.value:  # random-llama-tiny has no tokenizer: random prompts, labelled by kind
-    model = mdjax.load("random-llama-tiny")
+    # its layers scanned: one traced and compiled per program, not two (scan gives the
+    # unrolled loop's tokens for every strategy, tests/test_layer_loop.py)
+    model = mdjax.load("random-llama-tiny", layer_loop="scan")
     rng = np.random.default_rng(0)
     prompts = [Prompt(kind, random_ids(rng, model.config.vocab_size, QUICK_PROMPT_LEN).tolist())
                for kind, _ in questions]

@@ -54,8 +54,8 @@ class Settings:
 # The smoke test compiles few programs: greedy's at batch 1 and 2 over 16 tokens serve the
 # roofline, the variants' platform default (a context of 24: 16 prompt tokens), the
 # branches (12 + 4), the heads' baseline and the profile alike; t(n) at two widths (one
-# ratio), one timed round.
-QUICK = dict(preset="tiny", tests_k="float32_greedy", test_workers=0, batches=(1, 2),
+# ratio), one timed round; one accelerator test, the one that compiles least (a forward).
+QUICK = dict(preset="tiny", tests_k="float32_forward_logits", test_workers=0, batches=(1, 2),
              prompt_len=16, new_tokens=8, repeats=1, bandwidth_mib=64, pass_batches=(1,),
              pass_widths=(1, 2), pass_rounds=1, contexts=(24,), questions=2, question_len=4,
              context_len=12, head_batches=(2,), head_trees=(Tree(4, 2, 2),), head_new_tokens=8,
