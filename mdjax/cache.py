@@ -24,12 +24,13 @@ contents and operations:
     stacked     k: [L, B, S, K, H]               what a scanned layer loop carries
     per layer   k: ([B, S, K, H], ... L of them)  for the unrolled loop
 
-A per-layer cache is what the unrolled loop reads fastest: XLA:CPU reads a layer of a
-stack by copying it out, and transposing it, before attention's products, so a stacked
-cache cost SmolLM2's decode step ~3x what reading its bytes costs at a 6k context
-(docs/benchmarks/context.md). Code reads and writes one layer through `at_layer` /
-`with_layer`, which hand it a stack and an index either way (a per-layer array as a
-stack of one: a reshape, not a copy).
+A per-layer cache is what the unrolled loop reads fastest: XLA:CPU copied a layer out of
+a stack before attention read it (SmolLM2's step at 6,144 cached tokens: 13% slower with
+dense attention, 6.5% with block_sparse; docs/benchmarks/context.md). Code reads one
+layer through `at_layer` (a stack and an index either way: a per-layer array as a stack
+of one, a reshape, not a copy) and writes a per-layer array in place, directly (a write
+through the stack of one copied the whole layer); `each_layer` moves slots in every
+layer of either.
 
 Example, one row after a prompt of 3 tokens and two decoded beams (segments 1, 2)::
 

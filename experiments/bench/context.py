@@ -233,9 +233,11 @@ def plot(results: dict, path) -> None:
   points = results["points"]
   contexts = [p["context"] for p in points]
   fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-  for name in points[0]["step_ms"]:
+  colors = plt.get_cmap("tab20").colors  # one color per contender (the default cycles at 10)
+  for index, name in enumerate(points[0]["step_ms"]):
     style = "-" if name == "transformers" or "float32" in name else "--"
-    left.plot(contexts, [p["step_ms"][name] for p in points], style, marker="o", label=name)
+    left.plot(contexts, [p["step_ms"][name] for p in points], style, marker="o", label=name,
+              color=colors[index % len(colors)])
   left.plot(contexts, [p["roofline_ms"] for p in points], "k:", label="bytes / bandwidth")
   left.set_xlabel("cached tokens")
   left.set_ylabel("ms per decode step (batch 1)")
