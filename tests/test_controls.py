@@ -13,7 +13,7 @@ from mdjax import strategies
 from mdjax.controls import CONTROL_OPTIONS
 from mdjax.errors import MdjaxError
 from tests.helpers import (LOSSLESS, OpenAIPenalties, assert_same_greedy, chi_square_p_value,
-                           every_strategy, hf_controls, run_strategy, strategy_heads,
+                           every_strategy, hf_controls, hf_greedy, run_strategy, strategy_heads,
                            write_tiny_checkpoint)
 
 PROMPTS = [[5, 9, 14, 9, 5, 30, 31], [7, 8, 7, 8]]
@@ -52,15 +52,35 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def case_outputs(pair):
+  """`output(case)`: the case's greedy tokens and log-probabilities; `output(case,
+  controls=False)`: greedy's without its controls (with its EOS). Each generated once
+  for the tests that read them."""
+  model, _ = pair
+  outputs = {}
+
+  def output(case, controls=True):
+    options = dict(CASES[case])
+    eos = options.pop("eos_token_id", EOS)
+    options = options if controls else {}
+    key = (case if controls else None, eos)
+    if key not in outputs:
+      outputs[key] = mdjax.generate(model, PROMPTS, max_new_tokens=20, eos_token_id=eos,
+                                    logprobs=True, **options)
+    return outputs[key]
+
+  return output
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_greedy_with_each_control_is_transformers_greedy(pair, case):
+def test_greedy_with_each_control_is_transformers_greedy(pair, case_outputs, case):
   """Tokens equal to transformers' greedy with the same processors, and each token's
   log-probability within 1e-4 of the log-softmax of transformers' processed scores."""
-  model, torch_model = pair
+  _, torch_model = pair
   options = dict(CASES[case])
   eos = options.pop("eos_token_id", EOS)
-  out = mdjax.generate(model, PROMPTS, max_new_tokens=20, eos_token_id=eos, logprobs=True,
-                       **options)
+  out = case_outputs(case)
   for prompt, ours, logprobs in zip(PROMPTS, out.sequences, out.logprobs):
     theirs, scores = hf_generate(torch_model, prompt, 20, eos_token_id=eos, **options)
     assert_same_greedy(ours, theirs, torch_model, prompt)
@@ -68,15 +88,11 @@ def test_greedy_with_each_control_is_transformers_greedy(pair, case):
     np.testing.assert_allclose(logprobs, expected[:len(logprobs)], atol=1e-4)
 
 
-def test_controls_change_the_tokens(pair):
+def test_controls_change_the_tokens(case_outputs):
   """The cases above test something: each control changes greedy's tokens here."""
-  model, _ = pair
-  for case, options in CASES.items():
-    options = dict(options)
-    eos = options.pop("eos_token_id", EOS)
-    plain = mdjax.generate(model, PROMPTS, max_new_tokens=20, eos_token_id=eos).sequences
-    assert mdjax.generate(model, PROMPTS, max_new_tokens=20, eos_token_id=eos,
-                          **options).sequences != plain, case
+  for case in CASES:
+    plain = case_outputs(case, controls=False).sequences
+    assert case_outputs(case).sequences != plain, case
 
 
 def test_top_logprobs_are_the_k_best_of_transformers_scores(pair):
@@ -130,15 +146,17 @@ def test_a_sweep_compiles_once(pair):
 
 
 def test_values_per_prompt_are_each_prompts_own(pair):
-  """A list gives one value per prompt: each row equals its prompt run alone with it."""
+  """A list gives one value per prompt: each row equals its row when every prompt takes
+  its value (the same program: the values are data)."""
   model, _ = pair
   penalties, biases = [1.0, 2.5], [0.0, 3.0]
   out = mdjax.generate(model, PROMPTS, max_new_tokens=12, eos_token_id=EOS,
                        repetition_penalty=penalties, presence_penalty=biases)
-  for prompt, penalty, presence, ours in zip(PROMPTS, penalties, biases, out.sequences):
-    alone = mdjax.generate(model, [prompt], max_new_tokens=12, eos_token_id=EOS,
+  for row, (penalty, presence, ours) in enumerate(zip(penalties, biases, out.sequences)):
+    every = mdjax.generate(model, PROMPTS, max_new_tokens=12, eos_token_id=EOS,
                            repetition_penalty=penalty, presence_penalty=presence)
-    assert ours == alone.sequences[0]
+    assert not every.stats["compiled"], every.stats["compiled_because"]
+    assert ours == every.sequences[row]
 
 
 def test_multi_question_branch_counts_its_own_text(pair):
@@ -165,7 +183,7 @@ def test_a_strategy_refuses_a_control_it_does_not_honor(pair, monkeypatch):
                                        "'repetition_penalty'") as error:
     mdjax.generate(model, PROMPTS, repetition_penalty=1.2)
   assert "\n" not in str(error.value)
-  mdjax.generate(model, PROMPTS, max_new_tokens=2, logprobs=True)
+  mdjax.generate(model, PROMPTS, max_new_tokens=20, logprobs=True)  # `case_outputs`' program
 
 
 @pytest.mark.parametrize("options, named", [
@@ -203,39 +221,48 @@ def strategy_requests(pair):
   return every_strategy(draft, strategy_heads(model))
 
 
+@pytest.fixture(scope="module")
+def controlled_greedy(pair, strategy_requests):
+  """Greedy with `CONTROLLED` on the lossless strategies' prompts (all `STRATEGY_PROMPTS`)."""
+  model, _ = pair
+  assert not any(strategy_requests[strategy][0] for strategy in LOSSLESS)
+  return run_strategy(model, "greedy", ([], dict(CONTROLLED, logprobs=True)), max_new_tokens=16)
+
+
 @pytest.mark.parametrize("strategy", sorted(LOSSLESS))
 def test_lossless_strategies_keep_greedys_tokens_under_the_controls(pair, strategy_requests,
-                                                                    strategy):
+                                                                    controlled_greedy, strategy):
   """At temperature 0 with every control on, each lossless strategy that honors them
   gives greedy's tokens with the same controls (drafts processed along their own path),
   and the same log-probabilities."""
   model, _ = pair
   prompts, options = strategy_requests[strategy]
   controlled = dict(CONTROLLED, logprobs=True)
-  greedy = run_strategy(model, "greedy", (prompts, controlled), max_new_tokens=16)
   ours = run_strategy(model, strategy, (prompts, dict(options, **controlled)), max_new_tokens=16)
-  assert ours.sequences == greedy.sequences
-  for a, b in zip(ours.logprobs, greedy.logprobs):
+  assert ours.sequences == controlled_greedy.sequences
+  for a, b in zip(ours.logprobs, controlled_greedy.logprobs):
     np.testing.assert_allclose(a, b, atol=1e-4)
 
 
-@pytest.mark.parametrize("strategy", ["sample", "speculative", "speculative_tree"])
-def test_sampled_strategies_follow_the_processed_law(pair, tmp_path, strategy):
-  """The second token of 1,500 rows (its law: the first token's, then the next one's
-  after it, transformers' processors on each prefix), with a draft that disagrees with
-  the target: the speculative rules keep the processed target law. Chi-square."""
-  model, torch_model = pair
-  write_tiny_checkpoint(tmp_path, seed=6)
-  draft = mdjax.load(str(tmp_path), dtype="float32")
-  prompt, rows = PROMPTS[1], 1500
-  settings = dict(temperature=0.9, top_k=8)
-  controls = dict(repetition_penalty=1.8, logit_bias={40: 1.0}, presence_penalty=0.5)
-  options = {"sample": {}, "speculative": dict(draft=draft, num_draft_tokens=2),
-             "speculative_tree": dict(draft=draft, tree_depth=2, tree_top_k=2,
-                                      tree_budget=4)}[strategy]
-  out = mdjax.generate(model, [prompt] * rows, strategy=strategy, max_new_tokens=2,
-                       eos_token_id=[], seed=7, **options, **settings, **controls)
-  second = [s[1] for s in out.sequences]
+SAMPLED_PROMPT = PROMPTS[1]
+SAMPLED_SETTINGS = dict(temperature=0.9, top_k=8)
+SAMPLED_CONTROLS = dict(repetition_penalty=1.8, logit_bias={40: 1.0}, presence_penalty=0.5)
+
+
+@pytest.fixture(scope="module")
+def sampled_draft(tmp_path_factory):
+  """A draft that disagrees with the target."""
+  path = tmp_path_factory.mktemp("draft")
+  write_tiny_checkpoint(path, seed=6)
+  return mdjax.load(str(path), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def second_token_law(pair):
+  """The law of the second token under `SAMPLED_SETTINGS` and `SAMPLED_CONTROLS`: the
+  first token's, then the next one's after it, transformers' processors on each prefix."""
+  _, torch_model = pair
+  prompt = SAMPLED_PROMPT
 
   def law(ids):
     with torch.no_grad():
@@ -248,8 +275,25 @@ def test_sampled_strategies_follow_the_processed_law(pair, tmp_path, strategy):
     return torch.softmax(processors(torch.tensor([ids]), logits), -1)[0].numpy()
 
   first = law(prompt)
-  marginal = sum(p * law(prompt + [x]) for x, p in enumerate(first) if p > 0)
-  assert chi_square_p_value(second, marginal) > 1e-3
+  return sum(p * law(prompt + [x]) for x, p in enumerate(first) if p > 0)
+
+
+@pytest.mark.parametrize("strategy", ["sample", "speculative", "speculative_tree"])
+def test_sampled_strategies_follow_the_processed_law(pair, sampled_draft, second_token_law,
+                                                     strategy):
+  """The second token of 1,500 rows (its law: the first token's, then the next one's
+  after it, transformers' processors on each prefix), with a draft that disagrees with
+  the target: the speculative rules keep the processed target law. Chi-square."""
+  model, _ = pair
+  draft, rows = sampled_draft, 1500
+  options = {"sample": {}, "speculative": dict(draft=draft, num_draft_tokens=2),
+             "speculative_tree": dict(draft=draft, tree_depth=2, tree_top_k=2,
+                                      tree_budget=4)}[strategy]
+  out = mdjax.generate(model, [SAMPLED_PROMPT] * rows, strategy=strategy, max_new_tokens=2,
+                       eos_token_id=[], seed=7, **options, **SAMPLED_SETTINGS,
+                       **SAMPLED_CONTROLS)
+  second = [s[1] for s in out.sequences]
+  assert chi_square_p_value(second, second_token_law) > 1e-3
   if strategy != "sample":
     assert out.stats["accepted"] < out.stats["drafted"]  # the draft was rejected at times
 
@@ -261,25 +305,38 @@ def smollm2():
   return mdjax.load("smollm2-135m-instruct", layer_loop="scan")
 
 
-@pytest.mark.parametrize("strategy, options", [
-    ("greedy", {}), ("self_speculative", dict(draft_layers=8, num_draft_tokens=4))])
-def test_stop_strings_cut_where_transformers_cuts(smollm2, strategy, options):
-  """Each row ends right after the token where transformers' `StopStringCriteria`
-  first fires on greedy's own tokens (the text keeps the string); `out.stats` names
-  the string that ended each row. A chain's several tokens a step are each checked."""
-  prompts = ["The four seasons of the year are", "Count from one to ten: one, two,"]
-  plain = mdjax.generate(smollm2, prompts, max_new_tokens=32)
+STOP_PROMPTS = ["The four seasons of the year are", "Count from one to ten: one, two,"]
+STOP_NEW_TOKENS = 12  # each row's stop string ends by its 8th token
+
+
+@pytest.fixture(scope="module")
+def stop_case(smollm2):
+  """Greedy's tokens of `STOP_PROMPTS`, the stop strings (a piece of row 0's text, one
+  row 1 writes, one never written), and per row how many tokens end right after the
+  token where transformers' `StopStringCriteria` first fires on greedy's own tokens."""
+  plain = mdjax.generate(smollm2, STOP_PROMPTS, max_new_tokens=STOP_NEW_TOKENS)
   stops = [plain.texts[0][20:24], ", six", "never in this text"]
-  ours = mdjax.generate(smollm2, prompts, strategy=strategy, max_new_tokens=32,
-                        stop_strings=stops, **options)
   criterion = transformers.StopStringCriteria(smollm2.tokenizer, stops)
-  for prompt, full, cut, stopped_by in zip(prompts, plain.sequences, ours.sequences,
-                                           ours.stats["stopped_by"]):
+  ends = []
+  for prompt, full in zip(STOP_PROMPTS, plain.sequences):
     ids = smollm2.tokenizer(prompt)["input_ids"]
     fires = [bool(criterion(torch.tensor([ids + full[:i + 1]]), None)[0])
              for i in range(len(full))]
     assert any(fires), "a stop string that never occurs tests nothing"
-    end = fires.index(True) + 1
+    ends.append(fires.index(True) + 1)
+  return plain.sequences, stops, ends
+
+
+@pytest.mark.parametrize("strategy, options", [
+    ("greedy", {}), ("self_speculative", dict(draft_layers=8, num_draft_tokens=4))])
+def test_stop_strings_cut_where_transformers_cuts(smollm2, stop_case, strategy, options):
+  """Each row ends right after the token where transformers' `StopStringCriteria`
+  first fires on greedy's own tokens (the text keeps the string); `out.stats` names
+  the string that ended each row. A chain's several tokens a step are each checked."""
+  plain, stops, ends = stop_case
+  ours = mdjax.generate(smollm2, STOP_PROMPTS, strategy=strategy,
+                        max_new_tokens=STOP_NEW_TOKENS, stop_strings=stops, **options)
+  for full, end, cut, stopped_by in zip(plain, ends, ours.sequences, ours.stats["stopped_by"]):
     assert cut == full[:end]
     text = smollm2.tokenizer.decode(cut)
     assert stopped_by in stops[:2] and stopped_by in text
@@ -288,17 +345,18 @@ def test_stop_strings_cut_where_transformers_cuts(smollm2, strategy, options):
 def test_smollm2_greedy_with_every_control_is_transformers(smollm2):
   """On the shipped SmolLM2 (float32; transformers reads the same weights from the
   folder mdjax converted its GGUF into): greedy with every control on equals
-  transformers' greedy with the same processors, log-probabilities within 1e-4."""
+  transformers' greedy with the same processors, log-probabilities within 1e-4; the
+  controls (some picked from transformers' greedy tokens without them) change those."""
   torch_model = transformers.AutoModelForCausalLM.from_pretrained(
       smollm2.path, dtype=torch.float32).eval()
   prompt = mdjax.chat.chat_ids(smollm2, "List five animals that live in the sea.")
-  plain = mdjax.generate(smollm2, [prompt], max_new_tokens=24).sequences[0]
+  eos = list(smollm2.config.eos_token_id)
+  plain = hf_greedy(torch_model, prompt, 24, eos)
   options = dict(repetition_penalty=1.3, no_repeat_ngram_size=3, presence_penalty=0.4,
                  frequency_penalty=0.2, bad_words_ids=[[plain[3]], plain[6:8]],
                  logit_bias={plain[10]: -2.0, 28: 1.5}, min_new_tokens=20)
-  eos = smollm2.config.eos_token_id
   out = mdjax.generate(smollm2, [prompt], max_new_tokens=24, logprobs=True, **options)
-  theirs, scores = hf_generate(torch_model, prompt, 24, eos_token_id=list(eos), **options)
+  theirs, scores = hf_generate(torch_model, prompt, 24, eos_token_id=eos, **options)
   assert out.sequences[0] != plain
   assert_same_greedy(out.sequences[0], theirs, torch_model, prompt)
   expected = [float(torch.log_softmax(s, -1)[t]) for s, t in zip(scores, theirs)]

@@ -44,18 +44,25 @@ def generate(model, prompt, strategy, max_new_tokens=16, **options):
                         **options, **DRAFTERS.get(strategy, {}))
 
 
+# The stop-string and min_new_tokens tests below set the same controls (a test's own at
+# work, the other's inert: min_new_tokens=0, strings never written) on prompts of the
+# same bucket, so that each strategy compiles one program for both.
+STOP_PROMPT = list(range(3, 17)) + [3, 4]  # 16 tokens, as `CYCLE_PROMPT`
+STOP_STRINGS = [char(8) + char(9), char(99)]
+NEVER_WRITTEN = [char(99), char(98)]
+
+
 @pytest.mark.parametrize("strategy", sorted(DRAFTERS))
 def test_a_draft_that_completes_a_stop_string_ends_there(cycle, strategy):
-  """The prompt ends `3 4`: lookup drafts `5 .. 10` at once (the windows guess the
-  cycle too); the stop string `8 9` cuts the row after 9, as greedy's."""
-  prompt = CYCLE_PROMPT + [3, 4]
-  options = dict(eos_token_id=[], stop_strings=[char(8) + char(9), char(99)], logprobs=True)
-  greedy = generate(cycle, prompt, "greedy", **options)
+  """The prompt ends `3 4`, as it begins: lookup drafts `5 .. 10` at once (the windows
+  guess the cycle too); the stop string `8 9` cuts the row after 9, as greedy's."""
+  options = dict(eos_token_id=[], stop_strings=STOP_STRINGS, min_new_tokens=0, logprobs=True)
+  greedy = generate(cycle, STOP_PROMPT, "greedy", **options)
   assert greedy.sequences == [[5, 6, 7, 8, 9]]
-  ours = generate(cycle, prompt, strategy, **options)
+  ours = generate(cycle, STOP_PROMPT, strategy, **options)
   assert ours.sequences == greedy.sequences
   np.testing.assert_allclose(ours.logprobs[0], greedy.logprobs[0], atol=1e-4)
-  assert ours.stats["stopped_by"] == [char(8) + char(9)]
+  assert ours.stats["stopped_by"] == [STOP_STRINGS[0]]
   if strategy == "prompt_lookup":  # the first draft held the string, and went past it
     assert ours.stats["target_passes"] == 1 and ours.stats["drafted"] == 6
 
@@ -70,12 +77,14 @@ def test_min_new_tokens_holds_eos_back_inside_drafts(cycle, strategy):
   plain = generate(cycle, CYCLE_PROMPT, "greedy", eos_token_id=6)
   assert plain.sequences == [[3, 4, 5, 6]]
   for minimum in (8, 3):
-    options = dict(eos_token_id=6, min_new_tokens=minimum, logprobs=True)
+    options = dict(eos_token_id=6, min_new_tokens=minimum, stop_strings=NEVER_WRITTEN,
+                   logprobs=True)
     greedy = generate(cycle, CYCLE_PROMPT, "greedy", **options)
     ours = generate(cycle, CYCLE_PROMPT, strategy, **options)
     assert ours.sequences == greedy.sequences, minimum
     np.testing.assert_allclose(ours.logprobs[0], greedy.logprobs[0], atol=1e-4)
     assert np.isfinite(ours.logprobs[0]).all()
+    assert ours.stats["stopped_by"] == [None]
     if minimum == 8:
       assert len(ours.sequences[0]) > 8 and 6 not in ours.sequences[0][:8]
     else:

@@ -14,7 +14,7 @@ from mdjax import stream_text
 
 PROMPT = 'Translate "Japan" to Japanese.'  # greedy: 'マストライル (Makimakura) in Japanese.'
 NEW_TOKENS = 32
-STRATEGIES = {"greedy": {}, "self_speculative": dict(draft_layers=8)}
+STRATEGIES = {"greedy": {}, "self_speculative": dict(draft_layers=4, num_draft_tokens=2)}
 
 
 @pytest.fixture(scope="module")
