@@ -20,8 +20,8 @@ from mdjax.models import decode_attention
 from mdjax.models.config import ModelConfig
 from mdjax.models.layer_loop import with_layer_loop
 from mdjax.models.random_init import init_params
-from mdjax.step import decode_step
 from mdjax.topology import Topology, visibility_limits
+from tests.test_gpu_kernels import prefill_and_three_steps
 
 TARGET = "h200"
 
@@ -117,28 +117,10 @@ def test_a_pass_over_an_int8_cache_built_for_a_gpu_gives_the_cpus_logits_and_cac
   (`write_layer`, then attention over `read_kv`)."""
   config = CONFIGS[model]
   params = with_layer_loop(init_params(config, 0, jnp.float32), layer_loop)
-
-  def decode(target: str, attention: str):
-    with platform.building_for(target):
-      cache = KVCache.create(config, 2, 64, jnp.int8)
-      tokens = jnp.array([[5, 6, 7, 8, 9, 10, 0, 0], list(range(11, 19))], jnp.int32)
-      segments = jnp.array([[0] * 6 + [-1] * 2, [0] * 8], jnp.int32)
-      positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
-      logits, _, cache = decode_step(params, cache, tokens, positions, segments,
-                                     Topology.causal(2), config=config, attention=attention)
-      out = [logits]
-      for i in range(3):
-        logits, _, cache = decode_step(
-            params, cache, jnp.array([[20 + i], [30 + i]], jnp.int32),
-            jnp.array([[6 + i], [8 + i]], jnp.int32), jnp.array([[0], [-(i == 1)]], jnp.int32),
-            Topology.causal(2), config=config, attention=attention)
-        out.append(logits)
-      return out, cache
-
   with platform.building_for("gpu"):
     assert decode_attention.applies(config, KVCache.create(config, 2, 64, jnp.int8), 1)
-  expected, expected_cache = decode("cpu", "dense")
-  got, cache = decode("gpu", "fused")
+  expected, expected_cache = prefill_and_three_steps(config, params, "cpu", "dense", jnp.int8)
+  got, cache = prefill_and_three_steps(config, params, "gpu", "fused", jnp.int8)
   for a, b in zip(got, expected):
     np.testing.assert_allclose(a, b, atol=1e-5)
   for name in ("k_scale", "v_scale"):  # float32's rounding: the keys differ by 1e-7

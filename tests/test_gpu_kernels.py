@@ -245,6 +245,28 @@ CONFIGS = {
 }
 
 
+def prefill_and_three_steps(config: ModelConfig, params, target: str, attention: str,
+                            cache_dtype=jnp.float32):
+  """Built for `target` with `attention`: a prefill of two rows (one padded) into a cache of
+  `cache_dtype`, then three one-token steps (the second with a padding row): the four
+  steps' logits and the cache after them."""
+  with platform.building_for(target):
+    cache = KVCache.create(config, 2, 64, cache_dtype)
+    tokens = jnp.array([[5, 6, 7, 8, 9, 10, 0, 0], list(range(11, 19))], jnp.int32)
+    segments = jnp.array([[0] * 6 + [-1] * 2, [0] * 8], jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
+    logits, _, cache = decode_step(params, cache, tokens, positions, segments,
+                                   Topology.causal(2), config=config, attention=attention)
+    out = [logits]
+    for i in range(3):
+      logits, _, cache = decode_step(
+          params, cache, jnp.array([[20 + i], [30 + i]], jnp.int32),
+          jnp.array([[6 + i], [8 + i]], jnp.int32), jnp.array([[0], [-(i == 1)]], jnp.int32),
+          Topology.causal(2), config=config, attention=attention)
+      out.append(logits)
+    return out, cache
+
+
 @pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
 @pytest.mark.parametrize("model", list(CONFIGS))
 def test_a_pass_built_for_a_gpu_gives_the_cpus_logits_and_cache(model, layer_loop):
@@ -252,26 +274,8 @@ def test_a_pass_built_for_a_gpu_gives_the_cpus_logits_and_cache(model, layer_loo
   built for a GPU (kernel path, the reference run here) and for the CPU."""
   config = CONFIGS[model]
   params = with_layer_loop(init_params(config, 0, jnp.float32), layer_loop)
-
-  def decode(target: str, attention: str):
-    with platform.building_for(target):
-      cache = KVCache.create(config, 2, 64, jnp.float32)
-      tokens = jnp.array([[5, 6, 7, 8, 9, 10, 0, 0], list(range(11, 19))], jnp.int32)
-      segments = jnp.array([[0] * 6 + [-1] * 2, [0] * 8], jnp.int32)
-      positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
-      logits, _, cache = decode_step(params, cache, tokens, positions, segments,
-                                     Topology.causal(2), config=config, attention=attention)
-      out = [logits]
-      for i in range(3):
-        logits, _, cache = decode_step(
-            params, cache, jnp.array([[20 + i], [30 + i]], jnp.int32),
-            jnp.array([[6 + i], [8 + i]], jnp.int32), jnp.array([[0], [-(i == 1)]], jnp.int32),
-            Topology.causal(2), config=config, attention=attention)
-        out.append(logits)
-      return out, cache
-
-  expected, expected_cache = decode("cpu", "dense")
-  got, cache = decode("gpu", "fused")
+  expected, expected_cache = prefill_and_three_steps(config, params, "cpu", "dense")
+  got, cache = prefill_and_three_steps(config, params, "gpu", "fused")
   for a, b in zip(got, expected):
     np.testing.assert_allclose(a, b, atol=1e-5)
   # gemma3's keys, |k| up to 3.7 after its k norm, differ by up to 3e-6: float32 rounding

@@ -432,17 +432,27 @@ def run_mdjax(model, groups: np.ndarray, new_tokens: int, strategy: str, first_t
               choices=choices if any(choices) else [])
 
 
+def interleaved(calls: dict, repeats: int, label: str) -> tuple[dict, dict]:
+  """Each call once untimed (compiles, warms up), then `repeats` rounds over all of them,
+  the order rotated each round (so that no call always runs after the same one): what
+  each untimed call returned, and each call's list of `repeats` results."""
+  first = {name: call() for name, call in calls.items()}
+  names = list(calls)
+  samples = {name: [] for name in names}
+  for rep in tqdm.trange(repeats, desc=label, leave=False):
+    for name in names[rep % len(names):] + names[:rep % len(names)]:
+      samples[name].append(calls[name]())
+  return first, samples
+
+
 def timed(contenders: dict, repeats: int, label: str) -> dict:
   """Each contender once untimed (compile, warm up), then `repeats` interleaved timed
   runs; returns per contender the last run's result with the median seconds, the
   median seconds to the first token, and the median of the paired differences
   (`decode_seconds`: everything after the first token)."""
-  results = {name: run() for name, run in contenders.items()}
-  runs = {name: [] for name in contenders}
+  results, runs = interleaved(contenders, repeats, label)
   names = list(contenders)
-  for rep in tqdm.trange(repeats, desc=label, leave=False):
-    for name in names[rep % len(names):] + names[:rep % len(names)]:
-      runs[name].append(contenders[name]())
+
   def seconds(name, key):
     return [run[key] for run in runs[name]]
   return {name: dict(results[name], seconds=statistics.median(seconds(name, "seconds")),

@@ -43,9 +43,10 @@ import numpy as np
 import tqdm
 
 import mdjax
-from experiments.bench.common import (FIRST_PROMPT_ID, load_pair, machine_info, machine_line,
-                                      memory_bandwidth, plt, random_ids, results_dir, save_figure,
-                                      set_torch_threads, step_bytes, torch_oracle, write_results)
+from experiments.bench.common import (FIRST_PROMPT_ID, interleaved, load_pair, machine_info,
+                                      machine_line, memory_bandwidth, plt, random_ids,
+                                      results_dir, save_figure, set_torch_threads, step_bytes,
+                                      torch_oracle, write_results)
 from experiments.cli import check_argv, one_line_errors
 from mdjax.cache import KVCache, split_layers
 from mdjax.models.layer_loop import with_layer_loop
@@ -182,14 +183,8 @@ def prefill_calls(model: mdjax.Model, reference, prompt: np.ndarray) -> dict:
 def medians(calls: dict, repeats: int, label: str) -> dict:
   """Each call once untimed (compiles, warms up), then `repeats` rounds in a rotated
   order: ms, the median of each."""
-  names = list(calls)
-  for name in names:
-    calls[name]()
-  samples = {name: [] for name in names}
-  for rep in tqdm.trange(repeats, desc=label, leave=False):
-    for name in names[rep % len(names):] + names[:rep % len(names)]:
-      samples[name].append(calls[name]() * 1e3)
-  return {name: statistics.median(values) for name, values in samples.items()}
+  _, samples = interleaved(calls, repeats, label)
+  return {name: 1e3 * statistics.median(values) for name, values in samples.items()}
 
 
 def run(s: Settings) -> dict:

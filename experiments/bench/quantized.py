@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import datetime
+import functools
 import gc
 import hashlib
 import os
@@ -46,8 +47,9 @@ import numpy as np
 import tqdm
 
 import mdjax
-from experiments.bench.common import (bars, machine_info, machine_line, memory_bandwidth, plt,
-                                      results_dir, save_figure, write_results)
+from experiments.bench.common import (bars, interleaved, machine_info, machine_line,
+                                      memory_bandwidth, plt, results_dir, save_figure,
+                                      write_results)
 from experiments.bench.quality import (agreement, int4_group, nll_program, passage,
                                        passage_ids, perplexity, weight_bytes)
 from experiments.cli import one_line_errors
@@ -172,27 +174,23 @@ def quality(models: dict, reference_name: str, text: str, s: Settings) -> dict:
               prompt_tokens=[len(p) for p in prompts], heads=sorted(heads), schemes=rows)
 
 
-def step_seconds(model, rows, tokens: int, **options) -> float:
-  """Seconds per token after the first: a run of `tokens` less one of 1, paired."""
+def step_ms(model, rows, tokens: int, **options) -> float:
+  """Milliseconds per token after the first: a run of `tokens` less one of 1, paired."""
   def run(n):
     return mdjax.generate(model, rows, max_new_tokens=n, eos_token_id=[], **options
                           ).stats["wall_s"]
-  return (run(tokens) - run(1)) / (tokens - 1)
+  return 1e3 * (run(tokens) - run(1)) / (tokens - 1)
 
 
 def timed(models: dict, rows, s: Settings, label: str, **options) -> dict:
   """ms per token of each scheme: one untimed run each (compiles), then `repeats`
   rounds over every scheme in a rotated order; the median, and its ratio to float32's."""
-  for model in models.values():
-    step_seconds(model, rows, s.step_tokens, **options)
-  names = list(models)
-  samples = {name: [] for name in names}
-  for rep in tqdm.trange(s.repeats, desc=label, leave=False):
-    for name in names[rep % len(names):] + names[:rep % len(names)]:
-      samples[name].append(1e3 * step_seconds(models[name], rows, s.step_tokens, **options))
+  calls = {name: functools.partial(step_ms, model, rows, s.step_tokens, **options)
+           for name, model in models.items()}
+  _, samples = interleaved(calls, s.repeats, label)
   medians = {name: statistics.median(values) for name, values in samples.items()}
   return {name: dict(ms_per_token=medians[name], ratio=medians[name] / medians["float32"],
-                     samples_ms=samples[name]) for name in names}
+                     samples_ms=samples[name]) for name in models}
 
 
 def uptime() -> dict:
