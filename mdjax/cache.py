@@ -201,8 +201,13 @@ def _static(layer) -> int:
 def with_layer(field, layer, stack: Array):
   """`field` with `layer` replaced by what `at_layer` gave, updated (`stack`)."""
   if isinstance(field, tuple):
-    return field[:layer] + (stack[0],) + field[layer + 1:]
+    return _replaced(field, layer, stack[0])
   return stack
+
+
+def _replaced(field: tuple, layer: int, array: Array) -> tuple:
+  """A per-layer field with layer `layer`'s array replaced by `array`."""
+  return field[:layer] + (array,) + field[layer + 1:]
 
 
 def read_kv(cache: KVCache, layer, pick=lambda x, index: x[index]
@@ -306,9 +311,8 @@ def write_layer(cache: KVCache, layer: int, slot: Int[Array, "B T"], k: Float[Ar
     field = getattr(cache, name)
     if isinstance(field, tuple) and platform.current() != "tpu":  # into the layer's own array:
       # through `at_layer`'s stack of one, XLA:CPU copied the whole layer for the scatter
-      own = field[_static(layer)].at[rows, slot].set(values.astype(field[layer].dtype),
-                                                     mode="drop")
-      return field[:layer] + (own,) + field[layer + 1:]
+      own = field[_static(layer)]
+      return _replaced(field, layer, own.at[rows, slot].set(values.astype(own.dtype), mode="drop"))
     return with_layer(field, layer, put(*at_layer(field, layer), values))
 
   return cache.replace(**{name: put_field(name, values) for name, values in new.items()})
