@@ -258,6 +258,37 @@ def test_a_quantized_model_saved_and_loaded_gives_the_same_logits(tmp_path):
       causal_logits(restored, TOKENS, config=model.config), expected)
 
 
+def test_a_checkpoint_is_quantized_layer_by_layer_as_it_is_read(tmp_path, monkeypatch):
+  """`quantize=` on a checkpoint gives the params of quantizing its float model after the
+  load, bit for bit, and the float model is never held whole: when a layer's weights are
+  quantized, no float matrix quantized before them is still alive."""
+  import gc
+  import weakref
+  from mdjax.checkpoints import hf
+  save_hf(mdjax.load(TINY), tmp_path / "hf")
+  floats = mdjax.load(str(tmp_path / "hf"))
+  quantized_before, calls = [], []
+
+  def watched(weights, scheme, group):
+    gc.collect()
+    calls.append(sorted(weights))
+    alive = [ref() for ref in quantized_before if ref() is not None]
+    assert not alive, f"{len(alive)} float matrices of earlier layers still held"
+    out = quantized.quantize_weights(weights, scheme, group)
+    quantized_before.extend(weakref.ref(w) for name, w in weights.items()
+                            if name in quantized.MATRICES or name == "embed")
+    return out
+
+  monkeypatch.setattr(hf, "quantize_weights", watched)
+  for scheme, group in (("int8", None), ("int4", 16)):
+    calls.clear()
+    model = mdjax.load(str(tmp_path / "hf"), quantize=scheme, quantize_group=group)
+    assert len(calls) == model.config.num_layers + 1  # each layer, then the embedding's dict
+    assert model.quantization == quantized.scheme_label(scheme, group)
+    expected = quantized.quantize_params(floats.params, scheme, group)
+    jax.tree.map(np.testing.assert_array_equal, model.params, expected)
+
+
 @pytest.mark.parametrize("scheme, group", [("int8", None), ("int4", 16)])
 def test_a_program_built_for_a_gpu_gives_the_dequantized_twins_tokens(scheme, group):
   """Built as a GPU builds it (head_dim 32: the GPU's attention kernel runs; the

@@ -147,9 +147,10 @@ def _download(repo: str, filename: str) -> pathlib.Path:
 
 
 def load_gguf(file: str | os.PathLike, dtype="float32", *, name: str | None = None,
-              mesh=None) -> Model:
-  """Loads a GGUF file as a `Model` with weights of `dtype` (on `mesh` when given),
-  converting it on first use."""
+              mesh=None, quantize: str | None = None, quantize_group: int | None = None
+              ) -> Model:
+  """Loads a GGUF file as a `Model` with weights of `dtype` (on `mesh` when given;
+  `quantize`d layer by layer as `hf.load_hf_dir` does), converting it on first use."""
   np_dtype = weight_dtype(dtype)
   file = pathlib.Path(file)
   if not file.is_file():
@@ -162,7 +163,7 @@ def load_gguf(file: str | os.PathLike, dtype="float32", *, name: str | None = No
     if not (converted / "config.json").is_file():  # else another process converted it
       hf.save_hf(convert(file), converted)
   return hf.load_hf_dir(converted, dtype=np_dtype, name=name if name is not None else file.name,
-                        mesh=mesh)
+                        mesh=mesh, quantize=quantize, quantize_group=quantize_group)
 
 
 def convert(file: pathlib.Path) -> Model:

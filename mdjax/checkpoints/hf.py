@@ -25,6 +25,7 @@ from mdjax.errors import CheckpointError, MdjaxError
 from mdjax.files import atomic_directory
 from mdjax.models.config import LAYER_TYPES, ModelConfig, RopeScaling, weight_dtype
 from mdjax.models.model import Model
+from mdjax.models.quantized import quantize_weights, scheme_label
 
 ASSETS_DIR = pathlib.Path(__file__).resolve().parent.parent / "assets"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -292,9 +293,15 @@ def read_json(file: pathlib.Path) -> dict[str, Any]:
 
 
 def load_hf_dir(path: str | os.PathLike, dtype="float32", *, name: str | None = None,
-                mesh=None) -> Model:
+                mesh=None, quantize: str | None = None, quantize_group: int | None = None
+                ) -> Model:
   """Loads a Hugging Face-format directory as a `Model` with weights of `dtype`, each
-  weight put straight onto its sharding when a `mesh` is given (`mdjax.sharding`)."""
+  weight put straight onto its sharding when a `mesh` is given (`mdjax.sharding`).
+
+  `quantize` ("int8" or "int4", groups of `quantize_group`): each layer's matrices are
+  quantized as soon as the layer is read (`mdjax.models.quantized.quantize_weights`), so
+  the float model is never held whole: at most one layer's float weights beside the
+  quantized ones."""
   directory = pathlib.Path(path)
   if not directory.exists():
     raise CheckpointError(f"no such checkpoint directory: {str(path)!r}")
@@ -316,13 +323,22 @@ def load_hf_dir(path: str | os.PathLike, dtype="float32", *, name: str | None = 
   weights.validate()
   layout = sharding.layout_for(mesh, config)
   quantization = cfg.get(quantized_layout.KEY)
+  if quantization is not None and quantize is not None:
+    raise MdjaxError(f"quantize={quantize!r}: {directory} is quantized already "
+                     f"({quantization['label']}); load its float checkpoint to quantize it "
+                     "again")
   if quantization is not None and mesh is not None:
     raise CheckpointError(f"{directory} holds a quantized model ({quantization['label']}), "
                           "which loads onto one device; load its float checkpoint onto a mesh")
   if quantization is not None:
     params = quantized_layout.from_tensors(weights.read_all(), quantization)
   else:
-    params = params_from_hf(config, weights, np_dtype, lazy.placer(layout))
+    read = lazy.placer(layout)
+    place = read if quantize is None else (
+        lambda tree: quantize_weights(read(tree), quantize, quantize_group))
+    params = params_from_hf(config, weights, np_dtype, place)
+    if quantize is not None:
+      quantization = {"label": scheme_label(quantize, quantize_group)}
   tokenizer = None
   if any((directory / f).is_file() for f in TOKENIZER_FILES):
     import transformers  # only checkpoints with a tokenizer need it

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 from mdjax.checkpoints.registry import RANDOM_MODELS
-from mdjax.errors import CheckpointError, MdjaxError
+from mdjax.errors import CheckpointError
 from mdjax.models.config import default_weight_dtype, weight_dtype
 from mdjax.models.layer_loop import check_layer_loop, default_layer_loop, with_layer_loop
 from mdjax.models.model import Model
-from mdjax.models.quantized import INT4_GROUP, check_scheme, quantize_params
+from mdjax.models.quantized import check_scheme, quantize_params, scheme_label
 from mdjax.models.random_init import init_params
 from mdjax.sharding import shard
 
@@ -58,23 +58,19 @@ def load(path_or_name: str, dtype=None, seed: int = 0, gguf_file: str | None = N
                             "GGUF file (int8 or int4 quantize any checkpoint)")
     from mdjax.checkpoints import gguf_native
     return _laid_out(gguf_native.load(file, dtype=dtype, name=name, mesh=mesh), loop)
+  options = dict(dtype=dtype, name=name, mesh=mesh, quantize=quantize,
+                 quantize_group=quantize_group)  # quantized layer by layer as it is read
   if file is not None:
-    model = gguf.load_gguf(file, dtype=dtype, name=name, mesh=mesh)
-  else:
-    model = hf.load_hf_dir(hf.resolve(name), dtype=dtype, name=name, mesh=mesh)
-  return _laid_out(_quantized(model, quantize, quantize_group), loop)
+    return _laid_out(gguf.load_gguf(file, **options), loop)
+  return _laid_out(hf.load_hf_dir(hf.resolve(name), **options), loop)
 
 
 def _quantized(model: Model, scheme: str | None, group: int | None) -> Model:
-  """`model` with its matrices quantized by `scheme` (unchanged when None)."""
+  """A random `model` with its matrices quantized by `scheme` (unchanged when None)."""
   if scheme is None:
     return model
-  if model.quantization is not None:
-    raise MdjaxError(f"quantize={scheme!r}: {model.name or 'the model'} is quantized already "
-                     f"({model.quantization}); load its float checkpoint to quantize it again")
-  label = scheme if scheme == "int8" else f"int4, groups of {group or INT4_GROUP}"
   return dataclasses.replace(model, params=quantize_params(model.params, scheme, group),
-                             quantization=label)
+                             quantization=scheme_label(scheme, group))
 
 
 def _laid_out(model: Model, layer_loop: str) -> Model:

@@ -278,10 +278,17 @@ def check_scheme(scheme: str, group: int | None) -> int:
   return 8 if scheme == "int8" else 4
 
 
-def quantize_params(params: dict, scheme: str, group: int | None = None) -> dict:
-  """`params` (one layer list or a stack) with every matrix quantized by `scheme`:
-  "int8" (a scale per output), "int4" (groups of `group` inputs, `INT4_GROUP` unless
-  given); norms and biases stay float."""
+def scheme_label(scheme: str, group: int | None) -> str:
+  """What `Model.quantization` says of `scheme`: "int8" or "int4, groups of 64"."""
+  return scheme if scheme == "int8" else f"int4, groups of {group or INT4_GROUP}"
+
+
+def quantize_weights(weights: dict, scheme: str, group: int | None = None) -> dict:
+  """One dict of named weights (a layer's, or the top-level ones without "layers") with
+  every matrix quantized by `scheme`: "int8" (a scale per output), "int4" (groups of
+  `group` inputs, `INT4_GROUP` unless given); norms and biases stay float. A loader
+  applies it to each dict as it reads it, so at most one layer's float weights are held
+  beside the quantized ones (`mdjax.checkpoints.hf.load_hf_dir`)."""
   bits = check_scheme(scheme, group)
   group = (group or INT4_GROUP) if bits == 4 else None
 
@@ -291,11 +298,14 @@ def quantize_params(params: dict, scheme: str, group: int | None = None) -> dict
                        f"({weight.bits}-bit); load its float checkpoint to quantize it again")
     return quantize(weight, bits, group, axis=axis)
 
-  def layer(lp: dict) -> dict:
-    return {name: one(name, w) if name in MATRICES else w for name, w in lp.items()}
+  return {name: one(name, w, -1) if name == "embed" else one(name, w) if name in MATRICES else w
+          for name, w in weights.items()}
 
-  out = {name: one(name, w, -1) if name == "embed" else one(name, w) if name in MATRICES else w
-         for name, w in params.items() if name != "layers"}
+
+def quantize_params(params: dict, scheme: str, group: int | None = None) -> dict:
+  """`params` (one layer list or a stack) with every matrix quantized by `scheme`
+  (`quantize_weights`)."""
   layers = params["layers"]
-  out["layers"] = [layer(lp) for lp in layers] if isinstance(layers, list) else layer(layers)
-  return out
+  top = quantize_weights({n: w for n, w in params.items() if n != "layers"}, scheme, group)
+  return {**top, "layers": [quantize_weights(lp, scheme, group) for lp in layers]
+          if isinstance(layers, list) else quantize_weights(layers, scheme, group)}
