@@ -65,6 +65,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from mdjax import distributed
 from mdjax.errors import MdjaxError
 from mdjax.models.config import ModelConfig
+from mdjax.models.quantized import is_quantized
 
 MESH_AXES = ("data", "tensor")
 LAYOUT_AXES = ("data", "tensor_kv", "tensor_q")
@@ -208,7 +209,13 @@ class WeightPlacement:
     """One stored weight as the mesh stores it: fused projections split (tensor > 1),
     the vocabulary padded. Works on numpy and jax arrays and on a loader's recipes
     (`mdjax.checkpoints.lazy`) alike, through the namespace each names (the array API's
-    `__array_namespace__`: numpy, jax.numpy or the recipes' own); last axis = outputs."""
+    `__array_namespace__`: numpy, jax.numpy or the recipes' own); last axis = outputs.
+    A quantized weight's integers, scales and offsets are split and padded alike (each
+    has the weight's output axis, and its vocabulary axis; padding is zeros: value 0)."""
+    if is_quantized(value):
+      fields = {f: self.split(name, x) for f, x in _fields(value).items()}
+      return {part: dataclasses.replace(value, **{f: parts[part] for f, parts in fields.items()})
+              for part in fields["q"]}
     c = self.config
     xp = value.__array_namespace__()
     if self.tensor > 1 and name in FUSED:
@@ -234,8 +241,32 @@ class WeightPlacement:
                         else self.place(value, put))
         continue
       for part, array in self.split(name, value).items():
-        placed[part] = put(array, self.sharding(part, array.shape))
+        placed[part] = self._put(part, array, put)
     return placed
+
+  def _put(self, name: str, value, put: Callable[[Any, NamedSharding], jax.Array]):
+    """One weight on its sharding. A quantized weight's integers lie as the float weight
+    would; its scales and offsets ([..., G, F], or [V, G] for the embedding) too, but
+    their group axis only where the groups divide the mesh axes as the rows do (int8's
+    one group per column is replicated along it)."""
+    sharding = self.sharding(name, value.shape)
+    if not is_quantized(value):
+      return put(value, sharding)
+    parts = list(sharding.spec) + [None] * (value.ndim - len(sharding.spec))
+    grouped = value.axis % value.ndim
+    axes = parts[grouped]
+    if axes is not None and value.scale.shape[grouped] % _axis_size(
+        self.mesh, axes if isinstance(axes, tuple) else (axes,)):
+      parts[grouped] = None
+    per_group = NamedSharding(self.mesh, PartitionSpec(*parts))
+    return dataclasses.replace(
+        value, **{f: put(x, sharding if f == "q" else per_group)
+                  for f, x in _fields(value).items()})
+
+
+def _fields(weight) -> dict[str, Any]:
+  """A quantized weight's arrays by field name (no offset field when it has none)."""
+  return {f: getattr(weight, f) for f in ("q", "scale", "offset") if getattr(weight, f) is not None}
 
 
 def layout_for(mesh: Mesh | None, config: ModelConfig) -> WeightPlacement | None:
@@ -256,19 +287,31 @@ def shard(model, mesh: Mesh):
 def one_device_layout(params: dict, config: ModelConfig) -> dict:
   """`params` as one device stores them (the inverse of `WeightPlacement.split`): split
   projections fused again, a padded vocabulary cut (e.g. to save a sharded model)."""
+  def fieldwise(fn, *weights):  # fn on arrays, or on each field of quantized weights
+    if not is_quantized(weights[0]):
+      return fn(*weights)
+    return dataclasses.replace(weights[0], bits=max(w.bits for w in weights),
+                               **{f: fn(*(getattr(w, f) for w in weights))
+                                  for f in _fields(weights[0])})
+
+  def fusable(weights: list) -> bool:  # quantized parts: one group size and offset form
+    return not is_quantized(weights[0]) or len(
+        {(w.group, w.offset is None) for w in weights}) == 1
+
   def fuse(layer: dict) -> dict:
     layer = dict(layer)
     for fused, parts in FUSED.items():
-      if parts[0] in layer:
-        layer[fused] = jnp.concatenate([layer.pop(p) for p in parts], axis=-1)
+      if parts[0] in layer and fusable([layer[p] for p in parts]):
+        layer[fused] = fieldwise(lambda *xs: jnp.concatenate(xs, axis=-1),
+                                 *[layer.pop(p) for p in parts])
     return layer
 
   out = dict(params)
   layers = params["layers"]
   out["layers"] = [fuse(lp) for lp in layers] if isinstance(layers, list) else fuse(layers)
-  out["embed"] = params["embed"][:config.vocab_size]
+  out["embed"] = fieldwise(lambda x: x[:config.vocab_size], params["embed"])
   if "lm_head" in params:
-    out["lm_head"] = params["lm_head"][:, :config.vocab_size]
+    out["lm_head"] = fieldwise(lambda x: x[..., :config.vocab_size], params["lm_head"])
   return out
 
 

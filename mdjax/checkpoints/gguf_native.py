@@ -15,8 +15,12 @@ names, llama's q/k row order undone, gemma3's norms less one)::
 q|k|v and gate|up are fused, as for a float model, when their parts share a group size
 and an offset form; else they stay split (`wq`, `wk`, `wv`; `w_gate`, `w_up`: the layout
 `transformer` also reads on a mesh). A matrix the file holds in float (F32, F16, BF16)
-stays a float matrix of the load's dtype. Norms and biases are float. The model lies on
-one device.
+stays a float matrix of the load's dtype. Norms and biases are float.
+
+On a mesh, each layer's weights are read into host arrays and put on their shards by
+`mdjax.sharding.WeightPlacement.place` (integers, scales and offsets alike; fused
+projections split where tensor > 1): no weight is put whole on one device, but each
+process reads every tensor's blocks whole.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import pathlib
 
 import numpy as np
 
+from mdjax import sharding
 from mdjax.checkpoints import gguf as gguf_reader
 from mdjax.checkpoints.gguf_blocks import FLOAT_TYPES, Blocks, read_blocks
 from mdjax.checkpoints.hf_layout import norms_after_attention
@@ -40,26 +45,25 @@ import jax.numpy as jnp
 def load(file: str | pathlib.Path, dtype="float32", *, name: str | None = None,
          mesh=None) -> Model:
   """The model a GGUF file holds, its matrices kept as the file's blocks."""
-  if mesh is not None:
-    raise CheckpointError("quantize='gguf' loads onto one device; for a mesh, load without "
-                          "quantize or with quantize='int8' / 'int4'")
   file = pathlib.Path(file)
   if not file.is_file():
     raise CheckpointError(f"no such GGUF file: {str(file)!r}")
   reader, arch, tensors, config = gguf_reader.open_file(file)
-  blocks = _Matrices(tensors, weight_dtype(dtype))
-  params = _params(config, blocks)
+  layout = sharding.layout_for(mesh, config)
+  blocks = _Matrices(tensors, weight_dtype(dtype), xp=jnp if layout is None else np)
+  params = _params(config, blocks, place=(lambda tree: tree) if layout is None else layout.place)
   tensors.check_all_read()
   kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(blocks.kinds.items()))
   return Model(config=config, params=params, tokenizer=gguf_reader.tokenizer_of(reader, file, arch),
-               name=name if name is not None else file.name, quantization=f"gguf ({kinds})")
+               name=name if name is not None else file.name, quantization=f"gguf ({kinds})",
+               layout=layout)
 
 
 class _Matrices:
   """The file's matrices by Hugging Face name, as `Blocks` (or float arrays)."""
 
-  def __init__(self, tensors: gguf_reader.Tensors, dtype: np.dtype):
-    self.tensors, self.dtype = tensors, dtype
+  def __init__(self, tensors: gguf_reader.Tensors, dtype: np.dtype, xp):
+    self.tensors, self.dtype, self.xp = tensors, dtype, xp  # xp: numpy keeps them on the host
     self.kinds: collections.Counter = collections.Counter()  # ggml type -> matrices read
 
   def read(self, hf_name: str, rows: int, cols: int, heads: int | None = None
@@ -91,11 +95,11 @@ class _Matrices:
     """One matrix as the params hold it: `[D, F]` (axis -2, ggml's rows transposed) or
     `[V, D]` as stored (axis -1, the embedding)."""
     if isinstance(part, np.ndarray):
-      return jnp.asarray(part.T if axis == -2 else part)
+      return self.xp.asarray(part.T if axis == -2 else part)
     turn = (lambda a: None if a is None else np.ascontiguousarray(a.T)) if axis == -2 else (
         lambda a: a)
     return from_parts(turn(part.q), turn(part.scale), turn(part.offset), axis=axis,
-                      bits=part.bits, dtype=self.dtype)
+                      bits=part.bits, dtype=self.dtype, xp=self.xp)
 
   def fused(self, parts: list[Blocks | np.ndarray]) -> QuantizedWeight | None:
     """The parts (outputs one after another) as one `[D, sum F]` weight, or None when they
@@ -109,9 +113,10 @@ class _Matrices:
                               group=parts[0].group, bits=max(p.bits for p in parts)))
 
 
-def _params(c: ModelConfig, m: _Matrices) -> dict:
+def _params(c: ModelConfig, m: _Matrices, place) -> dict:
+  """The params, each layer's dict (then the rest) handed to `place` as it is read."""
   d, f, h = c.hidden_size, c.intermediate_size, c.head_dim
-  norm = lambda name, n: jnp.asarray(m.tensors.get(name, (n,)).astype(m.dtype))  # noqa: E731
+  norm = lambda name, n: m.xp.asarray(m.tensors.get(name, (n,)).astype(m.dtype))  # noqa: E731
 
   def projections(lp: dict, fused: str, names: tuple[str, ...], parts: list) -> None:
     joined = m.fused(parts)
@@ -136,11 +141,11 @@ def _params(c: ModelConfig, m: _Matrices) -> dict:
     if c.qkv_bias or c.o_bias or c.mlp_bias:
       raise CheckpointError(f"quantize='gguf' reads no biases yet ({c.family} with biases); "
                             "load this file without quantize")
-    return lp
+    return place(lp)
 
   params = {"embed": m.weight(m.read("model.embed_tokens.weight", c.vocab_size, d), axis=-1),
-            "final_norm": norm("model.norm.weight", d),
-            "layers": [layer(f"model.layers.{i}.") for i in range(c.num_layers)]}
+            "final_norm": norm("model.norm.weight", d)}
+  layers = [layer(f"model.layers.{i}.") for i in range(c.num_layers)]
   if not c.tie_word_embeddings:
     params["lm_head"] = m.weight(m.read("lm_head.weight", c.vocab_size, d))
-  return params
+  return {**place(params), "layers": layers}

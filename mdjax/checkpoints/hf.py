@@ -16,6 +16,8 @@ import pathlib
 import re
 from typing import Any
 
+import numpy as np
+
 from mdjax import generation_config, sharding
 from mdjax.checkpoints import lazy, quantized_layout
 from mdjax.checkpoints.hf_layout import (SafetensorsCheckpoint, params_from_hf, params_to_hf,
@@ -327,11 +329,10 @@ def load_hf_dir(path: str | os.PathLike, dtype="float32", *, name: str | None = 
     raise MdjaxError(f"quantize={quantize!r}: {directory} is quantized already "
                      f"({quantization['label']}); load its float checkpoint to quantize it "
                      "again")
-  if quantization is not None and mesh is not None:
-    raise CheckpointError(f"{directory} holds a quantized model ({quantization['label']}), "
-                          "which loads onto one device; load its float checkpoint onto a mesh")
-  if quantization is not None:
-    params = quantized_layout.from_tensors(weights.read_all(), quantization)
+  if quantization is not None:  # read whole by each process, each weight put on its shards
+    params = quantized_layout.from_tensors(weights.read_all(), quantization,
+                                           xp=None if layout is None else np)
+    params = params if layout is None else layout.place(params)
   else:
     read = lazy.placer(layout)
     place = read if quantize is None else (
@@ -365,8 +366,8 @@ def save_hf(model: Model, path: str | os.PathLike, dtype="float32",
   np_dtype = weight_dtype(dtype)
   config = config_to_hf(model.config, dtype=str(np_dtype))
   if model.quantization is not None:  # mdjax's own tensors (`quantized_layout`)
-    tensors, config[quantized_layout.KEY] = quantized_layout.to_tensors(model.params,
-                                                                        model.quantization)
+    tensors, config[quantized_layout.KEY] = quantized_layout.to_tensors(
+        sharding.one_device_layout(model.params, model.config), model.quantization)
   else:
     tensors = params_to_hf(model.config, model.params, np_dtype)
   with atomic_directory(path) as staging:

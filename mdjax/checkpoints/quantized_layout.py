@@ -52,15 +52,17 @@ def _named(params: dict):
       yield name, value
 
 
-def from_tensors(tensors: dict[str, np.ndarray], entry: dict) -> dict:
-  """The params `to_tensors` wrote (a list of layers), quantized weights put together."""
+def from_tensors(tensors: dict[str, np.ndarray], entry: dict, xp=None) -> dict:
+  """The params `to_tensors` wrote (a list of layers), quantized weights put together, on
+  the default device (`xp` jax.numpy, the default) or on the host (`xp` numpy)."""
   import jax.numpy as jnp
+  xp = jnp if xp is None else xp
   weights = entry["weights"]
   flat = {name: from_parts(tensors[f"{name}.q"], tensors[f"{name}.scale"],
                            tensors.get(f"{name}.offset"), axis=meta["axis"], bits=meta["bits"],
-                           dtype=meta["dtype"])
+                           dtype=meta["dtype"], xp=xp)
           for name, meta in weights.items()}
-  flat |= {name: jnp.asarray(array) for name, array in tensors.items()
+  flat |= {name: xp.asarray(array) for name, array in tensors.items()
            if name.rsplit(".", 1)[0] not in weights}
   params, layers = {}, {}
   for name, value in flat.items():

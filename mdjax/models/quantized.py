@@ -140,11 +140,12 @@ def held_bits_dtype(bits: int):
 
 
 def from_parts(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, *, axis: int,
-               bits: int, dtype) -> QuantizedWeight:
-  """A `QuantizedWeight` from host arrays (a checkpoint's blocks), q put in the dtype this
-  platform holds `bits`-bit values in."""
-  return QuantizedWeight(q=jnp.asarray(q, held_bits_dtype(bits)), scale=jnp.asarray(scale),
-                         offset=None if offset is None else jnp.asarray(offset), axis=axis,
+               bits: int, dtype, xp=jnp) -> QuantizedWeight:
+  """A `QuantizedWeight` from host arrays (a checkpoint's blocks), q in the dtype this
+  platform holds `bits`-bit values in: on the default device (`xp` jax.numpy), or kept
+  on the host (`xp` numpy: for `mdjax.sharding.WeightPlacement.place` to put on a mesh)."""
+  return QuantizedWeight(q=xp.asarray(q, held_bits_dtype(bits)), scale=xp.asarray(scale),
+                         offset=None if offset is None else xp.asarray(offset), axis=axis,
                          bits=bits, dtype=jnp.dtype(dtype))
 
 

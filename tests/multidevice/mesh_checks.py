@@ -25,6 +25,7 @@ from mdjax import sharding  # noqa: E402
 from mdjax.checkpoints import hf  # noqa: E402
 from mdjax.checkpoints.registry import RANDOM_MODELS  # noqa: E402
 from mdjax.models.layer_loop import with_layer_loop  # noqa: E402
+from mdjax.models.quantized import QuantizedWeight, quantize_params  # noqa: E402
 from tests import helpers  # noqa: E402
 
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
@@ -340,3 +341,35 @@ def test_a_quantized_load_onto_a_mesh_gives_one_devices_tokens(tmp_path, scheme,
   run = lambda model: mdjax.generate(model, PROMPTS, max_new_tokens=10,  # noqa: E731
                                      eos_token_id=[]).sequences
   assert run(loaded) == run(one_device)
+
+
+def test_a_quantized_model_with_offsets_shards_saves_and_loads_as_one_device(tmp_path):
+  """int4 in groups with offsets (as GGUF's asymmetric blocks hold them): placed on a
+  mesh, its integers, scales and offsets split and padded by the float rules (a group
+  axis only where the groups divide the mesh), greedy gives one device's tokens; saved
+  from the mesh it is the one-device checkpoint, which loads onto a mesh again."""
+  model = random_model(2)
+  params = quantize_params(model.params, "int4", 16)
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(
+      lambda w: dataclasses.replace(w, offset=w.scale * rng.normal(size=w.scale.shape)
+                                    .astype(np.float32))
+      if isinstance(w, QuantizedWeight) else w, params,
+      is_leaf=lambda w: isinstance(w, QuantizedWeight))
+  model = dataclasses.replace(model, params=params, quantization="int4 with offsets")
+  mesh = jax.make_mesh((2, 4), ("data", "tensor"))
+  sharded = mdjax.shard(model, mesh)
+  layer, tensor = sharded.params["layers"][0], ("tensor_kv", "tensor_q")
+  for field in ("q", "scale", "offset"):
+    assert_spec(getattr(layer["wq"], field), None, tensor)
+    assert_spec(getattr(layer["w_down"], field), tensor, None)  # 8 groups of 16 rows over 4
+    assert_spec(getattr(sharded.params["embed"], field), tensor, None)
+  assert sharded.params["embed"].q.shape == (252, 64)
+  run = lambda m: mdjax.generate(m, PROMPTS, max_new_tokens=10,  # noqa: E731
+                                 eos_token_id=[]).sequences
+  expected = run(model)
+  assert run(sharded) == expected
+  hf.save_hf(sharded, tmp_path / "ckpt")
+  jax.tree.map(np.testing.assert_array_equal, mdjax.load(str(tmp_path / "ckpt")).params,
+               model.params)
+  assert run(mdjax.load(str(tmp_path / "ckpt"), mesh=mesh)) == expected
