@@ -8,7 +8,10 @@ import tempfile
 # The suite's models are tiny, so its time is XLA compiling hundreds of programs;
 # without LLVM's optimisation passes that is ~30% faster, and with XLA:CPU's older
 # fusion emitters (LLVM IR directly, not through MLIR) small programs take ~45% less
-# CPU again, a real model's ~15% more (CHANGELOG.md, 2026-11-27). Set before jax starts its
+# CPU again, a real model's ~15% more (CHANGELOG.md, 2026-11-27); and with the LLVM module
+# compiled whole rather than split into parts for threads (which two workers on two cores
+# never run at once) ~9% less again (test_medusa, test_mixed and test_program_syncs: 120
+# CPU s against 132). Set before jax starts its
 # backend; subprocesses (benchmarks, the CLI) inherit it, all but the TPU notebook's
 # kernel, which runs more than it compiles (tests/test_notebooks.py takes these two
 # flags out of its environment). Results are checked between strategies under the same
@@ -28,7 +31,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 if os.environ["JAX_PLATFORMS"] == "cpu":
   os.environ["XLA_FLAGS"] = " ".join(
       filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0",
-                    "--xla_cpu_use_fusion_emitters=false"]))
+                    "--xla_cpu_use_fusion_emitters=false",
+                    "--xla_cpu_parallel_codegen_split_count=1"]))
 # `tree_budget="auto"` sizes trees by a measured pass cost: the suite pins a flat one
 # (a GPU-like device, where the widest trees pay), so no test pays a measurement and
 # every test's tree is the same on any machine; tests/test_tree_auto.py measures.
