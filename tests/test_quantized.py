@@ -206,8 +206,8 @@ def test_gguf_blocks_as_they_are_give_the_dequantized_models_logits(name, kinds)
   """quantize="gguf": every matrix a `QuantizedWeight` read from the file's blocks (the
   types the file holds), logits within 1e-3 (relative to each position's largest) of
   the float32 model the file dequantizes to, the same argmax; SmolLM2's loaded onto a
-  mesh gives the same logits (tests/multidevice/mesh_checks.py splits quantized weights
-  over 8 devices)."""
+  mesh holds the same blocks (tests/multidevice/mesh_checks.py splits quantized weights
+  over 8 devices and runs them)."""
   model = mdjax.load(name, quantize="gguf")
   assert all(kind in model.quantization for kind in kinds), model.quantization
   matrices = [w for lp in model.params["layers"] for n, w in lp.items() if n.startswith("w")]
@@ -222,7 +222,7 @@ def test_gguf_blocks_as_they_are_give_the_dequantized_models_logits(name, kinds)
   if kinds == {"Q4_1", "Q8_0"}:  # loaded onto a mesh (of this one device): the same blocks
     on_mesh = mdjax.load(name, quantize="gguf", mesh=jax.make_mesh((1, 1), ("data", "tensor")))
     assert on_mesh.layout is not None and on_mesh.quantization == model.quantization
-    np.testing.assert_array_equal(real_logits(on_mesh, tokens), logits)
+    jax.tree.map(np.testing.assert_array_equal, on_mesh.params, model.params)
 
 
 def test_bad_quantization_options_are_one_line_naming_them():
