@@ -325,17 +325,17 @@ def test_a_mesh_without_the_axes_is_a_clear_error():
 
 
 def test_an_int8_load_onto_a_mesh_gives_one_devices_tokens(tmp_path):
-  """int8, quantized layer by layer as each process reads its shards: the integers lie
-  as their float weights would, and greedy gives one device's tokens (int4's groups:
-  the next check)."""
+  """int8, quantized layer by layer as each process reads its shards, then stacked for
+  the scanned loop: the integers lie as their float weights would (a leading layer axis
+  more), and greedy gives one device's tokens (int4's groups, unrolled: the next check)."""
   hf.save_hf(random_model(2), tmp_path / "ckpt")
-  one_device = mdjax.load(str(tmp_path / "ckpt"), quantize="int8")
+  one_device = mdjax.load(str(tmp_path / "ckpt"), quantize="int8", layer_loop="scan")
   loaded = mdjax.load(str(tmp_path / "ckpt"), mesh=jax.make_mesh((2, 4), ("data", "tensor")),
-                      quantize="int8")
-  layer, tensor = loaded.params["layers"][0], ("tensor_kv", "tensor_q")
-  assert_spec(layer["wq"].q, None, tensor)
-  assert_spec(layer["wk"].q, None, "tensor_kv")
-  assert_spec(layer["w_down"].q, tensor, None)
+                      quantize="int8", layer_loop="scan")
+  layer, tensor = loaded.params["layers"], ("tensor_kv", "tensor_q")
+  assert_spec(layer["wq"].q, None, None, tensor)
+  assert_spec(layer["wk"].q, None, None, "tensor_kv")
+  assert_spec(layer["w_down"].q, None, tensor, None)
   assert_spec(loaded.params["embed"].q, tensor, None)
   run = lambda model: mdjax.generate(model, PROMPTS, max_new_tokens=10,  # noqa: E731
                                      eos_token_id=[]).sequences
