@@ -329,6 +329,7 @@ def load_hf_dir(path: str | os.PathLike, dtype="float32", *, name: str | None = 
     raise MdjaxError(f"quantize={quantize!r}: {directory} is quantized already "
                      f"({quantization['label']}); load its float checkpoint to quantize it "
                      "again")
+  label = None if quantization is None else quantization["label"]  # `Model.quantization`
   if quantization is not None:  # read whole by each process, each weight put on its shards
     params = quantized_layout.from_tensors(weights.read_all(), quantization,
                                            xp=None if layout is None else np)
@@ -339,7 +340,7 @@ def load_hf_dir(path: str | os.PathLike, dtype="float32", *, name: str | None = 
         lambda tree: quantize_weights(read(tree), quantize, quantize_group))
     params = params_from_hf(config, weights, np_dtype, place)
     if quantize is not None:
-      quantization = {"label": scheme_label(quantize, quantize_group)}
+      label = scheme_label(quantize, quantize_group)
   tokenizer = None
   if any((directory / f).is_file() for f in TOKENIZER_FILES):
     import transformers  # only checkpoints with a tokenizer need it
@@ -350,7 +351,7 @@ def load_hf_dir(path: str | os.PathLike, dtype="float32", *, name: str | None = 
   return Model(config=config, params=params, tokenizer=tokenizer, path=str(directory),
                name=name if name is not None else directory.name, layout=layout,
                generation_defaults=defaults,
-               quantization=None if quantization is None else quantization["label"])
+               quantization=label)
 
 
 def save_hf(model: Model, path: str | os.PathLike, dtype="float32",
