@@ -409,15 +409,18 @@ def _move_window(cache: KVCache, start: Int[Array, "B"], source: Int[Array, "B W
   position, and its segment if `keep[b, i]` (else the slot is freed). Destinations
   past the end are dropped.
 
-  K/V (and an int8 cache's scales) move by a gather and a scatter (in place); positions
-  and segments by one select over the whole row, which a GPU fuses with their gather (a
-  scatter is a kernel of its own per array, after a copy of the array it updates)."""
+  K/V (and an int8 cache's scales) move by a gather and a scatter (in place; on a TPU by
+  products with one-hot columns, `_move_by_products`); positions and segments by one
+  select over the whole row, which a GPU fuses with their gather (a scatter is a kernel
+  of its own per array, after a copy of the array it updates)."""
   width = source.shape[1]
   rows = jnp.arange(source.shape[0])[:, None]  # [B, 1]
   source = jnp.minimum(source, cache.num_slots - 1)
   destination = start[:, None] + jnp.arange(width)[None, :]  # [B, W]
   move = lambda x, lead: x.at[lead + (rows, destination)].set(x[lead + (rows, source)],
                                                              mode="drop")
+  if platform.current() == "tpu":
+    move = functools.partial(_move_by_products, start=start, source=source)
   moved = cache.replace(**{name: each_layer(move, x)
                            for name, x in cache.slot_fields().items()})  # [L, B, S, K(, H)]
   if keep is None:
@@ -431,3 +434,32 @@ def _move_window(cache: KVCache, start: Int[Array, "B"], source: Int[Array, "B W
   return moved.replace(
       pos=jnp.where(inside, jnp.take_along_axis(cache.pos, from_slot, axis=1), cache.pos),
       seg=jnp.where(inside, seg, cache.seg))
+
+
+def _move_by_products(x: Array, lead: tuple, *, start: Int[Array, "B"],
+                      source: Int[Array, "B W"]) -> Array:
+  """`_move_window`'s move of one field `x` `[.., B, S, ...]` (`lead`: its axes before B)
+  as a TPU does it: each row's window of slots `[w, w + W)` holding its destinations (`w`
+  = `start`, or less where the window would pass the end) is the product of the field
+  with one-hot columns `[S, W]` (a destination takes its source, any other slot itself;
+  exact: one term each, at the highest precision), written back in place. XLA:TPU
+  holds the cache slots-minor, where this product reads the slots as they lie; a gather
+  and scatter of slots copied all of K and V into another layout and back, and a
+  program with such a move held its cache in that layout, so the attention kernel
+  (`mdjax.models.tpu_attention`) copied each layer out of it."""
+  num_slots = x.shape[len(lead) + 1]
+  width = min(source.shape[1], num_slots)
+  window = jnp.minimum(start, num_slots - width)  # [B]
+  slot = window[:, None] + jnp.arange(width)[None, :]  # [B, W] the window's slots
+  offset = slot - start[:, None]  # [B, W] which destination a slot is, if in [0, W)
+  taken = jnp.take_along_axis(source, jnp.clip(offset, 0, source.shape[1] - 1), axis=1)
+  taken = jnp.where((offset >= 0) & (offset < source.shape[1]), taken, slot)  # [B, W]
+  columns = (taken[:, None, :] == jnp.arange(num_slots)[None, :, None])  # [B, S, W]
+  dtype = jnp.float32 if x.dtype == jnp.float32 else jnp.bfloat16  # int8: exact in bf16
+  axes = "l" * len(lead) + "bs" + "kh"[:x.ndim - len(lead) - 2]  # K/V [(L,) B, S, K, H], scales
+  moved = jnp.einsum(f"{axes},bsw->{axes.replace('s', 'w')}", x.astype(dtype), columns.astype(dtype),
+                     precision=jax.lax.Precision.HIGHEST).astype(x.dtype)  # [.., B, W, ...]
+  for b in range(x.shape[len(lead)]):
+    at = (0,) * len(lead) + (b, window[b]) + (0,) * (x.ndim - len(lead) - 2)
+    x = jax.lax.dynamic_update_slice(x, jax.lax.slice_in_dim(moved, b, b + 1, axis=len(lead)), at)
+  return x

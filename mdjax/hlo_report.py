@@ -14,9 +14,10 @@ that wait for the host and the bytes it copies inside loops (float32 products:
                           # layer's K/V copied out of the cache)
     counts.loop_copies_on_chip  # and into on-chip memory (a TPU's VMEM: `S(1)` layouts),
                           # which costs no device-memory bandwidth beyond the read itself
-    counts.attention_kernels  # of the kernels, mdjax's few-token attention on a GPU
-                          # (`mdjax.models.decode_attention`): one per layer of every pass
-                          # of up to 32 tokens, so the layers a run passes through
+    counts.attention_kernels  # of the kernels, mdjax's few-token attention on a GPU or
+                          # a TPU (`mdjax.models.decode_attention`, `tpu_attention`): one
+                          # per layer of every pass of up to 32 tokens, so the layers a
+                          # run passes through
   counts.kernels_by_layer   # {index: kernels} under unrolled layer `index`'s named scope
   counts.attention_by_layer # (`mdjax.models.layer_loop.layer_scope`), of any model's pass
 
@@ -52,8 +53,10 @@ import dataclasses
 import re
 
 from mdjax.hlo_text import Instruction, nbytes, parse
-from mdjax.models.decode_attention import KERNEL_NAME as ATTENTION_KERNEL
+from mdjax.models import decode_attention, tpu_attention
 from mdjax.models.layer_loop import LAYER_SCOPE
+
+ATTENTION_KERNELS = (decode_attention.KERNEL_NAME, tpu_attention.KERNEL_NAME)  # by op name
 
 NO_KERNEL = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                        "after-all", "opt-barrier", "add-dependency", "partition-id",
@@ -160,7 +163,7 @@ class _Reader:
         counts.scalar_kernels += all(not dims for _, dims in instruction.arrays)
         counts.kernels_by_kind[op + (f":{kind.group(1)}" if kind else "")] += 1
         counts.host_syncs += _is_host_transfer(instruction)
-        attention = f"/{ATTENTION_KERNEL}/" in instruction.op_name
+        attention = any(f"/{name}/" in instruction.op_name for name in ATTENTION_KERNELS)
         counts.attention_kernels += attention
         if layer := _LAYER.search(instruction.op_name):
           counts.kernels_by_layer[int(layer.group(1))] += 1

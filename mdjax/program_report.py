@@ -200,7 +200,7 @@ def generation_counts(target: str, model: Model, strategy: str, prompts: list, o
   loop = hlo_report.find_loop(text, STEP_LOOP, platform=on)
   per_step = loop.iteration.host_syncs + (loop.trip_count is None and
                                           hlo_report.control_flow_waits(on))
-  layer_passes = loop.iteration.attention_kernels  # on a GPU; none read on a TPU
+  layer_passes = loop.iteration.attention_kernels  # mdjax's few-token attention kernels
   return dict(strategy=strategy, kernels_per_step=loop.iteration.kernels,
               layer_passes_per_step=layer_passes or None,
               kernels_per_layer_pass=(loop.iteration.kernels / layer_passes if layer_passes

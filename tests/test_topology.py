@@ -357,6 +357,34 @@ def test_a_tpu_writes_a_layer_as_the_cpu_does():
     assert not np.array_equal(expected.k, cache.k)  # the test writes something
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_a_tpu_moves_slots_as_the_cpu_does(dtype):
+  """Built for a TPU, `compact`, `gather_slots` and `move_slots` move K/V (and an int8
+  cache's scales) by products with one-hot columns, not a gather and a scatter: the same
+  cache bit for bit, stacked and per layer, for windows inside the row, at its front and
+  past its end."""
+  rng = np.random.default_rng(2)
+  cache = KVCache.create(CONFIG, 3, 24, dtype)
+  fields = {name: jnp.asarray(rng.standard_normal(x.shape) * (60 if dtype == "int8" else 1),
+                              x.dtype) for name, x in cache.slot_fields().items()}
+  cache = cache.replace(**fields, seg=jnp.asarray(rng.integers(-1, 3, (3, 24)), jnp.int32),
+                        pos=jnp.asarray(rng.integers(0, 24, (3, 24)), jnp.int32),
+                        length=jnp.asarray([20, 24, 9], jnp.int32))
+  start, source = jnp.asarray([5, 18, 0]), jnp.asarray(rng.integers(0, 24, (3, 10)), jnp.int32)
+  moves = {"compact": lambda c: cache_ops.compact.__wrapped__(c, start, 10),
+           "gather_slots": lambda c: cache_ops.gather_slots.__wrapped__(c, start, source, 10),
+           "move_slots": lambda c: cache_ops.move_slots.__wrapped__(c, start, source,
+                                                                    jnp.asarray([3, 10, 7]))}
+  for layout in (cache, cache_ops.split_layers(cache)):
+    for name, move in moves.items():
+      expected = jax.jit(move)(layout)
+      with platform.building_for("tpu"):
+        got = jax.jit(lambda c, move=move: move(c))(layout)  # a program of its own
+      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+      assert not np.array_equal(_stacked(expected)["k"], _stacked(layout)["k"])  # it moves
+
+
 def _stacked(cache: KVCache) -> dict:
   """Every field of `cache` as numpy, per-layer K/V (and scales) stacked `[L, ...]`."""
   return {name: np.asarray(getattr(cache, name)) for name in

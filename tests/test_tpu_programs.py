@@ -12,7 +12,10 @@ by requirements-dev.txt; no skip without it) by `mdjax.hlo_report` and
   writes a layer's new K/V by selects where the layer lies, `mdjax.cache.write_layer`:
   a scatter made XLA:TPU copy K and V into another layout before the layer loop and
   back after it, twice the cache per pass: docs/benchmarks/programs.md);
-- a float32 step computes every product in float32 (`mdjax.models.numerics`).
+- its attention is mdjax's TPU kernel, once per layer, reading the cache where it lies
+  and only each row's filled blocks (`mdjax.models.tpu_attention`);
+- a float32 step computes every product in float32 (`mdjax.models.numerics`; inside the
+  attention kernel too: compiled at the highest precision, which the report cannot see).
 
 Shapes are the smallest that show each property; one 1B compile (~15 s) per run."""
 
@@ -64,6 +67,13 @@ def test_a_1b_step_fits_a_v5e_and_copies_no_cache(one_b):
   assert report["copy_bytes"] <= 3 * MiB, report["copy_shapes"]
   assert memory["temp"] <= 2 * MiB  # 1.1 MiB; with a scatter, 2 * kv
   assert memory["total"] <= compile_targets.get(TARGET).memory_bytes
+
+
+def test_a_1b_step_attends_by_one_kernel_per_layer_that_reads_only_filled_slots(one_b):
+  """`mdjax.models.tpu_attention`, once per layer (16), fed the cache where it lies: the
+  copies the test above bounds are the few MiB of logits and tables, not K or V."""
+  report, _, _ = one_b
+  assert report["attention_kernels"] == RANDOM_MODELS["random-llama-1b"].num_layers
 
 
 def test_a_float32_step_computes_every_product_in_float32():

@@ -40,8 +40,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from mdjax import platform
-from mdjax.cache import CacheRegions, KVCache, read_kv
+from mdjax.cache import CacheRegions, KVCache, at_layer, read_kv
 from mdjax.errors import MdjaxError
+from mdjax.models import tpu_attention
 from mdjax.topology import visible
 
 ATTENTIONS = ("block_sparse", "dense", "fused")  # `attention_fn`'s implementations
@@ -124,17 +125,39 @@ def fused_attention(queries: Queries, cache: KVCache, layer, spec: LayerAttentio
   mask `[B, 1, T, S]`: the platform's fused kernel (XLA's; cuDNN's on a GPU where it
   takes the mask), for accelerators, where one large product beats a walk over blocks.
   A soft-capped layer (which the fused kernel cannot cap) uses `dense_attention`.
+  Built for a TPU, a pass of a few tokens runs `mdjax.models.tpu_attention` instead:
+  one kernel that reads only each row's filled slots.
   Queries that see nothing give 0, as in the others."""
-  if spec.softcap is not None:
-    return dense_attention(queries, cache, layer, spec)
   mask = visible(queries.limit, queries.segments, queries.positions, cache.seg, cache.pos,
                  spec.sliding_window)  # [B, T, S]
   q = queries.q
+  kv_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((cache.k, cache.v)))
+  if tpu_attention.applies(q.shape[1], cache.num_slots, kv_bytes, cache.dtype):
+    return _filled_slots_only(queries, cache, layer, spec, mask)
+  if spec.softcap is not None:
+    return dense_attention(queries, cache, layer, spec)
   keys, values = read_kv(cache, layer)  # [B, S, K, H]
   out = jax.nn.dot_product_attention(q, keys.astype(q.dtype),
                                      values.astype(q.dtype), mask=mask[:, None],
                                      scale=spec.scale)  # [B, T, N, H]
   return jnp.where(mask.any(-1)[..., None, None], out, 0).astype(q.dtype)
+
+
+def _filled_slots_only(queries: Queries, cache: KVCache, layer, spec: LayerAttention,
+                       mask: Bool[Array, "B T S"]) -> Float[Array, "B T N H"]:
+  """`mdjax.models.tpu_attention` where the program is lowered for a TPU; elsewhere (a
+  program built for a TPU but run on this host: the tests) the same masked softmax over
+  every slot."""
+  (k, at), (v, _) = at_layer(cache.k, layer), at_layer(cache.v, layer)
+
+  def reference(q, mask, length, at, k, v):
+    del length  # slots past it are never visible
+    return masked_attention(q, k[at], v[at], mask, scale=spec.scale, softcap=spec.softcap)
+
+  return jax.lax.platform_dependent(
+      queries.q, mask, cache.length, at, k, v,
+      tpu=functools.partial(tpu_attention.attention, scale=spec.scale, softcap=spec.softcap),
+      default=reference)
 
 
 def _absorb(carry, scores: Float[Array, "B K R T S"], weigh):
