@@ -13,7 +13,8 @@ summation order:
   platform's fused kernel; for accelerators).
 * `block_sparse_attention` — walks the cache in blocks of `block_size` slots, only
   up to the fullest row's length, and skips every block that no query of the batch
-  can see (other branches' tokens, dead slots); an online softmax merges blocks.
+  can see (other branches' tokens, dead slots); an online softmax merges blocks. A
+  pass that would skip nothing reads the layer whole, as `dense_attention`.
 * `cascade_attention` — for caches laid out in *regions*, one per branch after a
   shared prefix: the prefix is read once for all queries, then each query reads only
   its own branch's region. A block holding several branches' tokens is read by every
@@ -210,11 +211,28 @@ def _visit_blocks(qg: Float[Array, "B T K R H"], queries: Queries, cache: KVCach
 QUERY_BLOCK = 128  # queries per tile of a long feed (prefill), each skipping its own blocks
 
 
+def walk_pays(mask: Bool[Array, "B T S"], length: Int[Array, "B"], block_size: int
+              ) -> Bool[Array, ""]:
+  """Whether a pass with `mask` walks the cache's blocks rather than reading it whole
+  (`dense_attention`): some filled block is seen by no query (the walk skips it), or
+  less than half the cache is filled (the walk reads only filled blocks). A walk slices
+  each block out and copies it for XLA:CPU's products; a layer read whole is copied
+  once: SmolLM2's greedy step over 6,144 cached tokens took 50.6 ms walking, 28.6 read
+  whole (docs/benchmarks/context.md)."""
+  b, t, num_slots = mask.shape
+  num_blocks = num_slots // block_size
+  seen = mask.reshape(b, t, num_blocks, block_size).any((0, 1, 3))  # [blocks]
+  filled = (length.max() + block_size - 1) // block_size
+  return (~seen & (jnp.arange(num_blocks) < filled)).any() | (2 * filled < num_blocks)
+
+
 def block_sparse_attention(queries: Queries, cache: KVCache, layer: int, spec: LayerAttention, *,
                            block_size: int) -> Float[Array, "B T N H"]:
   """Online-softmax attention over the visible key blocks of `layer` only (a sliding
   window makes the blocks wholly behind every query's window invisible too).
-  `block_size` must divide the slot count.
+  `block_size` must divide the slot count. A pass of up to `QUERY_BLOCK` queries that
+  would skip no block, over a cache at least half filled, reads the layer whole instead
+  (`walk_pays`): the same sum, faster.
 
   More than `QUERY_BLOCK` queries (a prefill) are cut into tiles of that many, and each
   tile visits only the key blocks *it* can see: a prefill of N questions over one
@@ -228,8 +246,14 @@ def block_sparse_attention(queries: Queries, cache: KVCache, layer: int, spec: L
   qg = _grouped(queries.q, cache.num_kv_heads, spec.scale)  # [B, T, K, R, H]
   b, t = queries.segments.shape
   if t <= QUERY_BLOCK:
-    _, total, acc = _visit_blocks(qg, queries, cache, layer, spec, block_size=block_size)
-    return _finish(acc, total, queries.q.dtype)
+    def walk(_):
+      _, total, acc = _visit_blocks(qg, queries, cache, layer, spec, block_size=block_size)
+      return _finish(acc, total, queries.q.dtype)
+
+    mask = visible(queries.limit, queries.segments, queries.positions, cache.seg, cache.pos,
+                   spec.sliding_window)  # [B, T, S]
+    return jax.lax.cond(walk_pays(mask, cache.length, block_size), walk,
+                        lambda _: dense_attention(queries, cache, layer, spec), None)
   tiles = -(-t // QUERY_BLOCK)
 
   def tiled(x, fill):  # [B, T, ...] -> [tiles, B, Q, ...], padded with `fill`
