@@ -26,7 +26,8 @@ from mdjax.models.random_init import init_params
 from mdjax.step import decode_step
 from mdjax.strategies.base import region_prompt_slots, region_slot_base
 from mdjax.strategies.prompt_layouts import layout_prompts
-from mdjax.topology import Topology
+from mdjax.models import attention
+from mdjax.topology import Topology, visibility_limits, visible
 
 ATOL = 2e-5
 BLOCK = 8  # small key blocks so the block-sparse path really skips blocks
@@ -296,6 +297,27 @@ def test_gather_slots_reorders_beams_without_touching_prefix():
   logits, _, _ = step(params, cache, [[15]], [[5]], [[2]], topology, CONFIG)
   np.testing.assert_allclose(logits[0, 0], alone(params, CONFIG, prefix + [11, 13, 15])[-1],
                              atol=ATOL)
+
+
+@pytest.mark.parametrize("filled, branch", [(700, False), (700, True), (300, False)])
+def test_a_long_cache_read_whole_or_walked_gives_the_dense_logits(filled, branch):
+  """Over a cache of `WHOLE_READ_SLOTS` slots, block_sparse reads a layer whole when its
+  pass would skip no block and half the cache is filled, else walks (a dead branch's
+  blocks, which no query sees; a cache under half filled): the dense reference's logits
+  either way, and the choice `walk_pays` makes is the one described."""
+  params = _params(CONFIG)
+  slots = attention.WHOLE_READ_SLOTS
+  tokens = np.random.default_rng(4).integers(0, CONFIG.vocab_size, filled).tolist()
+  cache = _prefill(params, CONFIG, tokens, slots=slots)
+  if branch:  # the last 2 blocks' tokens are dead (a pruned branch's): no query sees them
+    cache = cache.replace(seg=jnp.where(jnp.arange(slots) < filled - 2 * BLOCK, cache.seg, -1))
+  topology = Topology.causal(1, 4)
+  mask = visible(visibility_limits(topology), jnp.asarray([[0]]), jnp.asarray([[filled]]),
+                 cache.seg, cache.pos, None)  # what the next token sees
+  assert bool(attention.walk_pays(mask, cache.length, BLOCK)) == (branch or 2 * filled < slots)
+  got, expected = (step(params, jax.tree.map(jnp.copy, cache), [[3]], [[filled]], [[0]],
+                        topology, CONFIG, attention=name)[0] for name in ("block_sparse", "dense"))
+  np.testing.assert_allclose(got, expected, atol=ATOL)
 
 
 def test_incremental_decoding_equals_full_forward():
