@@ -457,8 +457,9 @@ def _move_by_products(x: Array, lead: tuple, *, start: Int[Array, "B"],
   columns = (taken[:, None, :] == jnp.arange(num_slots)[None, :, None])  # [B, S, W]
   dtype = jnp.float32 if x.dtype == jnp.float32 else jnp.bfloat16  # int8: exact in bf16
   axes = "l" * len(lead) + "bs" + "kh"[:x.ndim - len(lead) - 2]  # K/V [(L,) B, S, K, H], scales
-  moved = jnp.einsum(f"{axes},bsw->{axes.replace('s', 'w')}", x.astype(dtype), columns.astype(dtype),
-                     precision=jax.lax.Precision.HIGHEST).astype(x.dtype)  # [.., B, W, ...]
+  moved = jnp.einsum(f"{axes},bsw->{axes.replace('s', 'w')}", x.astype(dtype),
+                     columns.astype(dtype), precision=jax.lax.Precision.HIGHEST
+                     ).astype(x.dtype)  # [.., B, W, ...]
   for b in range(x.shape[len(lead)]):
     at = (0,) * len(lead) + (b, window[b]) + (0,) * (x.ndim - len(lead) - 2)
     x = jax.lax.dynamic_update_slice(x, jax.lax.slice_in_dim(moved, b, b + 1, axis=len(lead)), at)

@@ -30,7 +30,8 @@ def case(tokens: int, dtype, seed: int = 0):
           for _ in range(2))
   q = jnp.asarray(rng.normal(size=(len(LENGTHS), tokens, QUERY_HEADS, HEAD_DIM)), jnp.float32)
   length = np.asarray(LENGTHS, np.int32)
-  mask = (rng.random((len(LENGTHS), tokens, SLOTS)) < 0.5) & (np.arange(SLOTS) < length[:, None, None])
+  mask = ((rng.random((len(LENGTHS), tokens, SLOTS)) < 0.5)
+          & (np.arange(SLOTS) < length[:, None, None]))
   mask[1, 0] = False
   return q, k, v, jnp.asarray(length), jnp.asarray(mask)
 

@@ -137,7 +137,8 @@ def _kernel(length_ref, layer_ref, q_ref, k_ref, v_ref, mask_ref, out_ref, peak_
 
 
 def attention(q: Float[Array, "B T N H"], mask: Bool[Array, "B T S"], length: Int[Array, "B"],
-              layer, k: Float[Array, "L B S K H"], v: Float[Array, "L B S K H"], *, scale: float, softcap: float | None = None,
+              layer, k: Float[Array, "L B S K H"], v: Float[Array, "L B S K H"], *,
+              scale: float, softcap: float | None = None,
               interpret: bool = False) -> Float[Array, "B T N H"]:
   """The queries' attention over layer `layer` (an int, or a traced int32 scalar) of
   `cache`, K and V `[L, B, S, K, H]` (a per-layer cache's layer as a stack of one:
