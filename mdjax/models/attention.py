@@ -111,13 +111,23 @@ def masked_attention(q: Float[Array, "B T N H"], keys: Float[Array, "B S K H"],
   return _finish(_weigh(weights, values), weights.sum(-1), q.dtype)
 
 
+def _pass_mask(queries: Queries, cache: KVCache, spec: LayerAttention) -> Bool[Array, "B T S"]:
+  """What each query sees of every slot of the cache."""
+  return visible(queries.limit, queries.segments, queries.positions, cache.seg, cache.pos,
+                 spec.sliding_window)
+
+
+def _whole_layer(queries: Queries, cache: KVCache, layer, spec: LayerAttention,
+                 mask: Bool[Array, "B T S"]) -> Float[Array, "B T N H"]:
+  """One masked softmax over every slot of `layer`, for the queries' `mask`."""
+  return masked_attention(queries.q, *read_kv(cache, layer), mask, scale=spec.scale,
+                          softcap=spec.softcap)
+
+
 def dense_attention(queries: Queries, cache: KVCache, layer: int,
                     spec: LayerAttention) -> Float[Array, "B T N H"]:
   """Reference: every slot of `layer`, one masked softmax."""
-  mask = visible(queries.limit, queries.segments, queries.positions, cache.seg, cache.pos,
-                 spec.sliding_window)  # [B, T, S]
-  return masked_attention(queries.q, *read_kv(cache, layer), mask, scale=spec.scale,
-                          softcap=spec.softcap)
+  return _whole_layer(queries, cache, layer, spec, _pass_mask(queries, cache, spec))
 
 
 def fused_attention(queries: Queries, cache: KVCache, layer, spec: LayerAttention
@@ -129,14 +139,13 @@ def fused_attention(queries: Queries, cache: KVCache, layer, spec: LayerAttentio
   Built for a TPU, a pass of a few tokens runs `mdjax.models.tpu_attention` instead:
   one kernel that reads only each row's filled slots.
   Queries that see nothing give 0, as in the others."""
-  mask = visible(queries.limit, queries.segments, queries.positions, cache.seg, cache.pos,
-                 spec.sliding_window)  # [B, T, S]
+  mask = _pass_mask(queries, cache, spec)  # [B, T, S]
   q = queries.q
   kv_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((cache.k, cache.v)))
   if tpu_attention.applies(q.shape[1], cache.num_slots, kv_bytes, cache.dtype):
     return _filled_slots_only(queries, cache, layer, spec, mask)
   if spec.softcap is not None:
-    return dense_attention(queries, cache, layer, spec)
+    return _whole_layer(queries, cache, layer, spec, mask)
   keys, values = read_kv(cache, layer)  # [B, S, K, H]
   out = jax.nn.dot_product_attention(q, keys.astype(q.dtype),
                                      values.astype(q.dtype), mask=mask[:, None],
@@ -261,10 +270,9 @@ def block_sparse_attention(queries: Queries, cache: KVCache, layer: int, spec: L
 
     if cache.num_slots < WHOLE_READ_SLOTS:
       return walk(None)
-    mask = visible(queries.limit, queries.segments, queries.positions, cache.seg, cache.pos,
-                   spec.sliding_window)  # [B, T, S]
+    mask = _pass_mask(queries, cache, spec)  # [B, T, S]
     return jax.lax.cond(walk_pays(mask, cache.length, block_size), walk,
-                        lambda _: dense_attention(queries, cache, layer, spec), None)
+                        lambda _: _whole_layer(queries, cache, layer, spec, mask), None)
   tiles = -(-t // QUERY_BLOCK)
 
   def tiled(x, fill):  # [B, T, ...] -> [tiles, B, Q, ...], padded with `fill`
