@@ -252,12 +252,10 @@ def read_blocks(data: np.ndarray, qtype: gguf.GGMLQuantizationType,
   the same bytes flat) as `Blocks`. `GGUFReader`'s `tensor.shape` is ggml's order, so
   `shape` is `tuple(reversed(tensor.shape.tolist()))`. Raises `CheckpointError` for a
   type not in `READABLE` or bytes that do not match `shape`."""
-  fmt = FORMATS.get(qtype)
-  if fmt is None:
-    raise CheckpointError(_unreadable(qtype))
+  fmt = check(data, qtype, shape)
   qtype = Q(qtype)  # the enum, also when given as its int
   block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-  rows, cols = _check_shape(data, qtype, shape, block, type_size)
+  rows, cols = (int(n) for n in shape)
   blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, type_size)  # [n, type_size]
   groups = block // fmt.group  # per block
   q = np.empty((blocks.shape[0], block), np.int8)
@@ -275,6 +273,16 @@ def read_blocks(data: np.ndarray, qtype: gguf.GGMLQuantizationType,
                 group=fmt.group, bits=fmt.bits)
 
 
+def check(data: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[int, int]) -> _Format:
+  """The format `read_blocks` would read `data` with (its `group`, `bits` and whether it is
+  `symmetric`), checked as `read_blocks` checks it, nothing decoded."""
+  fmt = FORMATS.get(qtype)
+  if fmt is None:
+    raise CheckpointError(_unreadable(qtype))
+  _check_shape(data, Q(qtype), shape, *gguf.GGML_QUANT_SIZES[Q(qtype)])
+  return fmt
+
+
 def _unreadable(qtype) -> str:
   try:
     name = Q(qtype).name
@@ -285,9 +293,8 @@ def _unreadable(qtype) -> str:
   return f"cannot read {name} tensors as integer blocks{kind}; readable types: {readable}"
 
 
-def _check_shape(data: np.ndarray, qtype: Q, shape, block: int,
-                 type_size: int) -> tuple[int, int]:
-  """(rows, cols) of `shape`, checked against `qtype`'s block size and `data`'s bytes."""
+def _check_shape(data: np.ndarray, qtype: Q, shape, block: int, type_size: int) -> None:
+  """`shape` checked against `qtype`'s block size and `data`'s bytes."""
   if len(shape) != 2:
     raise CheckpointError(f"read_blocks reads 2-D tensors (rows, cols), got shape {shape}")
   rows, cols = (int(n) for n in shape)
@@ -298,4 +305,3 @@ def _check_shape(data: np.ndarray, qtype: Q, shape, block: int,
   if data.nbytes != rows * row_bytes or (data.ndim == 2 and data.shape != (rows, row_bytes)):
     raise CheckpointError(f"{qtype.name} data of shape {data.shape} ({data.nbytes} bytes) is "
                           f"not a {rows} x {cols} tensor ({rows} x {row_bytes} bytes)")
-  return rows, cols

@@ -17,29 +17,37 @@ and an offset form; else they stay split (`wq`, `wk`, `wv`; `w_gate`, `w_up`: th
 `transformer` also reads on a mesh). A matrix the file holds in float (F32, F16, BF16)
 stays a float matrix of the load's dtype. Norms and biases are float.
 
-On a mesh, each layer's weights are read into host arrays and put on their shards by
-`mdjax.sharding.WeightPlacement.place` (integers, scales and offsets alike; fused
-projections split where tensor > 1): no weight is put whole on one device, but each
-process reads every tensor's blocks whole.
+Each field (q, scale, offset) is a recipe (`mdjax.checkpoints.lazy`) over the file's
+bytes, decoded when read and only in the rows and whole ggml blocks a read covers. On
+one device each layer is read whole; on a mesh each weight is put on its shards by
+`mdjax.sharding.WeightPlacement.place` with `lazy.put` (fused projections split where
+tensor > 1), so each process decodes only the slices its own devices hold::
+
+    wo [N*H, D] = o_proj [D, N*H] transposed, blocks of 32 along N*H; tensor = 4
+      device 1 holds wo[NH/4 : NH/2, :]  -> ggml columns [NH/4, NH/2): its whole blocks
+
+A matrix the file holds in float is read whole by each process.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import pathlib
 
+import gguf
 import numpy as np
 
 from mdjax import sharding
 from mdjax.checkpoints import gguf as gguf_reader
-from mdjax.checkpoints.gguf_blocks import FLOAT_TYPES, Blocks, read_blocks
+from mdjax.checkpoints import lazy
+from mdjax.checkpoints.gguf_blocks import FLOAT_TYPES, Blocks, check, read_blocks
 from mdjax.checkpoints.hf_layout import norms_after_attention
 from mdjax.errors import CheckpointError
 from mdjax.models.config import ModelConfig, weight_dtype
 from mdjax.models.model import Model
 from mdjax.models.quantized import QuantizedWeight, from_parts
 
-import jax.numpy as jnp
 
 
 def load(file: str | pathlib.Path, dtype="float32", *, name: str | None = None,
@@ -49,21 +57,80 @@ def load(file: str | pathlib.Path, dtype="float32", *, name: str | None = None,
   if not file.is_file():
     raise CheckpointError(f"no such GGUF file: {str(file)!r}")
   reader, arch, tensors, config = gguf_reader.open_file(file)
-  layout = sharding.layout_for(mesh, config)
-  blocks = _Matrices(tensors, weight_dtype(dtype), xp=jnp if layout is None else np)
-  params = _params(config, blocks, place=(lambda tree: tree) if layout is None else layout.place)
+  blocks = _Matrices(tensors, weight_dtype(dtype))
+  params = _params(config, blocks, place=lazy.placer(sharding.layout_for(mesh, config)))
   tensors.check_all_read()
   kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(blocks.kinds.items()))
   return Model(config=config, params=params, tokenizer=gguf_reader.tokenizer_of(reader, file, arch),
                name=name if name is not None else file.name, quantization=f"gguf ({kinds})",
-               layout=layout)
+               layout=sharding.layout_for(mesh, config))
+
+
+class _Region:
+  """A quantized ggml tensor [rows, cols] (its raw bytes, a view of the file) decoded by
+  region as reads ask: the rows asked for, the whole blocks covering the columns asked
+  for. Each region is decoded once and kept while the weight's recipes live (one layer's
+  placement): q, scale and offset are put one after another, each shard by shard."""
+
+  def __init__(self, data: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[int, int]):
+    self.format = check(data, qtype, shape)
+    self.qtype, self.shape = qtype, shape
+    self.block, self.type_size = gguf.GGML_QUANT_SIZES[qtype]
+    self.raw = data.reshape(shape[0], shape[1] // self.block * self.type_size)
+    self.decoded: dict[tuple[int, int, int, int], Blocks] = {}
+
+  def decode(self, rows: tuple[int, int], cols: tuple[int, int]) -> tuple[Blocks, int]:
+    """`Blocks` of rows [r0, r1) and of the whole blocks covering columns [c0, c1); the
+    column they start at."""
+    (r0, r1), (c0, c1) = rows, cols
+    first, last = c0 // self.block, -(-c1 // self.block)
+    key = (r0, r1, first, last)
+    if key not in self.decoded:
+      raw = self.raw[r0:r1, first * self.type_size:last * self.type_size]
+      self.decoded[key] = read_blocks(raw, self.qtype, (r1 - r0, (last - first) * self.block))
+    return self.decoded[key], first * self.block
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Field(lazy.Lazy):
+  """One field of a quantized ggml tensor as `Blocks` holds it: "q" [rows, cols], or
+  "scale" / "offset" [rows, cols // group]; a read decodes only the region it covers."""
+
+  region: _Region
+  field: str
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    rows, cols = self.region.shape
+    return (rows, cols) if self.field == "q" else (rows, cols // self.region.format.group)
+
+  @property
+  def dtype(self) -> np.dtype:
+    return np.dtype(np.int8 if self.field == "q" else np.float32)
+
+  def read(self, block: lazy.Block) -> np.ndarray:
+    per = 1 if self.field == "q" else self.region.format.group  # columns of q per entry
+    rows, (c0, c1) = block
+    decoded, first = self.region.decode(rows, (c0 * per, c1 * per))
+    start = first // per
+    return getattr(decoded, self.field)[:, c0 - start:c1 - start]
+
+
+def _fields(tensor, shape: tuple[int, int]) -> Blocks:
+  """A quantized ggml tensor of numpy `shape` as `Blocks` whose q, scale and offset are
+  recipes (`_Field`), nothing decoded yet."""
+  region = _Region(tensor.data, tensor.tensor_type, shape)
+  fmt = region.format
+  return Blocks(q=_Field(region, "q"), scale=_Field(region, "scale"),
+                offset=None if fmt.symmetric else _Field(region, "offset"),
+                group=fmt.group, bits=fmt.bits)
 
 
 class _Matrices:
-  """The file's matrices by Hugging Face name, as `Blocks` (or float arrays)."""
+  """The file's matrices by Hugging Face name, as `Blocks` of recipes (or float arrays)."""
 
-  def __init__(self, tensors: gguf_reader.Tensors, dtype: np.dtype, xp):
-    self.tensors, self.dtype, self.xp = tensors, dtype, xp  # xp: numpy keeps them on the host
+  def __init__(self, tensors: gguf_reader.Tensors, dtype: np.dtype):
+    self.tensors, self.dtype = tensors, dtype
     self.kinds: collections.Counter = collections.Counter()  # ggml type -> matrices read
 
   def read(self, hf_name: str, rows: int, cols: int, heads: int | None = None
@@ -79,13 +146,12 @@ class _Matrices:
     if stored != (rows, cols):
       raise CheckpointError(f"tensor {gguf_name!r} in {str(t.file)!r} has shape "
                             f"{list(stored)}, expected {[rows, cols]}")
-    blocks = read_blocks(tensor.data, tensor.tensor_type, (rows, cols))
+    blocks = _fields(tensor, (rows, cols))
     if heads is not None and t.arch in gguf_reader.PERMUTED_QK:
-      blocks = Blocks(q=gguf_reader.unpermute(blocks.q, heads),
-                      scale=gguf_reader.unpermute(blocks.scale, heads),
-                      offset=(None if blocks.offset is None
-                              else gguf_reader.unpermute(blocks.offset, heads)),
-                      group=blocks.group, bits=blocks.bits)
+      order = gguf_reader.unpermute(np.arange(rows), heads)  # HF's row i is ggml's order[i]
+      blocks = dataclasses.replace(blocks, **{
+          f: lazy.take(getattr(blocks, f), order, axis=0) for f in ("q", "scale", "offset")
+          if getattr(blocks, f) is not None})
     t.used.add(gguf_name)
     t.progress.update()
     self.kinds[tensor.tensor_type.name] += 1
@@ -93,13 +159,12 @@ class _Matrices:
 
   def weight(self, part: Blocks | np.ndarray, axis: int = -2):
     """One matrix as the params hold it: `[D, F]` (axis -2, ggml's rows transposed) or
-    `[V, D]` as stored (axis -1, the embedding)."""
+    `[V, D]` as stored (axis -1, the embedding); recipes, read when placed."""
     if isinstance(part, np.ndarray):
-      return self.xp.asarray(part.T if axis == -2 else part)
-    turn = (lambda a: None if a is None else np.ascontiguousarray(a.T)) if axis == -2 else (
-        lambda a: a)
+      return part.T if axis == -2 else part
+    turn = (lambda a: None if a is None else a.T) if axis == -2 else (lambda a: a)
     return from_parts(turn(part.q), turn(part.scale), turn(part.offset), axis=axis,
-                      bits=part.bits, dtype=self.dtype, xp=self.xp)
+                      bits=part.bits, dtype=self.dtype, xp=lazy)
 
   def fused(self, parts: list[Blocks | np.ndarray]) -> QuantizedWeight | None:
     """The parts (outputs one after another) as one `[D, sum F]` weight, or None when they
@@ -107,7 +172,7 @@ class _Matrices:
     if not all(isinstance(p, Blocks) for p in parts) or len(
         {(p.group, p.offset is None) for p in parts}) != 1:
       return None
-    cat = lambda field: np.concatenate([getattr(p, field) for p in parts])  # noqa: E731
+    cat = lambda field: lazy.concatenate([getattr(p, field) for p in parts])  # noqa: E731
     return self.weight(Blocks(q=cat("q"), scale=cat("scale"),
                               offset=None if parts[0].offset is None else cat("offset"),
                               group=parts[0].group, bits=max(p.bits for p in parts)))
@@ -116,7 +181,7 @@ class _Matrices:
 def _params(c: ModelConfig, m: _Matrices, place) -> dict:
   """The params, each layer's dict (then the rest) handed to `place` as it is read."""
   d, f, h = c.hidden_size, c.intermediate_size, c.head_dim
-  norm = lambda name, n: m.xp.asarray(m.tensors.get(name, (n,)).astype(m.dtype))  # noqa: E731
+  norm = lambda name, n: m.tensors.get(name, (n,)).astype(m.dtype)  # noqa: E731
 
   def projections(lp: dict, fused: str, names: tuple[str, ...], parts: list) -> None:
     joined = m.fused(parts)

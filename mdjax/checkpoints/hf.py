@@ -16,7 +16,6 @@ import pathlib
 import re
 from typing import Any
 
-import numpy as np
 
 from mdjax import generation_config, sharding
 from mdjax.checkpoints import lazy, quantized_layout
@@ -330,10 +329,11 @@ def load_hf_dir(path: str | os.PathLike, dtype="float32", *, name: str | None = 
                      f"({quantization['label']}); load its float checkpoint to quantize it "
                      "again")
   label = None if quantization is None else quantization["label"]  # `Model.quantization`
-  if quantization is not None:  # read whole by each process, each weight put on its shards
-    params = quantized_layout.from_tensors(weights.read_all(), quantization,
-                                           xp=None if layout is None else np)
-    params = params if layout is None else layout.place(params)
+  if quantization is not None and layout is None:
+    params = quantized_layout.from_tensors(weights.read_all(), quantization)
+  elif quantization is not None:  # each process reads only its devices' slices
+    params = layout.place(quantized_layout.from_tensors(weights.recipes(), quantization, xp=lazy),
+                          lazy.put)
   else:
     read = lazy.placer(layout)
     place = read if quantize is None else (

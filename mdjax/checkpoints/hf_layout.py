@@ -113,6 +113,12 @@ class SafetensorsFile:
       raise CheckpointError(f"unexpected tensor {left[0]!r} in {self.file} ({len(left)} in all): "
                             "its config.json describes no such tensor")
 
+  def recipe(self, name: str) -> lazy.Tensor:
+    """Tensor `name` in its stored shape and dtype, nothing read yet."""
+    stored = self._opened.get_slice(name)
+    dtype = stored[:0].dtype  # an empty slice: the dtype as numpy names it, no bytes read
+    return lazy.Tensor(self, name, tuple(stored.get_shape()), dtype)
+
   def _shape(self, name: str) -> tuple[int, ...]:
     if name not in self.names:
       raise CheckpointError(f"missing tensor {name!r} in {self.file}")
@@ -161,6 +167,12 @@ class SafetensorsCheckpoint:
     files = [self.source] if self.files is None else sorted(set(self.files.values()))
     return {name: self._file(f).get(name, self._file(f)._shape(name))
             for f in files for name in sorted(self._file(f).names)}
+
+  def recipes(self) -> dict[str, lazy.Tensor]:
+    """Every tensor by name in its stored shape and dtype, nothing read yet (mdjax's own
+    quantized tensors, put on a mesh slice by slice)."""
+    files = [self.source] if self.files is None else sorted(set(self.files.values()))
+    return {name: self._file(f).recipe(name) for f in files for name in sorted(self._file(f).names)}
 
   def get_slice(self, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
     """`get(name, shape)[index]`, reading only the slice's bytes."""

@@ -16,13 +16,20 @@ inputs, so a block reads only the slices of the checkpoint tensors it covers::
     wqkv [D, (N+2K)*H] = q.T ++ k.T ++ v.T   (one device, or a mesh with tensor = 1)
       every device holds it whole          -> reads q, k and v whole (once per process)
 
+    wq [D, N*H] of a GGUF file's blocks, kept as blocks (quantize="gguf"): the integers q,
+      the scales and offsets each a recipe over the file's bytes, q/k rows reordered by
+      `take` (llama.cpp's permutation undone)
+      device 1 of 4 holds q[:, NH/4 : NH/2] -> decodes only ggml rows [NH/4, NH/2)
+                                              (mdjax.checkpoints.gguf_native)
+
 `put` builds a `jax.Array` on a sharding from the blocks its process's own devices
-hold (`jax.make_array_from_callback`), each distinct block read once; `asarray` reads
+hold (`jax.make_array_from_callback`), each distinct block read once; `read_whole` reads
 a recipe whole, with the same numpy operations (and bytes) an eager loader would use.
-The functions `concatenate`, `split` and `pad` follow numpy's, and a recipe names this
-module as its array namespace (`__array_namespace__`, as numpy and jax arrays name
-theirs), so `mdjax.sharding.WeightPlacement.split` applies to recipes as it does to
-arrays without the sharding rules importing this floor; `placer` hands them over.
+The functions `asarray` (a cast), `concatenate`, `split`, `pad` and `take` follow
+numpy's, and a recipe names this module as its array namespace (`__array_namespace__`,
+as numpy and jax arrays name theirs), so `mdjax.sharding.WeightPlacement.split` applies
+to recipes as it does to arrays without the sharding rules importing this floor;
+`placer` hands them over.
 """
 
 from __future__ import annotations
@@ -125,6 +132,47 @@ class Transposed(Lazy):
 
 
 @dataclasses.dataclass(frozen=True)
+class Cast(Lazy):
+  """`inner` in `dtype` (numpy's `asarray(inner, dtype)`)."""
+
+  inner: Lazy
+  dtype: np.dtype
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.inner.shape
+
+  def read(self, block: Block) -> np.ndarray:
+    return self.inner.read(block).astype(self.dtype, copy=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Taken(Lazy):
+  """`inner`'s entries along `axis` in the order `indices` (numpy's `take`): a block
+  reads the span of `inner` its entries come from (a permutation within heads: the
+  block's own heads)."""
+
+  inner: Lazy
+  indices: tuple[int, ...]
+  axis: int
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return _along(self.inner.shape, self.axis, len(self.indices))
+
+  @property
+  def dtype(self) -> np.dtype:
+    return self.inner.dtype
+
+  def read(self, block: Block) -> np.ndarray:
+    lo, hi = block[self.axis]
+    wanted = np.asarray(self.indices[lo:hi])
+    first, last = int(wanted.min()), int(wanted.max()) + 1
+    values = self.inner.read(_along(block, self.axis, first, last))
+    return np.take(values, wanted - first, axis=self.axis)
+
+
+@dataclasses.dataclass(frozen=True)
 class Zeros(Lazy):
   shape: tuple[int, ...]
   dtype: np.dtype
@@ -197,6 +245,16 @@ def whole(shape: tuple[int, ...]) -> Block:
 # --------------------------------------------------------------------------- numpy-like
 
 
+def asarray(value: Lazy, dtype=None) -> Lazy:
+  """`value` in `dtype` (its own when None): numpy's `asarray`, not read yet."""
+  dtype = value.dtype if dtype is None else np.dtype(dtype)
+  return value if dtype == value.dtype else Cast(value, dtype)
+
+
+def take(value: Lazy, indices: Sequence[int], axis: int = 0) -> Lazy:
+  return Taken(value, tuple(int(i) for i in indices), axis % value.ndim)
+
+
 def concatenate(parts: Sequence[Lazy], axis: int = 0) -> Lazy:
   return Concatenated(tuple(parts), axis % parts[0].ndim)
 
@@ -225,14 +283,16 @@ def pad(value: Lazy, pad_width: Sequence[tuple[int, int]]) -> Lazy:
 # --------------------------------------------------------------------------- reading
 
 
-def asarray(value: Lazy) -> np.ndarray:
+def read_whole(value: Lazy) -> np.ndarray:
   """`value` read whole: a fresh C-contiguous array."""
   return np.ascontiguousarray(value.read(whole(value.shape)))
 
 
 def materialize(tree: dict) -> dict:
-  """A dict of recipes read whole (a loader's `place` for host arrays)."""
-  return {name: asarray(value) for name, value in tree.items()}
+  """A dict of recipes read whole (a loader's `place` for host arrays); arrays in it, and
+  the fields of quantized weights, alike."""
+  read = lambda v: read_whole(v) if isinstance(v, Lazy) else v  # noqa: E731
+  return {name: jax.tree.map(read, value) for name, value in tree.items()}  # in tree's order
 
 
 def put(value: Lazy | Any, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -257,5 +317,6 @@ def placer(layout: WeightPlacement | None) -> Callable[[dict], dict]:
   whole onto the default device, or, with a layout, read by shard straight onto their
   shardings (`WeightPlacement.place` with `put`)."""
   if layout is None:
-    return lambda tree: {name: jnp.asarray(value) for name, value in materialize(tree).items()}
+    return lambda tree: {name: jax.tree.map(jnp.asarray, value)
+                         for name, value in materialize(tree).items()}
   return lambda tree: layout.place(tree, put)

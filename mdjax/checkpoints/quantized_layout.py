@@ -14,7 +14,8 @@ config.json says how to put them together under `"mdjax_quantization"`::
                                                           "dtype": "float32"}, ...}}
 
 transformers cannot read these folders (it has no layout for mdjax's groups); mdjax
-reads them back onto one device, bit for bit.
+reads them back, bit for bit: onto one device, or onto a mesh with each process reading
+only the slices its devices hold.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def _named(params: dict):
 
 def from_tensors(tensors: dict[str, np.ndarray], entry: dict, xp=None) -> dict:
   """The params `to_tensors` wrote (a list of layers), quantized weights put together, on
-  the default device (`xp` jax.numpy, the default) or on the host (`xp` numpy)."""
+  the default device (`xp` jax.numpy, the default), or as recipes read later by slices
+  (`xp` `mdjax.checkpoints.lazy`, `tensors` its recipes: for a mesh)."""
   import jax.numpy as jnp
   xp = jnp if xp is None else xp
   weights = entry["weights"]

@@ -9,6 +9,7 @@ one such mesh, by `tests/test_distributed.py`.
 
 import dataclasses
 import re
+import types
 
 import jax
 
@@ -16,17 +17,19 @@ jax.config.update("jax_num_cpu_devices", 8)
 if len(jax.devices()) != 8:
   raise RuntimeError(f"the mesh checks need 8 CPU devices, got {jax.devices()}")
 
+import gguf  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
 import mdjax  # noqa: E402
 from mdjax import sharding  # noqa: E402
-from mdjax.checkpoints import hf  # noqa: E402
+from mdjax.checkpoints import gguf_native, hf, hf_layout  # noqa: E402
 from mdjax.checkpoints.registry import RANDOM_MODELS  # noqa: E402
 from mdjax.models.layer_loop import with_layer_loop  # noqa: E402
 from mdjax.models.quantized import QuantizedWeight, quantize_params  # noqa: E402
 from tests import helpers  # noqa: E402
+from tests.gguf_files import write_gguf  # noqa: E402
 
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
 KV_HEADS = (1, 2, 8)
@@ -371,4 +374,58 @@ def test_a_quantized_model_with_offsets_shards_saves_and_loads_as_one_device(tmp
   hf.save_hf(sharded, tmp_path / "ckpt")
   jax.tree.map(np.testing.assert_array_equal, mdjax.load(str(tmp_path / "ckpt")).params,
                model.params)
-  assert run(mdjax.load(str(tmp_path / "ckpt"), mesh=mesh)) == expected
+  with helpers.recorded_reads() as reads:  # by slices: each device's share of a part
+    loaded = mdjax.load(str(tmp_path / "ckpt"), mesh=mesh)
+  qkv = sorted(block for name, block in reads if name == "layers.0.wqkv.q")  # saved fused
+  assert qkv == [((0, 64), (lo, lo + 16)) for lo in range(0, 64, 16)] + [  # q over 4,
+      ((0, 64), (lo, lo + 8)) for lo in range(64, 96, 8)], qkv            # k and v over 2
+  assert len(reads) == len(set(reads))
+  jax.tree.map(np.testing.assert_array_equal,
+               sharding.one_device_layout(loaded.params, loaded.config), model.params)
+  assert run(loaded) == expected
+
+
+Q = gguf.GGMLQuantizationType
+GGUF_TYPES = {"token_embd": Q.Q8_0, "attn_q": Q.Q4_1, "attn_k": Q.Q8_0, "attn_v": Q.Q4_0,
+              "attn_output": Q.Q4_1, "ffn_gate": Q.Q5_0, "ffn_up": Q.Q4_1, "ffn_down": Q.Q8_0,
+              "output": Q.Q5_1}
+
+
+def test_a_gguf_files_blocks_lie_on_a_mesh_decoded_shard_by_shard(tmp_path, monkeypatch):
+  """quantize="gguf" onto a 2x4 mesh: every region of a file's blocks decoded is one
+  device's quarter of its tensor (llama's q/k rows permuted within heads included), each
+  once; the params are a one-device load's, bit for bit, and greedy gives its tokens."""
+  c = dataclasses.replace(tiny_config(2), head_dim=16)  # inputs of 128: 4 groups of 32,
+  model = mdjax.Model(config=c, params=mdjax.init_params(c, 0, std=0.2), name="tiny")  # split
+  config = types.SimpleNamespace(
+      num_hidden_layers=c.num_layers, max_position_embeddings=c.max_position_embeddings,
+      hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+      num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+      rope_parameters={"rope_theta": c.rope_theta, "rope_type": "default"},
+      rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size, bos_token_id=1, eos_token_id=2)
+  path = write_gguf(tmp_path / "tiny.gguf", "llama",
+                    hf_layout.params_to_hf(c, model.params, np.float32), config, GGUF_TYPES)
+  one_device = mdjax.load(str(path), quantize="gguf")
+  decoded, decode = [], gguf_native._Region.decode
+
+  def recorded(region, rows, cols):
+    decoded.append((region, region.shape, rows, cols))  # the region kept: ids are reused
+    return decode(region, rows, cols)
+
+  decodes, read_blocks = [], gguf_native.read_blocks
+  monkeypatch.setattr(gguf_native._Region, "decode", recorded)
+  monkeypatch.setattr(gguf_native, "read_blocks", lambda *a: decodes.append(a) or read_blocks(*a))
+  loaded = mdjax.load(str(path), quantize="gguf", mesh=jax.make_mesh((2, 4), ("data", "tensor")))
+  regions = {}  # region -> (its size, the blocks of it decoded)
+  for region, (rows, cols), (r0, r1), (c0, c1) in decoded:
+    regions.setdefault(region, (rows * cols, []))[1].append(((r0, r1), (c0, c1)))
+  assert len(regions) == 7 * c.num_layers + 2  # q, k, v, o, gate, up, down; embed, lm_head
+  for size, blocks in regions.values():  # halves (k, v: 2 KV heads) or quarters
+    areas = [(r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in set(blocks)]
+    assert len(areas) > 1 and sum(areas) == size, (size, blocks)
+  assert len(decodes) == sum(len(set(blocks)) for _, blocks in regions.values())  # each once
+  jax.tree.map(np.testing.assert_array_equal,
+               sharding.one_device_layout(loaded.params, loaded.config), one_device.params)
+  run = lambda m: mdjax.generate(m, PROMPTS, max_new_tokens=10,  # noqa: E731
+                                 eos_token_id=[]).sequences
+  assert run(loaded) == run(one_device)
