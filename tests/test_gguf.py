@@ -9,6 +9,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import importlib
+import json
 import math
 import os
 import pathlib
@@ -374,6 +375,34 @@ def test_second_load_reads_the_cache(written, monkeypatch):
   assert again.path == first.path and again.config == first.config
   for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(first.params)):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("variant", ["llama", "gemma3"])
+def test_blocks_as_they_are_parse_the_header_once(written, variant, tmp_path, monkeypatch):
+  """quantize="gguf" caches what the file's header gave (mdjax/checkpoints/gguf_header.py):
+  a second load parses nothing and gives the same config and params (llama's permuted
+  q/k rows, gemma3's shifted norms and layer pattern); an entry that cannot be read is
+  parsed and written again; changed bytes get an entry of their own."""
+  monkeypatch.setenv("MDJAX_CACHE", str(tmp_path / "cache"))
+  path = written(variant)[0]
+  first = mdjax.load(str(path), quantize="gguf")
+  (entry,) = (tmp_path / "cache" / "gguf").glob("*-header")
+
+  def same(model):
+    assert model.config == first.config and model.quantization == first.quantization
+    jax.tree.map(np.testing.assert_array_equal, model.params, first.params)
+
+  with monkeypatch.context() as patch:
+    patch.setattr(gguf, "GGUFReader", None)  # a parse would fail
+    same(mdjax.load(str(path), quantize="gguf"))
+  (entry / "tensors.json").write_text('{"arch": "llama", "tens')
+  same(mdjax.load(str(path), quantize="gguf"))
+  assert "tensors" in json.loads((entry / "tensors.json").read_text())  # written again
+  changed = tmp_path / "elsewhere" / path.name  # its name and size, one byte changed
+  changed.parent.mkdir()
+  changed.write_bytes(path.read_bytes()[:-1] + bytes([path.read_bytes()[-1] ^ 1]))
+  mdjax.load(str(changed), quantize="gguf")
+  assert len(list((tmp_path / "cache" / "gguf").glob("*-header"))) == 2
 
 
 def test_loads_that_race_to_convert_one_file_convert_it_once(written, tmp_path, monkeypatch):

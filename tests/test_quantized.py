@@ -14,6 +14,7 @@
 
 import dataclasses
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -202,13 +203,20 @@ def test_generate_reports_an_int8_caches_bytes():
 @pytest.mark.real_models
 @pytest.mark.parametrize("name, kinds", [("smollm2-135m-instruct", {"Q4_1", "Q8_0"}),
                                          ("gemma3-270m", {"Q4_K", "Q5_0", "Q6_K", "Q8_0"})])
-def test_gguf_blocks_as_they_are_give_the_dequantized_models_logits(name, kinds):
+def test_gguf_blocks_as_they_are_give_the_dequantized_models_logits(name, kinds, tmp_path):
   """quantize="gguf": every matrix a `QuantizedWeight` read from the file's blocks (the
   types the file holds), logits within 1e-3 (relative to each position's largest) of
-  the float32 model the file dequantizes to, the same argmax; SmolLM2's loaded onto a
-  mesh holds the same blocks (tests/multidevice/mesh_checks.py splits quantized weights
-  over 8 devices and runs them)."""
-  model = mdjax.load(name, quantize="gguf")
+  the float32 model the file dequantizes to, the same argmax. SmolLM2's, loaded again
+  onto a mesh from the header its first load cached, holds the same blocks and
+  tokenizes as the float model (tests/multidevice/mesh_checks.py splits quantized
+  weights over 8 devices and runs them)."""
+  def native(**options):  # SmolLM2's file lies in its package: its header cached afresh
+    with pytest.MonkeyPatch.context() as patch:
+      if name == "smollm2-135m-instruct":
+        patch.setenv("MDJAX_CACHE", str(tmp_path))
+      return mdjax.load(name, quantize="gguf", **options)
+
+  model = native()
   assert all(kind in model.quantization for kind in kinds), model.quantization
   matrices = [w for lp in model.params["layers"] for n, w in lp.items() if n.startswith("w")]
   assert all(isinstance(w, QuantizedWeight) for w in matrices + [model.params["embed"]])
@@ -219,10 +227,18 @@ def test_gguf_blocks_as_they_are_give_the_dequantized_models_logits(name, kinds)
   error = jnp.abs(logits - expected).max(-1) / jnp.abs(expected).max(-1)
   assert float(error.max()) < 1e-3
   np.testing.assert_array_equal(logits.argmax(-1), expected.argmax(-1))
-  if kinds == {"Q4_1", "Q8_0"}:  # loaded onto a mesh (of this one device): the same blocks
-    on_mesh = mdjax.load(name, quantize="gguf", mesh=jax.make_mesh((1, 1), ("data", "tensor")))
+  if kinds == {"Q4_1", "Q8_0"}:  # loaded onto a mesh (of this one device): the same blocks,
+    with pytest.MonkeyPatch.context() as patch:  # and the header cached by the first load
+      patch.setattr(gguf, "GGUFReader", None)  # (mdjax/checkpoints/gguf_header.py): no parse
+      on_mesh = native(mesh=jax.make_mesh((1, 1), ("data", "tensor")))
     assert on_mesh.layout is not None and on_mesh.quantization == model.quantization
+    assert on_mesh.config == model.config
     jax.tree.map(np.testing.assert_array_equal, on_mesh.params, model.params)
+    text, chat = "café 日本語 🤖 <|im_start|>", [{"role": "user", "content": "Hi"}]
+    for tokenizer in (on_mesh.tokenizer, model.tokenizer):
+      assert tokenizer(text)["input_ids"] == floats.tokenizer(text)["input_ids"]
+      assert tokenizer.apply_chat_template(chat, add_generation_prompt=True) == (
+          floats.tokenizer.apply_chat_template(chat, add_generation_prompt=True))
 
 
 def test_bad_quantization_options_are_one_line_naming_them():

@@ -155,15 +155,19 @@ def load_gguf(file: str | os.PathLike, dtype="float32", *, name: str | None = No
   file = pathlib.Path(file)
   if not file.is_file():
     raise CheckpointError(f"no such GGUF file: {str(file)!r}")
-  with open(file, "rb") as f:
-    digest = hashlib.file_digest(f, "sha256").hexdigest()
-  converted = (files.cache_dir() / "gguf"
-               / f"{file.stem}-{file.stat().st_size}-{digest[:16]}-v{CACHE_VERSION}")
+  converted = files.cache_dir() / "gguf" / cache_key(file)
   with files.exclusive_lock(files.cache_dir() / "locks" / f"{converted.name}.lock"):
     if not (converted / "config.json").is_file():  # else another process converted it
       hf.save_hf(convert(file), converted)
   return hf.load_hf_dir(converted, dtype=np_dtype, name=name if name is not None else file.name,
                         mesh=mesh, quantize=quantize, quantize_group=quantize_group)
+
+
+def cache_key(file: pathlib.Path) -> str:
+  """The name of `file`'s cached copies: its stem, size, sha256 and `CACHE_VERSION`."""
+  with open(file, "rb") as f:
+    digest = hashlib.file_digest(f, "sha256").hexdigest()
+  return f"{file.stem}-{file.stat().st_size}-{digest[:16]}-v{CACHE_VERSION}"
 
 
 def convert(file: pathlib.Path) -> Model:
@@ -188,7 +192,7 @@ def open_file(file: pathlib.Path) -> tuple[gguf.GGUFReader, str, Tensors, ModelC
   if arch not in ARCHITECTURES:
     raise CheckpointError(f"unsupported GGUF architecture {arch!r} in {str(file)!r}; "
                           f"supported: {', '.join(ARCHITECTURES)}")
-  tensors = Tensors(reader, file, arch)
+  tensors = Tensors(reader.tensors, file, arch)
   config = _config(reader, file, arch, tensors)
   tensors.heads = (config.num_heads, config.num_kv_heads)
   return reader, arch, tensors, config
@@ -347,9 +351,10 @@ class Tensors:
   """A GGUF's tensors by Hugging Face name, dequantized to float32 on `get` (a
   `mdjax.checkpoints.lazy.TensorSource`), q/k rows unpermuted where llama.cpp permuted them."""
 
-  def __init__(self, reader: gguf.GGUFReader, file: pathlib.Path, arch: str):
+  def __init__(self, tensors, file: pathlib.Path, arch: str):
+    """`tensors`: `GGUFReader.tensors`, or the same fields (`gguf_header.TensorInfo`)."""
     self.file, self.arch = file, arch
-    self.by_name = {t.name: t for t in reader.tensors}
+    self.by_name = {t.name: t for t in tensors}
     self.names = frozenset(self.by_name)
     blocks = len({n.split(".")[1] for n in self.names if n.startswith("blk.")})
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)

@@ -42,6 +42,7 @@ from mdjax import sharding
 from mdjax.checkpoints import gguf as gguf_reader
 from mdjax.checkpoints import lazy
 from mdjax.checkpoints.gguf_blocks import FLOAT_TYPES, Blocks, check, read_blocks
+from mdjax.checkpoints.gguf_header import open_header
 from mdjax.checkpoints.hf_layout import norms_after_attention
 from mdjax.errors import CheckpointError
 from mdjax.models.config import ModelConfig, weight_dtype
@@ -56,12 +57,12 @@ def load(file: str | pathlib.Path, dtype="float32", *, name: str | None = None,
   file = pathlib.Path(file)
   if not file.is_file():
     raise CheckpointError(f"no such GGUF file: {str(file)!r}")
-  reader, arch, tensors, config = gguf_reader.open_file(file)
+  arch, tensors, config, tokenizer = open_header(file)
   blocks = _Matrices(tensors, weight_dtype(dtype))
   params = _params(config, blocks, place=lazy.placer(sharding.layout_for(mesh, config)))
   tensors.check_all_read()
   kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(blocks.kinds.items()))
-  return Model(config=config, params=params, tokenizer=gguf_reader.tokenizer_of(reader, file, arch),
+  return Model(config=config, params=params, tokenizer=tokenizer,
                name=name if name is not None else file.name, quantization=f"gguf ({kinds})",
                layout=sharding.layout_for(mesh, config))
 
