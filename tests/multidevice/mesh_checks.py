@@ -395,6 +395,7 @@ def test_a_gguf_files_blocks_lie_on_a_mesh_decoded_shard_by_shard(tmp_path, monk
   """quantize="gguf" onto a 2x4 mesh: every region of a file's blocks decoded is one
   device's quarter of its tensor (llama's q/k rows permuted within heads included), each
   once; the params are a one-device load's, bit for bit, and greedy gives its tokens."""
+  monkeypatch.setenv("MDJAX_CACHE", str(tmp_path / "cache"))  # its header: not the user's
   c = dataclasses.replace(tiny_config(2), head_dim=16)  # inputs of 128: 4 groups of 32,
   model = mdjax.Model(config=c, params=mdjax.init_params(c, 0, std=0.2), name="tiny")  # split
   config = types.SimpleNamespace(
