@@ -26,7 +26,9 @@ tensor > 1), so each process decodes only the slices its own devices hold::
     wo [N*H, D] = o_proj [D, N*H] transposed, blocks of 32 along N*H; tensor = 4
       device 1 holds wo[NH/4 : NH/2, :]  -> ggml columns [NH/4, NH/2): its whole blocks
 
-A matrix the file holds in float is read whole by each process.
+A matrix the file holds in float is read whole by each process. The config, tokenizer
+and tensor table come from `gguf_header.open_header`: the file's header, parsed once per
+file's bytes.
 """
 
 from __future__ import annotations
@@ -50,21 +52,21 @@ from mdjax.models.model import Model
 from mdjax.models.quantized import QuantizedWeight, from_parts
 
 
-
 def load(file: str | pathlib.Path, dtype="float32", *, name: str | None = None,
          mesh=None) -> Model:
   """The model a GGUF file holds, its matrices kept as the file's blocks."""
   file = pathlib.Path(file)
   if not file.is_file():
     raise CheckpointError(f"no such GGUF file: {str(file)!r}")
-  arch, tensors, config, tokenizer = open_header(file)
+  _, tensors, config, tokenizer = open_header(file)
+  layout = sharding.layout_for(mesh, config)
   blocks = _Matrices(tensors, weight_dtype(dtype))
-  params = _params(config, blocks, place=lazy.placer(sharding.layout_for(mesh, config)))
+  params = _params(config, blocks, place=lazy.placer(layout))
   tensors.check_all_read()
   kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(blocks.kinds.items()))
   return Model(config=config, params=params, tokenizer=tokenizer,
                name=name if name is not None else file.name, quantization=f"gguf ({kinds})",
-               layout=sharding.layout_for(mesh, config))
+               layout=layout)
 
 
 class _Region:
