@@ -16,7 +16,6 @@ import pathlib
 import re
 from typing import Any
 
-
 from mdjax import generation_config, sharding
 from mdjax.checkpoints import lazy, quantized_layout
 from mdjax.checkpoints.hf_layout import (SafetensorsCheckpoint, params_from_hf, params_to_hf,

@@ -155,7 +155,7 @@ class SafetensorsCheckpoint:
 
   def validate(self) -> None:
     """Checks every file's header, so corruption is reported before any tensor is read."""
-    for file in [self.source] if self.files is None else sorted(set(self.files.values())):
+    for file in self._all_files():
       self._file(file)
 
   def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -164,15 +164,18 @@ class SafetensorsCheckpoint:
 
   def read_all(self) -> dict[str, np.ndarray]:
     """Every tensor by name, whatever its shape (mdjax's own quantized tensors)."""
-    files = [self.source] if self.files is None else sorted(set(self.files.values()))
     return {name: self._file(f).get(name, self._file(f)._shape(name))
-            for f in files for name in sorted(self._file(f).names)}
+            for f in self._all_files() for name in sorted(self._file(f).names)}
 
   def recipes(self) -> dict[str, lazy.Tensor]:
     """Every tensor by name in its stored shape and dtype, nothing read yet (mdjax's own
     quantized tensors, put on a mesh slice by slice)."""
-    files = [self.source] if self.files is None else sorted(set(self.files.values()))
-    return {name: self._file(f).recipe(name) for f in files for name in sorted(self._file(f).names)}
+    return {name: self._file(f).recipe(name)
+            for f in self._all_files() for name in sorted(self._file(f).names)}
+
+  def _all_files(self) -> list[pathlib.Path]:
+    """The checkpoint's safetensors files: the one file, or every shard the index lists."""
+    return [self.source] if self.files is None else sorted(set(self.files.values()))
 
   def get_slice(self, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
     """`get(name, shape)[index]`, reading only the slice's bytes."""

@@ -20,6 +20,8 @@ only the slices its devices hold.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from mdjax.models.layer_loop import unstack_layers
@@ -53,7 +55,7 @@ def _named(params: dict):
       yield name, value
 
 
-def from_tensors(tensors: dict[str, np.ndarray], entry: dict, xp=None) -> dict:
+def from_tensors(tensors: dict[str, Any], entry: dict, xp=None) -> dict:
   """The params `to_tensors` wrote (a list of layers), quantized weights put together, on
   the default device (`xp` jax.numpy, the default), or as recipes read later by slices
   (`xp` `mdjax.checkpoints.lazy`, `tensors` its recipes: for a mesh)."""
