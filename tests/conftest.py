@@ -75,6 +75,13 @@ def pytest_collection_modifyitems(items):
   items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))
 
 
+def pytest_collection_finish(session):
+  """Python's collector walks less (`tests.collector.collect_rarely`) once every test's
+  imports are done."""
+  from tests.collector import collect_rarely
+  collect_rarely()
+
+
 MAPS = pathlib.Path("/proc/self/maps")
 MAX_MAPPINGS = 30_000  # of the kernel's usual vm.max_map_count of 65530
 

@@ -48,7 +48,8 @@ def main(role: str, port: str, out_dir: str):
 
   import mdjax
   from mdjax.strategies import STRATEGIES
-  from tests import helpers
+  from tests import collector, helpers
+  collector.collect_rarely()
 
   out = pathlib.Path(out_dir) / f"{role}.json"
   base = mdjax.load("random-llama-tiny")

@@ -74,7 +74,9 @@ def main(role: str, port: str, out_dir: str):
 
   def train_lm(config) -> dict:  # `experiments.train_lm.run`
     return export.export(lm.train(config), config, pathlib.Path(config.run_dir) / "export")
+  from tests.collector import collect_rarely
   from tests.multidevice.process_checks import write
+  collect_rarely()
 
   out, group = pathlib.Path(out_dir), GROUPS[role]
   flag = "" if role == "reference" else f"localhost:{port},2,{role}"
