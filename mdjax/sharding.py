@@ -294,9 +294,10 @@ def one_device_layout(params: dict, config: ModelConfig) -> dict:
                                **{f: fn(*(getattr(w, f) for w in weights))
                                   for f in _fields(weights[0])})
 
-  def fusable(weights: list) -> bool:  # quantized parts: one group size and offset form
-    return not is_quantized(weights[0]) or len(
-        {(w.group, w.offset is None) for w in weights}) == 1
+  def fusable(weights: list) -> bool:  # all float, or quantized of one group size and
+    #                                     offset form (a GGUF file mixes float and blocks)
+    return len({(w.group, w.offset is None) if is_quantized(w) else None
+                for w in weights}) == 1
 
   def fuse(layer: dict) -> dict:
     layer = dict(layer)

@@ -405,6 +405,31 @@ def test_blocks_as_they_are_parse_the_header_once(written, variant, tmp_path, mo
   assert len(list((tmp_path / "cache" / "gguf").glob("*-header"))) == 2
 
 
+def test_blocks_as_they_are_keep_float_matrices_as_the_float_load_reads_them(written):
+  """quantize="gguf" keeps a matrix the file holds in float (llama's variant: k in F16,
+  its rows permuted; up in F16; the output in BF16) at the float load's values, bit for
+  bit; `Tensors.get_slice`, a mesh shard's read of one, is `get`'s whole tensor sliced;
+  a quantized tensor is not sliced so (its blocks are: mdjax/checkpoints/gguf_native.py)."""
+  path = written("llama")[0]
+  native = mdjax.load(str(path), quantize="gguf")
+  floats = mdjax.load(str(path), dtype="float32")
+  c = floats.config
+  q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+  for lp, float_lp in zip(native.params["layers"], floats.params["layers"]):
+    np.testing.assert_array_equal(lp["wk"], float_lp["wqkv"][:, q:q + kv])
+    np.testing.assert_array_equal(lp["w_up"], float_lp["w_gate_up"][:, c.intermediate_size:])
+  np.testing.assert_array_equal(native.params["lm_head"], floats.params["lm_head"])
+  tensors = mdjax_gguf.open_file(path)[2]
+  for name, rows, cols in [("model.layers.1.self_attn.k_proj.weight", kv, c.hidden_size),
+                           ("lm_head.weight", c.vocab_size, c.hidden_size)]:
+    index = (slice(3, kv - 2), slice(5, 40))
+    np.testing.assert_array_equal(tensors.get_slice(name, (rows, cols), index),
+                                  tensors.get(name, (rows, cols))[index])
+  with pytest.raises(CheckpointError, match=r"'blk\.0\.attn_q\.weight' \(Q8_0\).*not a float"):
+    tensors.get_slice("model.layers.0.self_attn.q_proj.weight", (q, c.hidden_size),
+                      (slice(0, 4), slice(0, 4)))
+
+
 def test_loads_that_race_to_convert_one_file_convert_it_once(written, tmp_path, monkeypatch):
   """Two loads at once (threads: `flock` locks an open file, so two opens exclude each
   other as two processes' do): one conversion, and both read its copy."""

@@ -70,6 +70,7 @@ from tqdm.auto import tqdm
 
 from mdjax import files
 from mdjax.checkpoints import hf, lazy
+from mdjax.checkpoints.gguf_blocks import FLOAT_TYPES
 from mdjax.checkpoints.hf_layout import params_from_hf
 from mdjax.checkpoints.registry import GGUF_MODELS
 from mdjax.errors import CheckpointError
@@ -378,6 +379,42 @@ class Tensors:
 
   def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """Tensor `name` (a Hugging Face name, or a GGUF one), checked to have `shape`."""
+    gguf_name, tensor = self.tensor(name, shape)
+    try:
+      values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+    except NotImplementedError:
+      raise CheckpointError(f"cannot dequantize tensor {gguf_name!r} of type "
+                            f"{tensor.tensor_type.name} in {str(self.file)!r}") from None
+    if self.arch in NORMS_PLUS_ONE and gguf_name.endswith("norm.weight"):
+      values = values - np.float32(1)
+    rows = self.row_order(name, shape[0])
+    if rows is not None:
+      values = values[rows]
+    self.used.add(gguf_name)
+    self.progress.update()
+    return values.astype(np.float32, copy=False)
+
+  def get_slice(self, name: str, shape: tuple[int, ...], index: tuple[slice, slice]
+                ) -> np.ndarray:
+    """`get(name, shape)[index]` of a matrix the file holds in float (F32, F16, BF16),
+    reading only the rows and columns `index` covers (the file's bytes are a memory map):
+    a mesh's shard of it. Marks nothing read: the caller counts the tensor once."""
+    gguf_name, tensor = self.tensor(name, shape)
+    if tensor.tensor_type not in FLOAT_TYPES or len(shape) != 2:
+      raise CheckpointError(f"tensor {gguf_name!r} ({tensor.tensor_type.name}) in "
+                            f"{str(self.file)!r} is not a float matrix: it is read whole")
+    rows, cols = index
+    bf16 = tensor.tensor_type == gguf.GGMLQuantizationType.BF16  # held as its bytes
+    view = (tensor.data.view(np.uint16) if bf16 else tensor.data).reshape(shape)  # ggml's rows
+    order = self.row_order(name, shape[0])
+    part = (view[rows] if order is None else view[order[rows]])[:, cols]
+    if bf16:  # a bfloat16 is the top half of a float32
+      return (part.astype(np.uint32) << 16).view(np.float32)
+    return part.astype(np.float32)
+
+  def tensor(self, name: str, shape: tuple[int, ...]):
+    """(GGUF name, the reader's tensor) of `name` (a Hugging Face name, or a GGUF one),
+    checked to have `shape`."""
     gguf_name = name if name in self.by_name else self.gguf_name(name)
     tensor = self.by_name.get(gguf_name)
     if tensor is None:
@@ -386,21 +423,18 @@ class Tensors:
     if stored != shape:
       raise CheckpointError(f"tensor {gguf_name!r} in {str(self.file)!r} has shape "
                             f"{list(stored)}, expected {list(shape)}")
-    try:
-      values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-    except NotImplementedError:
-      raise CheckpointError(f"cannot dequantize tensor {gguf_name!r} of type "
-                            f"{tensor.tensor_type.name} in {str(self.file)!r}") from None
-    if self.arch in NORMS_PLUS_ONE and gguf_name.endswith("norm.weight"):
-      values = values - np.float32(1)
-    if self.arch in PERMUTED_QK and self.heads is not None:
-      if name.startswith("model.layers.") and ".self_attn.q_proj." in name:
-        values = unpermute(values, self.heads[0])
-      elif name.startswith("model.layers.") and ".self_attn.k_proj." in name:
-        values = unpermute(values, self.heads[1])
-    self.used.add(gguf_name)
-    self.progress.update()
-    return values.astype(np.float32, copy=False)
+    return gguf_name, tensor
+
+  def row_order(self, name: str, rows: int) -> np.ndarray | None:
+    """For a q or k projection (weight or bias, Hugging Face's name) whose rows llama.cpp
+    permuted: the file's row of each Hugging Face row [rows]; else None."""
+    if self.arch not in PERMUTED_QK or self.heads is None or not name.startswith(
+        "model.layers."):
+      return None
+    for projection, heads in zip((".self_attn.q_proj.", ".self_attn.k_proj."), self.heads):
+      if projection in name:
+        return unpermute(np.arange(rows), heads)
+    return None
 
   def check_all_read(self) -> None:
     """Raises naming the tensors the model left unread: features mdjax would drop."""

@@ -26,7 +26,8 @@ tensor > 1), so each process decodes only the slices its own devices hold::
     wo [N*H, D] = o_proj [D, N*H] transposed, blocks of 32 along N*H; tensor = 4
       device 1 holds wo[NH/4 : NH/2, :]  -> ggml columns [NH/4, NH/2): its whole blocks
 
-A matrix the file holds in float is read whole by each process. The config, tokenizer
+A matrix the file holds in float is read the same way, by the rows and columns a shard
+covers (the file's bytes are a memory map). The config, tokenizer
 and tensor table come from `gguf_header.open_header`: the file's header, parsed once per
 file's bytes.
 """
@@ -129,6 +130,21 @@ def _fields(tensor, shape: tuple[int, int]) -> Blocks:
                 group=fmt.group, bits=fmt.bits)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _FloatMatrix(lazy.Lazy):
+  """A matrix the file holds in float (F32, F16, BF16) [rows, cols], in `dtype`: a read
+  views only the rows and columns it covers (`gguf.Tensors.get_slice`)."""
+
+  tensors: gguf_reader.Tensors
+  name: str  # Hugging Face's
+  shape: tuple[int, int]
+  dtype: np.dtype
+
+  def read(self, block: lazy.Block) -> np.ndarray:
+    index = tuple(slice(*b) for b in block)
+    return self.tensors.get_slice(self.name, self.shape, index).astype(self.dtype, copy=False)
+
+
 class _Matrices:
   """The file's matrices by Hugging Face name, as `Blocks` of recipes (or float arrays)."""
 
@@ -136,40 +152,33 @@ class _Matrices:
     self.tensors, self.dtype = tensors, dtype
     self.kinds: collections.Counter = collections.Counter()  # ggml type -> matrices read
 
-  def read(self, hf_name: str, rows: int, cols: int, heads: int | None = None
-           ) -> Blocks | np.ndarray:
-    """Tensor `hf_name` [rows, cols] (ggml's rows: outputs); `heads`: a q or k projection
-    whose rows llama.cpp permuted."""
+  def read(self, hf_name: str, rows: int, cols: int) -> Blocks | _FloatMatrix:
+    """Tensor `hf_name` [rows, cols] (ggml's rows: outputs), in Hugging Face's row order."""
     t = self.tensors
-    gguf_name = t.gguf_name(hf_name)
-    tensor = t.by_name.get(gguf_name)
-    if tensor is None or tensor.tensor_type in FLOAT_TYPES:  # missing: `get` names it
-      return t.get(hf_name, (rows, cols)).astype(self.dtype)
-    stored = tuple(int(n) for n in reversed(tensor.shape))
-    if stored != (rows, cols):
-      raise CheckpointError(f"tensor {gguf_name!r} in {str(t.file)!r} has shape "
-                            f"{list(stored)}, expected {[rows, cols]}")
+    gguf_name, tensor = t.tensor(hf_name, (rows, cols))
+    t.used.add(gguf_name)
+    t.progress.update()
+    if tensor.tensor_type in FLOAT_TYPES:
+      return _FloatMatrix(t, hf_name, (rows, cols), self.dtype)
+    self.kinds[tensor.tensor_type.name] += 1
     blocks = _fields(tensor, (rows, cols))
-    if heads is not None and t.arch in gguf_reader.PERMUTED_QK:
-      order = gguf_reader.unpermute(np.arange(rows), heads)  # HF's row i is ggml's order[i]
+    order = t.row_order(hf_name, rows)  # HF's row i is ggml's order[i]
+    if order is not None:
       blocks = dataclasses.replace(blocks, **{
           f: lazy.take(getattr(blocks, f), order, axis=0) for f in ("q", "scale", "offset")
           if getattr(blocks, f) is not None})
-    t.used.add(gguf_name)
-    t.progress.update()
-    self.kinds[tensor.tensor_type.name] += 1
     return blocks
 
-  def weight(self, part: Blocks | np.ndarray, axis: int = -2):
+  def weight(self, part: Blocks | _FloatMatrix, axis: int = -2):
     """One matrix as the params hold it: `[D, F]` (axis -2, ggml's rows transposed) or
     `[V, D]` as stored (axis -1, the embedding); recipes, read when placed."""
-    if isinstance(part, np.ndarray):
+    if isinstance(part, _FloatMatrix):
       return part.T if axis == -2 else part
     turn = (lambda a: None if a is None else a.T) if axis == -2 else (lambda a: a)
     return from_parts(turn(part.q), turn(part.scale), turn(part.offset), axis=axis,
                       bits=part.bits, dtype=self.dtype, xp=lazy)
 
-  def fused(self, parts: list[Blocks | np.ndarray]) -> QuantizedWeight | None:
+  def fused(self, parts: list[Blocks | _FloatMatrix]) -> QuantizedWeight | None:
     """The parts (outputs one after another) as one `[D, sum F]` weight, or None when they
     do not share a form (a float part, another group size or offset form)."""
     if not all(isinstance(p, Blocks) for p in parts) or len(
@@ -200,7 +209,7 @@ def _params(c: ModelConfig, m: _Matrices, place) -> dict:
           **{name: norm(f"{p}{hf}.weight", d) for name, hf in norms_after_attention(c).items()}}
     sizes = {"q": c.num_heads, "k": c.num_kv_heads, "v": c.num_kv_heads}
     projections(lp, "wqkv", ("wq", "wk", "wv"), [
-        m.read(f"{p}self_attn.{x}_proj.weight", n * h, d, heads=n if x != "v" else None)
+        m.read(f"{p}self_attn.{x}_proj.weight", n * h, d)
         for x, n in sizes.items()])
     projections(lp, "w_gate_up", ("w_gate", "w_up"),
                 [m.read(f"{p}mlp.{x}_proj.weight", f, d) for x in ("gate", "up")])

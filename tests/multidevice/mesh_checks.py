@@ -24,6 +24,7 @@ from jax.sharding import AxisType  # noqa: E402
 
 import mdjax  # noqa: E402
 from mdjax import sharding  # noqa: E402
+from mdjax.checkpoints import gguf as gguf_reader  # noqa: E402
 from mdjax.checkpoints import gguf_native, hf, hf_layout  # noqa: E402
 from mdjax.checkpoints.registry import RANDOM_MODELS  # noqa: E402
 from mdjax.models.layer_loop import with_layer_loop  # noqa: E402
@@ -386,15 +387,16 @@ def test_a_quantized_model_with_offsets_shards_saves_and_loads_as_one_device(tmp
 
 
 Q = gguf.GGMLQuantizationType
-GGUF_TYPES = {"token_embd": Q.Q8_0, "attn_q": Q.Q4_1, "attn_k": Q.Q8_0, "attn_v": Q.Q4_0,
+GGUF_TYPES = {"token_embd": Q.Q8_0, "attn_q": Q.Q4_1, "attn_k": Q.F16, "attn_v": Q.Q4_0,
               "attn_output": Q.Q4_1, "ffn_gate": Q.Q5_0, "ffn_up": Q.Q4_1, "ffn_down": Q.Q8_0,
-              "output": Q.Q5_1}
+              "output": Q.Q5_1}  # k in float (its rows permuted too): viewed by slices
 
 
 def test_a_gguf_files_blocks_lie_on_a_mesh_decoded_shard_by_shard(tmp_path, monkeypatch):
   """quantize="gguf" onto a 2x4 mesh: every region of a file's blocks decoded is one
   device's quarter of its tensor (llama's q/k rows permuted within heads included), each
-  once; the params are a one-device load's, bit for bit, and greedy gives its tokens."""
+  once, and the float matrix (k) is read by halves (2 KV heads), never whole; the params
+  are a one-device load's, bit for bit, and greedy gives its tokens."""
   monkeypatch.setenv("MDJAX_CACHE", str(tmp_path / "cache"))  # its header: not the user's
   c = dataclasses.replace(tiny_config(2), head_dim=16)  # inputs of 128: 4 groups of 32,
   model = mdjax.Model(config=c, params=mdjax.init_params(c, 0, std=0.2), name="tiny")  # split
@@ -416,11 +418,30 @@ def test_a_gguf_files_blocks_lie_on_a_mesh_decoded_shard_by_shard(tmp_path, monk
   decodes, read_blocks = [], gguf_native.read_blocks
   monkeypatch.setattr(gguf_native._Region, "decode", recorded)
   monkeypatch.setattr(gguf_native, "read_blocks", lambda *a: decodes.append(a) or read_blocks(*a))
+  float_reads, get_slice = [], gguf_reader.Tensors.get_slice
+  whole_reads, get = [], gguf_reader.Tensors.get
+
+  def sliced(tensors, name, shape, index):
+    float_reads.append((name, shape, tuple(s.indices(n)[:2] for s, n in zip(index, shape))))
+    return get_slice(tensors, name, shape, index)
+
+  monkeypatch.setattr(gguf_reader.Tensors, "get_slice", sliced)
+  monkeypatch.setattr(gguf_reader.Tensors, "get", lambda t, name, shape: whole_reads.append(
+      shape) or get(t, name, shape))
   loaded = mdjax.load(str(path), quantize="gguf", mesh=jax.make_mesh((2, 4), ("data", "tensor")))
+  assert all(len(shape) == 1 for shape in whole_reads), whole_reads  # norms only
+  halves = {}  # k_proj of each layer -> the blocks of it read
+  for name, (rows, cols), blocks in float_reads:
+    halves.setdefault((name, rows * cols), set()).add(blocks)
+  assert sorted(name for name, _ in halves) == [
+      f"model.layers.{i}.self_attn.k_proj.weight" for i in range(c.num_layers)]
+  for (_, size), blocks in halves.items():
+    assert len(blocks) == 2 and sum((r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in blocks
+                                    ) == size, blocks
   regions = {}  # region -> (its size, the blocks of it decoded)
   for region, (rows, cols), (r0, r1), (c0, c1) in decoded:
     regions.setdefault(region, (rows * cols, []))[1].append(((r0, r1), (c0, c1)))
-  assert len(regions) == 7 * c.num_layers + 2  # q, k, v, o, gate, up, down; embed, lm_head
+  assert len(regions) == 6 * c.num_layers + 2  # q, v, o, gate, up, down; embed, lm_head
   for size, blocks in regions.values():  # halves (k, v: 2 KV heads) or quarters
     areas = [(r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in set(blocks)]
     assert len(areas) > 1 and sum(areas) == size, (size, blocks)
