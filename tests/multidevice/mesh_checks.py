@@ -396,7 +396,8 @@ def test_a_gguf_files_blocks_lie_on_a_mesh_decoded_shard_by_shard(tmp_path, monk
   """quantize="gguf" onto a 2x4 mesh: every region of a file's blocks decoded is one
   device's quarter of its tensor (llama's q/k rows permuted within heads included), each
   once, and the float matrix (k) is read by halves (2 KV heads), never whole; the params
-  are a one-device load's, bit for bit, and greedy gives its tokens."""
+  are a one-device load's, bit for bit, greedy gives its tokens, and `save_hf` of the
+  sharded model (float k beside quantized q and v) writes the one-device folder."""
   monkeypatch.setenv("MDJAX_CACHE", str(tmp_path / "cache"))  # its header: not the user's
   c = dataclasses.replace(tiny_config(2), head_dim=16)  # inputs of 128: 4 groups of 32,
   model = mdjax.Model(config=c, params=mdjax.init_params(c, 0, std=0.2), name="tiny")  # split
@@ -451,3 +452,6 @@ def test_a_gguf_files_blocks_lie_on_a_mesh_decoded_shard_by_shard(tmp_path, monk
   run = lambda m: mdjax.generate(m, PROMPTS, max_new_tokens=10,  # noqa: E731
                                  eos_token_id=[]).sequences
   assert run(loaded) == run(one_device)
+  hf.save_hf(loaded, tmp_path / "saved")  # the sharded model, its layers' q and v blocks
+  jax.tree.map(np.testing.assert_array_equal,  # beside a float k: one device's folder
+               mdjax.load(str(tmp_path / "saved")).params, one_device.params)
