@@ -1,10 +1,12 @@
 """mdjax.backends: on a host without a GPU or TPU, `import mdjax` starts the CPU alone,
 so nothing prints a plugin traceback or libtpu's warnings, and the GPU and TPU compile
-targets still load; a platform the user chose is kept."""
+targets still load; a platform the user chose is kept; a program built for a target
+this host lacks, found again in JAX's persistent cache, is compiled again quietly."""
 
 import os
 import subprocess
 import sys
+import warnings
 
 from mdjax import backends
 
@@ -38,3 +40,25 @@ def test_a_host_without_an_accelerator_starts_quietly_and_still_compiles_for_gpu
 def test_the_users_own_platform_is_kept():
   out = run("import mdjax, jax; print(jax.config.jax_platforms)", {**UNCHOSEN, "JAX_PLATFORMS": "cpu,tpu"})
   assert out.stdout.strip() == "cpu,tpu"
+
+
+def test_a_program_built_for_an_absent_device_is_compiled_again_without_a_warning():
+  """JAX's persistent compilation cache (the suite sets one: tests/conftest.py) stores a
+  program built for an H200, which no client here can load back: the second build of
+  the same program compiles it again, and says nothing (`compile_targets.compile_for`)."""
+  import jax
+  import numpy as np
+
+  from mdjax import compile_targets
+  assert os.environ.get("JAX_COMPILATION_CACHE_DIR")
+  texts = []
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(2):
+      jax.clear_caches()  # the second build reads the persistent cache's entry
+      compiled = compile_targets.compile_for(jax.jit(lambda x: x * 2 + 1), "h200",
+                                             np.zeros(8, np.float32))
+      texts.append(compiled.as_text())
+  assert texts[0] == texts[1] and "fusion" in texts[0]
+  assert not [w for w in caught if "compilation cache" in str(w.message)], [
+      str(w.message) for w in caught]

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import os
 import pathlib
+import warnings
 
 import jax
 from jax.sharding import SingleDeviceSharding
@@ -119,9 +120,16 @@ def abstract(tree, name: str):
   return jax.tree.map(on_target, tree)
 
 
+# JAX's persistent compilation cache (where one is set) stores a program built for a
+# target as any other, but without that device no client can load it back: JAX warns and
+# compiles it again. The warning says nothing a caller can act on.
+UNLOADABLE_CACHE_ENTRY = r"Error reading persistent compilation cache entry"
+
+
 def compile_for(fn, name: str, *args, **static):
   """`fn` (a `jax.jit`-wrapped function) compiled for target `name` with `args` standing
   for their shapes and `static` its static arguments, as that device's platform would
   build it."""
-  with platform.building_for(get(name).platform):
+  with platform.building_for(get(name).platform), warnings.catch_warnings():
+    warnings.filterwarnings("ignore", UNLOADABLE_CACHE_ENTRY, UserWarning)
     return fn.trace(*abstract(args, name), **static).lower().compile()
