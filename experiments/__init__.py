@@ -8,4 +8,5 @@ process holds: 7-10% of a benchmark's time (`experiments.bench.speculative --qui
 
 import gc
 
-gc.set_threshold(10_000, 20, 20)  # Python's defaults: (700, 10, 10)
+GC_THRESHOLDS = (10_000, 20, 20)  # Python's defaults: (700, 10, 10)
+gc.set_threshold(*GC_THRESHOLDS)

@@ -58,14 +58,13 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from mdjax import distributed
 from mdjax.errors import MdjaxError
 from mdjax.models.config import ModelConfig
-from mdjax.models.quantized import is_quantized
+from mdjax.models.quantized import concatenate, is_quantized, same_form
 
 MESH_AXES = ("data", "tensor")
 LAYOUT_AXES = ("data", "tensor_kv", "tensor_q")
@@ -287,32 +286,24 @@ def shard(model, mesh: Mesh):
 def one_device_layout(params: dict, config: ModelConfig) -> dict:
   """`params` as one device stores them (the inverse of `WeightPlacement.split`): split
   projections fused again, a padded vocabulary cut (e.g. to save a sharded model)."""
-  def fieldwise(fn, *weights):  # fn on arrays, or on each field of quantized weights
-    if not is_quantized(weights[0]):
-      return fn(*weights)
-    return dataclasses.replace(weights[0], bits=max(w.bits for w in weights),
-                               **{f: fn(*(getattr(w, f) for w in weights))
-                                  for f in _fields(weights[0])})
-
-  def fusable(weights: list) -> bool:  # all float, or quantized of one group size and
-    #                                     offset form (a GGUF file mixes float and blocks)
-    return len({(w.group, w.offset is None) if is_quantized(w) else None
-                for w in weights}) == 1
+  def cut(fn, weight):  # fn on an array, or on each field of a quantized weight
+    if not is_quantized(weight):
+      return fn(weight)
+    return dataclasses.replace(weight, **{f: fn(x) for f, x in _fields(weight).items()})
 
   def fuse(layer: dict) -> dict:
     layer = dict(layer)
     for fused, parts in FUSED.items():
-      if parts[0] in layer and fusable([layer[p] for p in parts]):
-        layer[fused] = fieldwise(lambda *xs: jnp.concatenate(xs, axis=-1),
-                                 *[layer.pop(p) for p in parts])
+      if parts[0] in layer and same_form([layer[p] for p in parts]):
+        layer[fused] = concatenate([layer.pop(p) for p in parts])
     return layer
 
   out = dict(params)
   layers = params["layers"]
   out["layers"] = [fuse(lp) for lp in layers] if isinstance(layers, list) else fuse(layers)
-  out["embed"] = fieldwise(lambda x: x[:config.vocab_size], params["embed"])
+  out["embed"] = cut(lambda x: x[:config.vocab_size], params["embed"])
   if "lm_head" in params:
-    out["lm_head"] = fieldwise(lambda x: x[..., :config.vocab_size], params["lm_head"])
+    out["lm_head"] = cut(lambda x: x[..., :config.vocab_size], params["lm_head"])
   return out
 
 

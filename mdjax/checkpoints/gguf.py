@@ -404,13 +404,12 @@ class Tensors:
       raise CheckpointError(f"tensor {gguf_name!r} ({tensor.tensor_type.name}) in "
                             f"{str(self.file)!r} is not a float matrix: it is read whole")
     rows, cols = index
-    bf16 = tensor.tensor_type == gguf.GGMLQuantizationType.BF16  # held as its bytes
-    view = (tensor.data.view(np.uint16) if bf16 else tensor.data).reshape(shape)  # ggml's rows
+    view = tensor.data.reshape(shape[0], -1)  # ggml's rows; BF16 held as bytes, 2 a value
+    per = view.shape[1] // shape[1]  # items of the view per value
+    start, stop, _ = cols.indices(shape[1])
     order = self.row_order(name, shape[0])
-    part = (view[rows] if order is None else view[order[rows]])[:, cols]
-    if bf16:  # a bfloat16 is the top half of a float32
-      return (part.astype(np.uint32) << 16).view(np.float32)
-    return part.astype(np.float32)
+    part = (view[rows] if order is None else view[order[rows]])[:, start * per:stop * per]
+    return gguf.quants.dequantize(part, tensor.tensor_type).astype(np.float32, copy=False)
 
   def tensor(self, name: str, shape: tuple[int, ...]):
     """(GGUF name, the reader's tensor) of `name` (a Hugging Face name, or a GGUF one),

@@ -12,8 +12,9 @@ names, llama's q/k row order undone, gemma3's norms less one)::
     token_embd [V, D] -> embed: q [V, D], scale [V, G]   (axis -1: read by row, and
                                                           contracted in place as the head)
 
-q|k|v and gate|up are fused, as for a float model, when their parts share a group size
-and an offset form; else they stay split (`wq`, `wk`, `wv`; `w_gate`, `w_up`: the layout
+q|k|v and gate|up are fused, as for a float model, when their parts share a form
+(`quantized.same_form`: all float, or blocks of one group size and offset form); else
+they stay split (`wq`, `wk`, `wv`; `w_gate`, `w_up`: the layout
 `transformer` also reads on a mesh). A matrix the file holds in float (F32, F16, BF16)
 stays a float matrix of the load's dtype. Norms and biases are float.
 
@@ -50,7 +51,7 @@ from mdjax.checkpoints.hf_layout import norms_after_attention
 from mdjax.errors import CheckpointError
 from mdjax.models.config import ModelConfig, weight_dtype
 from mdjax.models.model import Model
-from mdjax.models.quantized import QuantizedWeight, from_parts
+from mdjax.models.quantized import concatenate, from_parts, same_form
 
 
 def load(file: str | pathlib.Path, dtype="float32", *, name: str | None = None,
@@ -178,17 +179,6 @@ class _Matrices:
     return from_parts(turn(part.q), turn(part.scale), turn(part.offset), axis=axis,
                       bits=part.bits, dtype=self.dtype, xp=lazy)
 
-  def fused(self, parts: list[Blocks | _FloatMatrix]) -> QuantizedWeight | None:
-    """The parts (outputs one after another) as one `[D, sum F]` weight, or None when they
-    do not share a form (a float part, another group size or offset form)."""
-    if not all(isinstance(p, Blocks) for p in parts) or len(
-        {(p.group, p.offset is None) for p in parts}) != 1:
-      return None
-    cat = lambda field: lazy.concatenate([getattr(p, field) for p in parts])  # noqa: E731
-    return self.weight(Blocks(q=cat("q"), scale=cat("scale"),
-                              offset=None if parts[0].offset is None else cat("offset"),
-                              group=parts[0].group, bits=max(p.bits for p in parts)))
-
 
 def _params(c: ModelConfig, m: _Matrices, place) -> dict:
   """The params, each layer's dict (then the rest) handed to `place` as it is read."""
@@ -196,11 +186,11 @@ def _params(c: ModelConfig, m: _Matrices, place) -> dict:
   norm = lambda name, n: m.tensors.get(name, (n,)).astype(m.dtype)  # noqa: E731
 
   def projections(lp: dict, fused: str, names: tuple[str, ...], parts: list) -> None:
-    joined = m.fused(parts)
-    if joined is not None:
-      lp[fused] = joined
+    weights = [m.weight(part) for part in parts]  # fused as a float checkpoint's are, when
+    if same_form(weights):                        # they share a form (else split: a GGUF
+      lp[fused] = concatenate(weights, xp=lazy)   # file may mix float and block types)
     else:
-      lp.update({name: m.weight(part) for name, part in zip(names, parts)})
+      lp.update(zip(names, weights))
 
   def layer(p: str) -> dict:
     lp = {"attn_norm": norm(p + "input_layernorm.weight", d),

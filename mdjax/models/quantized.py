@@ -84,6 +84,30 @@ def is_quantized(weight) -> bool:
   return isinstance(weight, QuantizedWeight)
 
 
+def same_form(weights: list) -> bool:
+  """Whether `weights`, the parts of one projection (`[D, F_i]` each), can be held as one
+  (`concatenate`): all float, or all quantized along one axis with one group size and
+  one offset form (a GGUF file may mix float matrices and blocks of several types)."""
+  return len({(w.axis, w.group, w.offset is None) if is_quantized(w) else None
+              for w in weights}) == 1
+
+
+def concatenate(weights: list, xp=jnp):
+  """`weights` of one form (`same_form`), `[D, F_i]` each, as one `[D, sum F_i]`: a float
+  matrix, or a quantized weight whose q is held for the widest part's bits. `xp`:
+  jax.numpy, or `mdjax.checkpoints.lazy` for recipes read later by slices."""
+  if not is_quantized(weights[0]):
+    return xp.concatenate(weights, axis=-1)
+  bits = max(w.bits for w in weights)
+
+  def joined(field: str, dtype=None):
+    return xp.concatenate([xp.asarray(getattr(w, field), dtype) for w in weights], axis=-1)
+
+  return dataclasses.replace(
+      weights[0], q=joined("q", held_bits_dtype(bits)), scale=joined("scale"),
+      offset=None if weights[0].offset is None else joined("offset"), bits=bits)
+
+
 def splits(weight, parts: int) -> bool:
   """Whether `weight`'s product comes in `parts` parts over D (`numerics.linear_parts`):
   a float matrix; a quantized `[D, F]` one with no offset whose groups (one, or a
