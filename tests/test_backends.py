@@ -1,7 +1,8 @@
 """mdjax.backends: on a host without a GPU or TPU, `import mdjax` starts the CPU alone,
 so nothing prints a plugin traceback or libtpu's warnings, and the GPU and TPU compile
 targets still load; a platform the user chose is kept; a program built for a target
-this host lacks, found again in JAX's persistent cache, is compiled again quietly."""
+this host lacks, found again in JAX's persistent cache, is compiled again quietly; a GPU
+target builds with the CUDA tools the package registry gives, no CUDA toolkit needed."""
 
 import os
 import subprocess
@@ -62,3 +63,22 @@ def test_a_program_built_for_an_absent_device_is_compiled_again_without_a_warnin
   assert texts[0] == texts[1] and "fusion" in texts[0]
   assert not [w for w in caught if "compilation cache" in str(w.message)], [
       str(w.message) for w in caught]
+
+
+def test_a_gpu_target_builds_with_the_registrys_cuda_tools_alone():
+  """requirements-compile-targets.txt brings ptxas and libdevice (nvidia-cuda-nvcc,
+  nvidia-nvvm): pointed at them first, and with no CUDA toolkit on the PATH, XLA builds a
+  program with a sine (a libdevice call) for an H200 with them."""
+  import nvidia
+  tools = next(os.path.join(p, "cu13") for p in nvidia.__path__
+               if os.path.exists(os.path.join(p, "cu13", "bin", "ptxas")))
+  assert os.path.exists(os.path.join(tools, "nvvm", "libdevice", "libdevice.10.bc"))
+  code = ("import jax, jax.numpy as jnp, numpy as np\n"
+          "from mdjax import compile_targets\n"
+          "program = compile_targets.compile_for(jax.jit(lambda x: jnp.sin(x) * 2),\n"
+          "                                      'h200', np.zeros(1024, np.float32))\n"
+          "print(program.as_text().count('fusion('))\n")
+  path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep)
+                         if not os.path.exists(os.path.join(d, "ptxas")))
+  out = run(code, {**UNCHOSEN, "PATH": path, "XLA_FLAGS": f"--xla_gpu_cuda_data_dir={tools}"})
+  assert int(out.stdout) >= 1
