@@ -1,5 +1,6 @@
 """experiments.bench.quantized --quick runs end to end (a tiny random llama in float32,
-int8 and int4) and writes its JSON and plot; its helpers count what they say.
+int8 and int4) and writes its JSON and plot; its helpers count what they say, and the
+int4 sweep's (experiments.bench.int4_groups) quantize what they name.
 
 No timing is asserted: benchmarks measure, tests check that they can.
 """
@@ -12,8 +13,10 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 
+import mdjax
 from experiments.bench import quality
 from mdjax.checkpoints.registry import RANDOM_MODELS
+from mdjax.models import quantized
 from mdjax.models.quantized import quantize
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -31,17 +34,17 @@ def test_bench_quantized_quick(tmp_path):
     assert "load average" in results[moment]["uptime"] and len(results[moment]["load"]) == 3
   assert {"cpu_count", "load_average", "jax", "bandwidth"} <= set(results["machine"])
   (entry,) = results["models"].values()
-  assert entry["int4_group"] == 64 and not entry["int4_group_note"]
+  assert entry["int4_group"] == quantized.INT4_GROUP and not entry["int4_group_note"]
   schemes = entry["quality"]["schemes"]
   assert list(schemes) == ["float32", "int8", "int4"]
-  assert schemes["int4"]["label"] == "int4, groups of 64"
+  assert schemes["int4"]["label"] == quantized.scheme_label("int4", None)
   for name, cell in schemes.items():
     assert cell["perplexity"] > 1 and cell["scored_tokens"] == 95  # 96 ids, the first unscored
     assert set(cell["agreement"]) == set(cell["kv_cache_bytes"]) == {"bfloat16", "int8"}
     for agreement in cell["agreement"].values():
       assert 0 <= agreement["prefix_fraction"] <= 1 and 0 <= agreement["mean_prefix"] <= 8
     assert cell["kv_cache_bytes"]["int8"] < cell["kv_cache_bytes"]["bfloat16"]
-    assert (cell["weight_ratio"] < 0.3) == (name != "float32")
+    assert (cell["weight_ratio"] < 0.35) == (name != "float32")  # int4 held one per byte
     assert cell["heads"] == {}  # no shipped heads for the tiny model
   assert entry["quality"]["heads"] == []
   assert schemes["int4"]["weight_bytes_packed"] < schemes["int8"]["weight_bytes_packed"]
@@ -83,3 +86,19 @@ def test_perplexity_scores_every_token_once(monkeypatch):
   assert out["scored_tokens"] == 10 and np.isclose(out["mean_nll"], np.mean(ids[1:]))
   out = quality.perplexity(model, [100] + ids, 1, 6, 5)  # a BOS leads every window
   assert out["scored_tokens"] == 11 and np.isclose(out["mean_nll"], np.mean(ids))
+
+
+def test_the_int4_sweep_quantizes_each_form_it_names():
+  """experiments.bench.int4_groups's forms: every matrix int4 in the group and form named,
+  the embedding int4 alike or int8 (one scale per row); the packed bytes it reports."""
+  from experiments.bench import int4_groups
+  params = mdjax.load("random-llama-tiny", layer_loop="unrolled").params
+  for offsets, embedding in ((False, "int4"), (True, "int8")):
+    quantized_params = int4_groups.with_int4(params, 16, offsets, embedding)
+    wq = quantized_params["layers"][1]["wqkv"]
+    assert (wq.bits, wq.group, wq.offset is not None) == (4, 16, offsets)
+    embed = quantized_params["embed"]
+    assert embed.bits == (8 if embedding == "int8" else 4)
+    assert embed.group == (64 if embedding == "int8" else 16)  # int8: the row's 64 inputs
+  assert int4_groups.packed_bytes_per_weight(32, True) == 0.75
+  assert int4_groups.packed_bytes_per_weight(64, False) == 0.5625

@@ -63,6 +63,45 @@ def real_logits(model, tokens):
   return lm_head(model.params, hidden, config=model.config)
 
 
+def test_int4_groups_with_offsets_span_each_groups_own_range():
+  """`quantize(..., offsets=True)`: each group's smallest and largest weight are its
+  levels -8 and 7 and come back as they were, every weight within half a step; a weight
+  already on a Q4_1 grid (a step and a minimum per group of 32, all 16 levels used: what
+  SmolLM2's file holds) comes back exactly. Symmetric groups do neither."""
+  w = jax.random.normal(jax.random.key(0), (64, 96)) + 0.5  # not centred on 0
+  weight = quantized.quantize(w, 4, 16, offsets=True)
+  value, groups = quantized.dequantize(weight), w.reshape(4, 16, 96)
+  q = np.asarray(weight.q).reshape(4, 16, 96)
+  assert (q.min(1) == -8).all() and (q.max(1) == 7).all()
+  step = np.repeat(np.asarray(weight.scale), 16, axis=0)
+  assert (np.abs(np.asarray(value - w)) <= step / 2 + 1e-6).all()
+  np.testing.assert_allclose(value.reshape(4, 16, 96).min(1), groups.min(1), rtol=1e-6)
+  levels = np.random.default_rng(0).integers(0, 16, (2, 32, 96))
+  levels[:, 0], levels[:, 1] = 0, 15
+  rng = np.random.default_rng(1)
+  grid = (levels * rng.uniform(0.01, 0.1, (2, 1, 96)) - rng.uniform(0, 1, (2, 1, 96)))
+  grid = jnp.asarray(grid.reshape(64, 96), jnp.float32)
+  again = quantized.dequantize(quantized.quantize(grid, 4, 32, offsets=True))
+  assert relative_error(again, grid) < 1e-6
+  assert relative_error(quantized.dequantize(quantized.quantize(grid, 4, 32)), grid) > 1e-2
+
+
+@pytest.mark.parametrize("bits, group, offsets", [(8, None, False), (4, 16, False),
+                                                  (4, 16, True)])
+def test_a_quantized_products_parts_add_up_to_the_product_with_its_value(bits, group, offsets):
+  """`numerics.linear_parts`, the products whose parts a GPU's attention kernel adds: a
+  quantized weight's parts, each scaled and offset group by group, add up to the
+  product with its value (a weight with offsets comes in parts too: `splits`)."""
+  w = jax.random.normal(jax.random.key(0), (64, 96))
+  weight = quantized.quantize(w, bits, group, offsets=offsets)
+  assert quantized.splits(weight, 4)
+  x = jax.random.normal(jax.random.key(1), (3, 64))
+  with platform.building_for("gpu"):
+    parts = jax.jit(mdjax.models.numerics.linear_parts, static_argnums=2)(x, weight, 4)
+  assert parts.shape == (4, 3, 96)
+  assert relative_error(parts.sum(0), x @ quantized.dequantize(weight)) < 1e-6
+
+
 @pytest.mark.parametrize("path", ["cpu", "gpu"])
 @pytest.mark.parametrize("bits, group, axis, offset", [(8, None, -2, False), (8, None, -1, False),
                                                        (4, 16, -2, False), (4, 16, -1, True),
@@ -73,9 +112,8 @@ def test_a_quantized_product_is_the_product_with_its_value(path, bits, group, ax
   to float32 rounding. axis -1 is the tied head: `[V, D]` contracted on D in place."""
   w = jax.random.normal(jax.random.key(0), (64, 96))
   w = w if axis == -2 else w.T
-  weight = quantized.quantize(w, bits, group, axis=axis)
-  if offset:  # an asymmetric form, as GGUF's Q4_1 / Q4_K
-    weight = dataclasses.replace(weight, offset=0.3 * weight.scale)
+  weight = quantized.quantize(w, bits, group, axis=axis, offsets=offset)  # offsets: as
+  #                                                                 GGUF's Q4_1 / Q4_K
   value = quantized.dequantize(weight)
   x = jax.random.normal(jax.random.key(1), (3, 5, 64)) * jnp.linspace(0.1, 4, 64)  # [3, 5, D]
   expected = x @ (value if axis == -2 else value.T)
@@ -132,9 +170,8 @@ def test_lossless_strategies_on_quantized_weights_and_an_int8_cache_are_greedy(
 @pytest.mark.parametrize("bits, group, offset", [(8, None, False), (4, 16, True)])
 def test_a_quantized_matrixs_columns_are_its_values_columns(bits, group, offset):
   """`take_columns`, what heads with a draft vocabulary gather from an untied head."""
-  weight = quantized.quantize(jax.random.normal(jax.random.key(0), (32, 40)), bits, group)
-  if offset:
-    weight = dataclasses.replace(weight, offset=0.3 * weight.scale)
+  weight = quantized.quantize(jax.random.normal(jax.random.key(0), (32, 40)), bits, group,
+                              offsets=offset)
   ids = jnp.asarray([0, 7, 39, 12])
   np.testing.assert_array_equal(quantized.take_columns(weight, ids),
                                 quantized.dequantize(weight)[:, ids])
@@ -266,7 +303,7 @@ def test_a_quantized_model_saved_and_loaded_gives_the_same_logits(tmp_path):
   expected = causal_logits(model.params, TOKENS, config=model.config)
   save_hf(model, tmp_path / "hf")
   loaded = mdjax.load(str(tmp_path / "hf"))
-  assert loaded.quantization == "int4, groups of 16"
+  assert loaded.quantization == "int4, groups of 16 with offsets; embedding and head int8"
   np.testing.assert_array_equal(
       causal_logits(loaded.params, TOKENS, config=loaded.config), expected)
   with pytest.raises(MdjaxError, match="quantized already"):

@@ -4,8 +4,8 @@
     python3 -m experiments.bench.quantized --quick       # smoke test: a tiny random llama
 
 For each model of `--models`, one row per scheme: float32, bfloat16 (`mdjax.load(dtype=)`),
-int8 (a scale per output column), int4 (groups of `--group` inputs, or the largest power
-of two below it that divides every matrix's inputs) and gguf (the GGUF file's own blocks;
+int8 (a scale per output column), int4 (groups of `--group` inputs with offsets, or the
+largest power of two below it that divides every matrix's inputs; the embedding int8) and gguf (the GGUF file's own blocks;
 `mdjax.load(quantize=)`, activations float32):
 
 1. **Quality.** Perplexity of a held-out English passage (`passage`: the prose of
@@ -55,11 +55,13 @@ from experiments.bench.quality import (agreement, int4_group, nll_program, passa
 from experiments.cli import one_line_errors
 from mdjax import chat
 from mdjax.heads import shipped_heads
+from mdjax.models.quantized import INT4_GROUP
 
 _MODELS = flags.DEFINE_list("models", ["smollm2-135m-instruct", "gemma3-270m"], "Models.")
 _SCHEMES = flags.DEFINE_list("schemes", ["float32", "bfloat16", "int8", "int4", "gguf"],
                              "Schemes (float32 first: the reference).")
-_GROUP = flags.DEFINE_integer("group", 64, "int4's group (inputs per scale) where it divides.")
+_GROUP = flags.DEFINE_integer("group", INT4_GROUP, "int4's group (inputs per scale) where it "
+                              "divides.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 256, "Greedy tokens per prompt (agreement).")
 _PASSAGE_TOKENS = flags.DEFINE_integer("passage_tokens", 1024, "The passage's tokens at most.")
 _WINDOW = flags.DEFINE_integer("window", 512, "Tokens per perplexity window.")

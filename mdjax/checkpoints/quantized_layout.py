@@ -7,9 +7,9 @@ config.json says how to put them together under `"mdjax_quantization"`::
 
     layers.3.wqkv.q       int8 [D, (N + 2K) H]     (int4 values held one per byte)
     layers.3.wqkv.scale   float32 [G, (N + 2K) H]
-    layers.3.wqkv.offset  float32 [G, ...]          (GGUF's asymmetric blocks only)
+    layers.3.wqkv.offset  float32 [G, ...]          (groups with offsets: int4, GGUF's)
     layers.3.attn_norm    float32 [D]               (a float param: as it is)
-    "mdjax_quantization": {"label": "int4, groups of 64",
+    "mdjax_quantization": {"label": "int4, groups of 64 ...",
                            "weights": {"layers.3.wqkv": {"axis": -2, "bits": 4,
                                                           "dtype": "float32"}, ...}}
 

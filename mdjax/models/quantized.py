@@ -12,7 +12,8 @@ contracted by the tied head)::
     offset  float32      [G, F]     as scale, or None (symmetric: value = q * scale)
 
     int8 (`quantize(w, 8)`): one group (G = 1), a scale per output column
-    int4 (`quantize(w, 4, group)`): groups of `group` inputs, values in [-8, 7]
+    int4 (`quantize(w, 4, group, offsets=True)`): groups of `group` inputs, values in
+      [-8, 7] spanning each group's [min, max] (`quantize="int4"`; symmetric without)
     GGUF blocks (`mdjax.checkpoints.gguf_native`): groups of 16 or 32, as ggml keeps
       them; the asymmetric types (Q4_1, Q5_1, Q4_K, Q5_K) with an offset
 
@@ -44,7 +45,13 @@ from jaxtyping import Array, Float, Int
 from mdjax import platform
 from mdjax.errors import MdjaxError
 
-INT4_GROUP = 64  # inputs per int4 group unless told (docs/benchmarks/quantized.md)
+# int4: groups of `INT4_GROUP` inputs unless told, each spanning its own [min, max] (an
+# offset), the embedding and an untied head int8: the better perplexity in each pair
+# measured on SmolLM2 and Gemma 3 (docs/quantization.md). Groups of 32 scored better
+# still on these models, but compiled for a v5e XLA copied every layer's int4 weights at
+# every step (3.7 GiB at the 1B shape): a TPU's int4 tiles are wider than such a group.
+INT4_GROUP = 64
+INT4_KEEPS_INT8 = ("embed", "lm_head")
 SCHEMES = ("int8", "int4")  # `mdjax.load(..., quantize=...)` besides "gguf"
 STEP = 127.0  # the largest int8 magnitude an activation term takes
 REMAINDER_STEPS = 254.0  # the second term's step: the first's / 254 (its remainder <= half)
@@ -110,12 +117,12 @@ def concatenate(weights: list, xp=jnp):
 
 def splits(weight, parts: int) -> bool:
   """Whether `weight`'s product comes in `parts` parts over D (`numerics.linear_parts`):
-  a float matrix; a quantized `[D, F]` one with no offset whose groups (one, or a
-  multiple of `parts`) fall into them (`product_parts`)."""
+  a float matrix; a quantized `[D, F]` one whose groups fall into them (a multiple of
+  `parts`, or one group without offsets: `product_parts`)."""
   if not is_quantized(weight):
     return True
   groups = weight.scale.shape[-2]
-  return weight.axis == -2 and weight.offset is None and (groups == 1 or groups % parts == 0)
+  return weight.axis == -2 and (groups % parts == 0 or (groups == 1 and weight.offset is None))
 
 
 def product_parts(rows: Float[Array, "M D"], weight: QuantizedWeight, parts: int
@@ -132,6 +139,9 @@ def product_parts(rows: Float[Array, "M D"], weight: QuantizedWeight, parts: int
                              preferred_element_type=jnp.float32)  # [per, M, F]
   scale = weight.scale if groups == per else jnp.broadcast_to(weight.scale, (per, sums.shape[-1]))
   scaled = sums * scale[:, None, :]
+  if weight.offset is not None:  # groups == per: each group's inputs' sum times its offsets
+    sums_x = rows.astype(jnp.float32).reshape(m, per, d // per).sum(-1)  # [M, per]
+    scaled = scaled + sums_x.T[:, :, None] * weight.offset[:, None, :]
   return scaled.reshape(parts, per // parts, m, -1).sum(1)  # [P, M, F]
 
 
@@ -174,23 +184,34 @@ def from_parts(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, *, a
 
 
 def quantize(weight: Float[Array, "... A B"], bits: int, group: int | None = None, *,
-             axis: int = -2) -> QuantizedWeight:
-  """`weight` as symmetric integers of `bits` (8 or 4) with absmax scales: int8 one
-  group per output (`group` None), int4 in groups of `group` along `axis`."""
+             axis: int = -2, offsets: bool = False) -> QuantizedWeight:
+  """`weight` as integers of `bits` (8 or 4): int8 one group per output (`group` None),
+  int4 in groups of `group` along `axis`. Symmetric by default (absmax scales, value =
+  q * scale); with `offsets`, each group's 2^bits levels span its own [min, max] (value
+  = q * scale + offset, q from -2^(bits-1)), as GGUF's Q4_1 blocks do."""
   size = weight.shape[axis]
   group = size if group is None else group
   if size % group:
     raise MdjaxError(f"quantize group={group} does not divide the weight's input dimension "
                      f"{size} (shape {tuple(weight.shape)}); pick a divisor of {size}")
-  top = 127.0 if bits == 8 else 7.0
   w = jnp.asarray(weight, jnp.float32)
   grouped = _split_groups(w, axis, group)  # [..., G, g, B] or [..., A, G, g]
   inner = -1 if axis == -1 else -2  # the g axis of `grouped`
-  scale = jnp.max(jnp.abs(grouped), axis=inner, keepdims=True) / top
-  scale = jnp.where(scale == 0, 1.0, scale)
-  q = jnp.clip(jnp.round(grouped / scale), -top - 1, top).reshape(w.shape)
-  return QuantizedWeight(q=q.astype(held_bits_dtype(bits)), scale=jnp.squeeze(scale, inner),
-                         offset=None, axis=axis, bits=bits, dtype=jnp.dtype(weight.dtype))
+  half = 2.0 ** (bits - 1)  # q in [-half, half - 1]
+  if offsets:
+    low = jnp.min(grouped, axis=inner, keepdims=True)
+    scale = (jnp.max(grouped, axis=inner, keepdims=True) - low) / (2 * half - 1)
+    scale = jnp.where(scale == 0, 1.0, scale)
+    q = jnp.clip(jnp.round((grouped - low) / scale), 0, 2 * half - 1) - half
+    offset = jnp.squeeze(low + half * scale, inner)
+  else:
+    scale = jnp.max(jnp.abs(grouped), axis=inner, keepdims=True) / (half - 1)
+    scale = jnp.where(scale == 0, 1.0, scale)
+    q = jnp.clip(jnp.round(grouped / scale), -half, half - 1)
+    offset = None
+  return QuantizedWeight(q=q.reshape(w.shape).astype(held_bits_dtype(bits)),
+                         scale=jnp.squeeze(scale, inner), offset=offset, axis=axis, bits=bits,
+                         dtype=jnp.dtype(weight.dtype))
 
 
 def dequantize(weight: QuantizedWeight) -> Float[Array, "... A B"]:
@@ -281,11 +302,12 @@ def _fused_product(rows: Float[Array, "M D"], weight: QuantizedWeight) -> Float[
   x = rows.astype(dtype).reshape(m, groups, d // groups)  # [M, G, g]
   sums = jax.lax.dot_general(x, q.astype(dtype), (((2,), (inner,)), ((1,), (batch,))),
                              preferred_element_type=jnp.float32)  # [G, M, F]
-  out = jnp.sum(sums * _per_group(weight.scale, weight.axis)[:, None, :], axis=0)  # [M, F]
-  if weight.offset is not None:
-    sums_x = x.astype(jnp.float32).sum(-1)  # [M, G]
-    out = out + sums_x @ _per_group(weight.offset, weight.axis)
-  return out
+  scaled = sums * _per_group(weight.scale, weight.axis)[:, None, :]  # [G, M, F]
+  if weight.offset is not None:  # each group's inputs' sum times its offsets, added in the
+    #                              same reduction (no product more: float32 exact on a TPU)
+    sums_x = x.astype(jnp.float32).sum(-1).T  # [G, M]
+    scaled = scaled + sums_x[:, :, None] * _per_group(weight.offset, weight.axis)[:, None, :]
+  return jnp.sum(scaled, axis=0)  # [M, F]
 
 
 # the params' matrices a quantized model holds as `QuantizedWeight`s (one device's fused
@@ -304,16 +326,20 @@ def check_scheme(scheme: str, group: int | None) -> int:
 
 
 def scheme_label(scheme: str, group: int | None) -> str:
-  """What `Model.quantization` says of `scheme`: "int8" or "int4, groups of 64"."""
-  return scheme if scheme == "int8" else f"int4, groups of {group or INT4_GROUP}"
+  """What `Model.quantization` says of `scheme`: "int8", or int4's groups and what it
+  keeps in int8."""
+  if scheme == "int8":
+    return scheme
+  return f"int4, groups of {group or INT4_GROUP} with offsets; embedding and head int8"
 
 
 def quantize_weights(weights: dict, scheme: str, group: int | None = None) -> dict:
   """One dict of named weights (a layer's, or the top-level ones without "layers") with
   every matrix quantized by `scheme`: "int8" (a scale per output), "int4" (groups of
-  `group` inputs, `INT4_GROUP` unless given); norms and biases stay float. A loader
-  applies it to each dict as it reads it, so at most one layer's float weights are held
-  beside the quantized ones (`mdjax.checkpoints.hf.load_hf_dir`)."""
+  `group` inputs, `INT4_GROUP` unless given, with offsets; the embedding and an untied
+  head int8); norms and biases stay float. A loader applies it to each dict as it reads
+  it, so at most one layer's float weights are held beside the quantized ones
+  (`mdjax.checkpoints.hf.load_hf_dir`)."""
   bits = check_scheme(scheme, group)
   group = (group or INT4_GROUP) if bits == 4 else None
 
@@ -321,7 +347,9 @@ def quantize_weights(weights: dict, scheme: str, group: int | None = None) -> di
     if is_quantized(weight):
       raise MdjaxError(f"quantize={scheme!r}: the model's {name!r} is quantized already "
                        f"({weight.bits}-bit); load its float checkpoint to quantize it again")
-    return quantize(weight, bits, group, axis=axis)
+    if bits == 4 and name in INT4_KEEPS_INT8:
+      return quantize(weight, 8, axis=axis)
+    return quantize(weight, bits, group, axis=axis, offsets=bits == 4)
 
   return {name: one(name, w, -1) if name == "embed" else one(name, w) if name in MATRICES else w
           for name, w in weights.items()}

@@ -28,7 +28,7 @@ from mdjax.checkpoints import gguf as gguf_reader  # noqa: E402
 from mdjax.checkpoints import gguf_native, hf, hf_layout  # noqa: E402
 from mdjax.checkpoints.registry import RANDOM_MODELS  # noqa: E402
 from mdjax.models.layer_loop import with_layer_loop  # noqa: E402
-from mdjax.models.quantized import QuantizedWeight, quantize_params  # noqa: E402
+from mdjax.models.quantized import quantize_params  # noqa: E402
 from tests import helpers  # noqa: E402
 from tests.gguf_files import write_gguf  # noqa: E402
 
@@ -347,27 +347,23 @@ def test_an_int8_load_onto_a_mesh_gives_one_devices_tokens(tmp_path):
 
 
 def test_a_quantized_model_with_offsets_shards_saves_and_loads_as_one_device(tmp_path):
-  """int4 in groups with offsets (as GGUF's asymmetric blocks hold them): placed on a
-  mesh, its integers, scales and offsets split and padded by the float rules (a group
-  axis only where the groups divide the mesh), greedy gives one device's tokens; saved
-  from the mesh it is the one-device checkpoint, which loads onto a mesh again."""
+  """int4 in groups with offsets (`quantize="int4"`, as GGUF's asymmetric blocks hold
+  them; the embedding int8): placed on a mesh, its integers, scales and offsets split and
+  padded by the float rules (a group axis only where the groups divide the mesh), greedy
+  gives one device's tokens; saved from the mesh it is the one-device checkpoint, which
+  loads onto a mesh again."""
   model = random_model(2)
-  params = quantize_params(model.params, "int4", 16)
-  rng = np.random.default_rng(0)
-  params = jax.tree.map(
-      lambda w: dataclasses.replace(w, offset=w.scale * rng.normal(size=w.scale.shape)
-                                    .astype(np.float32))
-      if isinstance(w, QuantizedWeight) else w, params,
-      is_leaf=lambda w: isinstance(w, QuantizedWeight))
-  model = dataclasses.replace(model, params=params, quantization="int4 with offsets")
+  model = dataclasses.replace(model, params=quantize_params(model.params, "int4", 16),
+                              quantization="int4 with offsets")
   mesh = jax.make_mesh((2, 4), ("data", "tensor"))
   sharded = mdjax.shard(model, mesh)
   layer, tensor = sharded.params["layers"][0], ("tensor_kv", "tensor_q")
   for field in ("q", "scale", "offset"):
     assert_spec(getattr(layer["wq"], field), None, tensor)
     assert_spec(getattr(layer["w_down"], field), tensor, None)  # 8 groups of 16 rows over 4
+  for field in ("q", "scale"):  # int8: a scale per row
     assert_spec(getattr(sharded.params["embed"], field), tensor, None)
-  assert sharded.params["embed"].q.shape == (252, 64)
+  assert sharded.params["embed"].q.shape == (252, 64) and sharded.params["embed"].bits == 8
   run = lambda m: mdjax.generate(m, PROMPTS, max_new_tokens=10,  # noqa: E731
                                  eos_token_id=[]).sequences
   expected = run(model)
