@@ -1,6 +1,6 @@
 """experiments.bench.quantized --quick runs end to end (a tiny random llama in float32,
 int8 and int4) and writes its JSON and plot; its helpers count what they say, and the
-int4 sweep's (experiments.bench.int4_groups) quantize what they name.
+int4 sweep's forms (experiments.bench.int4_groups) are what they name.
 
 No timing is asserted: benchmarks measure, tests check that they can.
 """
@@ -91,14 +91,13 @@ def test_perplexity_scores_every_token_once(monkeypatch):
 def test_the_int4_sweep_quantizes_each_form_it_names():
   """experiments.bench.int4_groups's forms: every matrix int4 in the group and form named,
   the embedding int4 alike or int8 (one scale per row); the packed bytes it reports."""
-  from experiments.bench import int4_groups
   params = mdjax.load("random-llama-tiny", layer_loop="unrolled").params
   for offsets, embedding in ((False, "int4"), (True, "int8")):
-    quantized_params = int4_groups.with_int4(params, 16, offsets, embedding)
+    quantized_params = quality.with_int4(params, 16, offsets, embedding)
     wq = quantized_params["layers"][1]["wqkv"]
     assert (wq.bits, wq.group, wq.offset is not None) == (4, 16, offsets)
     embed = quantized_params["embed"]
     assert embed.bits == (8 if embedding == "int8" else 4)
     assert embed.group == (64 if embedding == "int8" else 16)  # int8: the row's 64 inputs
-  assert int4_groups.packed_bytes_per_weight(32, True) == 0.75
-  assert int4_groups.packed_bytes_per_weight(64, False) == 0.5625
+  assert quality.packed_bytes_per_weight(32, True) == 0.75
+  assert quality.packed_bytes_per_weight(64, False) == 0.5625

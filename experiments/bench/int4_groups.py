@@ -33,9 +33,9 @@ import tqdm
 
 import mdjax
 from experiments.bench.common import plt, results_dir, save_figure, write_results
-from experiments.bench.quality import nll_program, passage, passage_ids, perplexity
+from experiments.bench.quality import (nll_program, packed_bytes_per_weight, passage,
+                                       passage_ids, perplexity, with_int4)
 from experiments.cli import check_argv, one_line_errors
-from mdjax.models import quantized
 
 _MODELS = flags.DEFINE_list("models", ["smollm2-135m-instruct", "gemma3-270m"], "Models.")
 _GROUPS = flags.DEFINE_list("groups", ["32", "64", "128"], "int4 group sizes (inputs).")
@@ -51,28 +51,6 @@ _QUICK = flags.DEFINE_bool("quick", False, "Smoke test: random-llama-tiny, group
 
 FORMS = ("symmetric", "offsets")
 EMBEDDINGS = ("int4", "int8")
-
-
-def with_int4(params: dict, group: int, offsets: bool, embedding: str) -> dict:
-  """`params` with every matrix int4 in groups of `group` (with `offsets` or not), the
-  embedding and an untied head int4 the same way or int8."""
-  def one(name: str, weight, axis: int = -2):
-    if embedding == "int8" and name in quantized.INT4_KEEPS_INT8:
-      return quantized.quantize(weight, 8, axis=axis)
-    return quantized.quantize(weight, 4, group, axis=axis, offsets=offsets)
-
-  def layer(weights: dict) -> dict:
-    return {name: one(name, w, -1) if name == "embed" else
-            one(name, w) if name in quantized.MATRICES else w for name, w in weights.items()}
-
-  top = layer({n: w for n, w in params.items() if n != "layers"})
-  return {**top, "layers": [layer(lp) for lp in params["layers"]]}
-
-
-def packed_bytes_per_weight(group: int, offsets: bool) -> float:
-  """A packed int4 matrix's bytes per weight: half a byte, and per group a float32
-  scale (and offset)."""
-  return 0.5 + 4 * (2 if offsets else 1) / group
 
 
 def bench_model(name: str, groups: list[int], text: str, limit: int, window: int,

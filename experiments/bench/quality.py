@@ -1,6 +1,7 @@
-"""The quality measures of experiments.bench.quantized, free of flags so that tests
-import them: int4's group for a model's shapes, weight bytes as held and as packed, a
-passage's perplexity in sliding windows, greedy agreement with a reference."""
+"""The quality measures of experiments.bench.quantized and experiments.bench.int4_groups,
+free of flags so that tests import them: int4's group for a model's shapes, the int4
+forms the sweep compares, weight bytes as held and as packed, a passage's perplexity in
+sliding windows, greedy agreement with a reference."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mdjax
-from mdjax.models.quantized import is_quantized
+from mdjax.models.quantized import INT4_KEEPS_INT8, MATRICES, is_quantized, quantize
 from mdjax.models.transformer import forward_causal, lm_head
 
 HEAD_ROWS = 8  # positions per piece of the perplexity's head (`_token_nll`)
@@ -30,6 +31,28 @@ def int4_group(config: mdjax.ModelConfig, wanted: int) -> tuple[int, str]:
   note = "" if group == wanted else (f"{wanted} does not divide the inputs {sizes}; groups "
                                      f"of {group}")
   return group, note
+
+
+def with_int4(params: dict, group: int, offsets: bool, embedding: str) -> dict:
+  """`params` with every matrix int4 in groups of `group` (with `offsets` or not), the
+  embedding and an untied head int4 the same way or int8."""
+  def one(name: str, weight, axis: int = -2):
+    if embedding == "int8" and name in INT4_KEEPS_INT8:
+      return quantize(weight, 8, axis=axis)
+    return quantize(weight, 4, group, axis=axis, offsets=offsets)
+
+  def layer(weights: dict) -> dict:
+    return {name: one(name, w, -1) if name == "embed" else
+            one(name, w) if name in MATRICES else w for name, w in weights.items()}
+
+  top = layer({n: w for n, w in params.items() if n != "layers"})
+  return {**top, "layers": [layer(lp) for lp in params["layers"]]}
+
+
+def packed_bytes_per_weight(group: int, offsets: bool) -> float:
+  """A packed int4 matrix's bytes per weight: half a byte, and per group a float32
+  scale (and offset)."""
+  return 0.5 + 4 * (2 if offsets else 1) / group
 
 
 def weight_bytes(params) -> dict:
