@@ -2,7 +2,7 @@
 behind `quantize="int4"`'s defaults (`mdjax.models.quantized.INT4_GROUP`, offsets, the
 embedding int8).
 
-    python3 -m experiments.bench.int4_groups          # SmolLM2 and Gemma 3 270M (~10 min)
+    python3 -m experiments.bench.int4_groups          # SmolLM2 and Gemma 3 270M (~16 min)
     python3 -m experiments.bench.int4_groups --quick --out_dir=/tmp/int4   # smoke test
 
 For each model, the float32 weights (the GGUF file dequantized) and, for each group size
@@ -33,8 +33,8 @@ import tqdm
 
 import mdjax
 from experiments.bench.common import plt, results_dir, save_figure, write_results
-from experiments.bench.quality import (nll_program, packed_bytes_per_weight, passage,
-                                       passage_ids, perplexity, with_int4)
+from experiments.bench.quality import (input_widths, nll_program, packed_bytes_per_weight,
+                                       passage, passage_ids, perplexity, with_int4)
 from experiments.cli import check_argv, one_line_errors
 
 _MODELS = flags.DEFINE_list("models", ["smollm2-135m-instruct", "gemma3-270m"], "Models.")
@@ -57,9 +57,7 @@ def bench_model(name: str, groups: list[int], text: str, limit: int, window: int
                 stride: int) -> dict:
   model = mdjax.load(name, dtype="float32", layer_loop="unrolled")
   ids, lead = passage_ids(model, text, limit)
-  c = model.config
-  sizes = (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size)
-  usable = [g for g in groups if not any(size % g for size in sizes)]
+  usable = [g for g in groups if not any(size % g for size in input_widths(model.config))]
   measure = lambda params: perplexity(dataclasses.replace(model, params=params), ids, lead,  # noqa: E731
                                       window, stride)["perplexity"]
   rows = []

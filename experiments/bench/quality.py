@@ -21,10 +21,16 @@ from mdjax.models.transformer import forward_causal, lm_head
 HEAD_ROWS = 8  # positions per piece of the perplexity's head (`_token_nll`)
 
 
+def input_widths(config: mdjax.ModelConfig) -> tuple[int, int, int]:
+  """The input widths of a model's matrices, which an int4 group must divide: the hidden
+  size, the attention's output, the MLP's."""
+  return config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size
+
+
 def int4_group(config: mdjax.ModelConfig, wanted: int) -> tuple[int, str]:
   """`wanted` where it divides every matrix's inputs (hidden, the attention's output,
   the MLP's), else the largest power of two below it that does, and why."""
-  sizes = (config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size)
+  sizes = input_widths(config)
   group = wanted
   while group > 1 and any(size % group for size in sizes):
     group = 2 ** ((group - 1).bit_length() - 1) if group & (group - 1) else group // 2
