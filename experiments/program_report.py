@@ -88,13 +88,15 @@ def strategy_table(rows: list[dict]) -> str:
 
 
 def table(rows: list[dict]) -> str:
-  lines = [f"{'loop':9} {'weights':>7} {'cache':>5} {'MiB':>6} {'batch':>5} {'tokens':>6} {'kernels':>8} {'scalar':>6} {'per layer':>9} "
-           f"{'syncs':>5} {'MiB copied':>10} {'in loops':>8} {'of weights':>10} {'on chip':>8} "
+  lines = [f"{'loop':9} {'weights':>7} {'cache':>5} {'MiB':>6} {'read':>6} {'batch':>5} "
+           f"{'tokens':>6} {'kernels':>8} {'scalar':>6} {'per layer':>9} {'syncs':>5} "
+           f"{'MiB copied':>10} {'in loops':>8} {'of weights':>10} {'on chip':>8} "
            f"{'MiB: args':>9} {'out':>6} {'temp':>6} {'code':>5}  float32 products"]
   for r in rows:
     m = {k: v / 2**20 for k, v in r["memory"].items()}
     lines.append(f"{r['layer_loop']:9} {r['quantize']:>7} {r['kv_cache_dtype']:>5} "
-                 f"{r['weight_bytes'] / 2**20:>6.0f} {r['batch']:>5} {r['tokens']:>6} {r['kernels']:>8} "
+                 f"{r['weight_bytes'] / 2**20:>6.0f} {r['weight_bytes_read'] / 2**20:>6.0f} "
+                 f"{r['batch']:>5} {r['tokens']:>6} {r['kernels']:>8} "
                  f"{r['scalar_kernels']:>6} {r['kernels_per_layer']:>9.1f} {r['host_syncs']:>5} "
                  f"{r['copy_bytes'] / 2**20:>10.1f} {r['loop_copy_bytes'] / 2**20:>8.1f} "
                  f"{r['weight_copy_bytes'] / 2**20:>10.1f} "

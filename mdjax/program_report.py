@@ -71,6 +71,7 @@ def decode_step_report(target: str, config, **shape) -> dict:
   products = hlo_products.float32_products(text, platform=on)
   return dict(kernels_per_layer=counts.kernels / config.num_layers, **counts.to_json(),
               weight_bytes=held_bytes(params),
+              weight_bytes_read=read_bytes(params, config, shape["batch"] * shape["tokens"]),
               weight_copy_bytes=weight_copy_bytes(counts, params),
               memory=memory(compiled), f32_products=hlo_products.summary(products),
               f32_products_listed=hlo_products.grouped(products))
@@ -80,6 +81,16 @@ def held_bytes(tree) -> int:
   """Bytes of the arrays (or shapes) of `tree` as a device holds them: int4 two a byte."""
   return sum(leaf.size * jnp.dtype(leaf.dtype).itemsize // (2 if leaf.dtype == jnp.int4 else 1)
              for leaf in jax.tree.leaves(tree))
+
+
+def read_bytes(params, config: ModelConfig, rows: int) -> int:
+  """The weight bytes a pass of `rows` tokens reads: `held_bytes`, less the rows of an
+  untied embedding it does not gather (a tied one is also the head's matrix, read whole)."""
+  held = held_bytes(params)
+  if config.tie_word_embeddings:
+    return held
+  embedding = held_bytes(params["embed"])
+  return held - embedding + embedding * min(rows, config.vocab_size) // config.vocab_size
 
 
 def memory(compiled) -> dict[str, int]:

@@ -63,9 +63,9 @@ def test_int4_group_falls_back_to_a_divisor():
 
 
 def test_weight_bytes_count_held_and_packed_values():
-  w = quantize(jnp.ones((128, 8), jnp.float32), 4, 64)  # 1,024 values, scales [2, 8]
+  w = quantize(jnp.ones((128, 8), jnp.float32), 4, 64)  # 1,024 values, bfloat16 scales [2, 8]
   bytes_ = quality.weight_bytes({"w": w, "norm": jnp.ones(8, jnp.float32)})
-  assert bytes_ == dict(held=1024 + 64 + 32, packed=512 + 64 + 32)
+  assert bytes_ == dict(held=1024 + 32 + 32, packed=512 + 32 + 32)
 
 
 def test_agreement_counts_prefixes_before_the_first_divergence():
@@ -99,5 +99,5 @@ def test_the_int4_sweep_quantizes_each_form_it_names():
     embed = quantized_params["embed"]
     assert embed.bits == (8 if embedding == "int8" else 4)
     assert embed.group == (64 if embedding == "int8" else 16)  # int8: the row's 64 inputs
-  assert quality.packed_bytes_per_weight(32, True) == 0.75
-  assert quality.packed_bytes_per_weight(64, False) == 0.5625
+  assert quality.packed_bytes_per_weight(32, True) == 0.625  # bfloat16 scales and offsets
+  assert quality.packed_bytes_per_weight(64, False) == 0.53125

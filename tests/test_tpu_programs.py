@@ -50,7 +50,11 @@ def one_b():
 
 
 def test_a_1b_step_copies_no_weights_and_waits_for_no_host(one_b):
-  report, _, _ = one_b
+  report, weights, _ = one_b
+  assert report["weight_bytes"] == weights
+  config = RANDOM_MODELS["random-llama-1b"]  # untied: of the embedding, the 16 rows gathered
+  rows = config.vocab_size * config.hidden_size
+  assert report["weight_bytes_read"] == weights - 2 * rows + 2 * rows * 16 // config.vocab_size
   assert report["host_syncs"] == 0
   assert report["weight_copy_bytes"] == 0, report["loop_copy_shapes"]
   assert report["loop_copy_bytes"] == 0  # into device memory: a layer's K/V goes to VMEM

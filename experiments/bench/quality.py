@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import mdjax
-from mdjax.models.quantized import INT4_KEEPS_INT8, MATRICES, is_quantized, quantize
+from mdjax.models.quantized import (GROUP_SCALE_DTYPE, INT4_KEEPS_INT8, MATRICES, is_quantized,
+                                    quantize)
 from mdjax.models.transformer import forward_causal, lm_head
 
 HEAD_ROWS = 8  # positions per piece of the perplexity's head (`_token_nll`)
@@ -56,9 +57,9 @@ def with_int4(params: dict, group: int, offsets: bool, embedding: str) -> dict:
 
 
 def packed_bytes_per_weight(group: int, offsets: bool) -> float:
-  """A packed int4 matrix's bytes per weight: half a byte, and per group a float32
-  scale (and offset)."""
-  return 0.5 + 4 * (2 if offsets else 1) / group
+  """A packed int4 matrix's bytes per weight: half a byte, and per group a scale (and
+  an offset) as held (`GROUP_SCALE_DTYPE`)."""
+  return 0.5 + jnp.dtype(GROUP_SCALE_DTYPE).itemsize * (2 if offsets else 1) / group
 
 
 def weight_bytes(params) -> dict:

@@ -7,8 +7,8 @@ scaled by its group's scale. No float copy of a quantized weight is ever written
     a weight [D, F] as a kernel's operands, program j's tile (of F / tile):
       float      w       [D, F]                 -> [D, tile]   (columns j tile ..)
       quantized  q       [D, F] int8 or int4    -> [D, tile]
-                 scale   [G, F] float32         -> [G, tile]
-                 offset  [G, F] float32 or none -> [G, tile]
+                 scale   [G, F] bf16 / f32      -> [G, tile]
+                 offset  [G, F] as scale / none -> [G, tile]
 
     block k of the walk: operand a [Mt, block] (the activations' dtype), rows
     k block .. of the tile, in group g = k block / group (a block lies in one group)
@@ -84,10 +84,11 @@ def block_product(tile_refs, a: Float[Array, "Mt block"], start, *, group: int |
     return plgpu.dot(a, w, precision=precision)
   sums = plgpu.dot(a, w.astype(a.dtype), precision=precision)
   g = start // group
-  out = sums * tile_refs[1][g, :][None, :]
+  out = sums * tile_refs[1][g, :][None, :].astype(jnp.float32)
   if len(tile_refs) == 3:  # the offset: its value times the sum of the block's inputs, a
     #                        product with ones (a float32 sum of `a` would let XLA, in
     #                        interpret mode, sum the values `a` was rounded from)
     ones = jnp.ones((block, sums.shape[1]), a.dtype)
-    out = out + plgpu.dot(a, ones, precision=precision) * tile_refs[2][g, :][None, :]
+    offset = tile_refs[2][g, :][None, :].astype(jnp.float32)
+    out = out + plgpu.dot(a, ones, precision=precision) * offset
   return out
