@@ -90,7 +90,9 @@ def test_perplexity_scores_every_token_once(monkeypatch):
 
 def test_the_int4_sweep_quantizes_each_form_it_names():
   """experiments.bench.int4_groups's forms: every matrix int4 in the group and form named,
-  the embedding int4 alike or int8 (one scale per row); the packed bytes it reports."""
+  the embedding int4 alike or int8 (one scale per row), its grids fit as many times as
+  told (`--refits=0`: the min-max grid, each group's extremes on levels -8 and 7); the
+  packed bytes it reports."""
   params = mdjax.load("random-llama-tiny", layer_loop="unrolled").params
   for offsets, embedding in ((False, "int4"), (True, "int8")):
     quantized_params = quality.with_int4(params, 16, offsets, embedding)
@@ -99,5 +101,8 @@ def test_the_int4_sweep_quantizes_each_form_it_names():
     embed = quantized_params["embed"]
     assert embed.bits == (8 if embedding == "int8" else 4)
     assert embed.group == (64 if embedding == "int8" else 16)  # int8: the row's 64 inputs
+  min_max = quality.with_int4(params, 16, True, "int8", refits=0)["layers"][1]["wqkv"].q
+  levels = np.asarray(min_max).reshape(-1, 16, min_max.shape[-1])  # [groups, 16, F]
+  assert (levels.min(1) == -8).all() and (levels.max(1) == 7).all()
   assert quality.packed_bytes_per_weight(32, True) == 0.625  # bfloat16 scales and offsets
   assert quality.packed_bytes_per_weight(64, False) == 0.53125

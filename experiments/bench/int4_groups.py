@@ -2,7 +2,7 @@
 behind `quantize="int4"`'s defaults (`mdjax.models.quantized.INT4_GROUP`, offsets, the
 embedding int8).
 
-    python3 -m experiments.bench.int4_groups          # SmolLM2 and Gemma 3 270M (~16 min)
+    python3 -m experiments.bench.int4_groups          # SmolLM2 and Gemma 3 270M (~8 min)
     python3 -m experiments.bench.int4_groups --quick --out_dir=/tmp/int4   # smoke test
 
 For each model, the float32 weights (the GGUF file dequantized) and, for each group size
@@ -11,10 +11,13 @@ of `--groups` that divides every matrix's inputs, every matrix quantized to int4
 - symmetric: absmax scales, q * scale (`quantize(..., offsets=False)`);
 - offsets: each group's 16 levels span its own [min, max], q * scale + offset;
 
+each then fit `--refits` times by least squares (`quantized.GROUP_REFITS` unless told;
+`--refits=0`: the min-max grids alone),
+
 with the embedding (and an untied head) int4 in the same form, or int8 (a scale per row,
 what `quantize="int4"` keeps). Perplexity of the held-out passage of
 `experiments.bench.quantized` (the same windows), and the bytes each form holds per weight
-where int4 is packed (two values a byte; float32 scales and offsets).
+where int4 is packed (two values a byte; bfloat16 scales and offsets).
 
 Writes `int4_groups.json` and `int4_groups.png` to `--out_dir`.
 """
@@ -32,6 +35,7 @@ import jax
 import tqdm
 
 import mdjax
+from mdjax.models.quantized import GROUP_REFITS
 from experiments.bench.common import plt, results_dir, save_figure, write_results
 from experiments.bench.quality import (input_widths, nll_program, packed_bytes_per_weight,
                                        passage, passage_ids, perplexity, with_int4)
@@ -39,6 +43,8 @@ from experiments.cli import check_argv, one_line_errors
 
 _MODELS = flags.DEFINE_list("models", ["smollm2-135m-instruct", "gemma3-270m"], "Models.")
 _GROUPS = flags.DEFINE_list("groups", ["32", "64", "128"], "int4 group sizes (inputs).")
+_REFITS = flags.DEFINE_integer("refits", GROUP_REFITS, "Least-squares fits of each group's "
+                               "grid after the min-max one (`quantized.quantize`).")
 _PASSAGE_TOKENS = flags.DEFINE_integer("passage_tokens", 1024, "The passage's tokens at most.")
 _WINDOW = flags.DEFINE_integer("window", 512, "Tokens per perplexity window.")
 _STRIDE = flags.DEFINE_integer("stride", 256, "Tokens between perplexity windows' starts.")
@@ -53,7 +59,7 @@ FORMS = ("symmetric", "offsets")
 EMBEDDINGS = ("int4", "int8")
 
 
-def bench_model(name: str, groups: list[int], text: str, limit: int, window: int,
+def bench_model(name: str, groups: list[int], refits: int, text: str, limit: int, window: int,
                 stride: int) -> dict:
   model = mdjax.load(name, dtype="float32", layer_loop="unrolled")
   ids, lead = passage_ids(model, text, limit)
@@ -65,7 +71,8 @@ def bench_model(name: str, groups: list[int], text: str, limit: int, window: int
                                           desc=name, leave=False):
     offsets = form == "offsets"
     rows.append(dict(group=group, form=form, embedding=embedding,
-                     perplexity=measure(with_int4(model.params, group, offsets, embedding)),
+                     perplexity=measure(with_int4(model.params, group, offsets, embedding,
+                                                  refits)),
                      packed_bytes_per_weight=packed_bytes_per_weight(group, offsets)))
     nll_program.clear_cache()
     jax.clear_caches()
@@ -112,8 +119,9 @@ def main(argv):
   limit, window, stride = (96, 48, 24) if quick else (_PASSAGE_TOKENS.value, _WINDOW.value,
                                                       _STRIDE.value)
   start = time.perf_counter()
-  results = dict(models={name: bench_model(name, groups, text, limit, window, stride)
-                         for name in models})
+  results = dict(refits=_REFITS.value,
+                 models={name: bench_model(name, groups, _REFITS.value, text, limit, window,
+                                           stride) for name in models})
   results.update(command="python3 -m experiments.bench.int4_groups " + " ".join(sys.argv[1:]),
                  date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                  seconds=time.perf_counter() - start)

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import mdjax
-from mdjax.models.quantized import (GROUP_SCALE_DTYPE, INT4_KEEPS_INT8, MATRICES, is_quantized,
-                                    quantize)
+from mdjax.models.quantized import (GROUP_REFITS, GROUP_SCALE_DTYPE, INT4_KEEPS_INT8, MATRICES,
+                                    is_quantized, quantize)
 from mdjax.models.transformer import forward_causal, lm_head
 
 HEAD_ROWS = 8  # positions per piece of the perplexity's head (`_token_nll`)
@@ -40,13 +40,15 @@ def int4_group(config: mdjax.ModelConfig, wanted: int) -> tuple[int, str]:
   return group, note
 
 
-def with_int4(params: dict, group: int, offsets: bool, embedding: str) -> dict:
-  """`params` with every matrix int4 in groups of `group` (with `offsets` or not), the
-  embedding and an untied head int4 the same way or int8."""
+def with_int4(params: dict, group: int, offsets: bool, embedding: str,
+              refits: int = GROUP_REFITS) -> dict:
+  """`params` with every matrix int4 in groups of `group` (with `offsets` or not, each
+  group's grid fit `refits` times), the embedding and an untied head int4 the same way or
+  int8."""
   def one(name: str, weight, axis: int = -2):
     if embedding == "int8" and name in INT4_KEEPS_INT8:
       return quantize(weight, 8, axis=axis)
-    return quantize(weight, 4, group, axis=axis, offsets=offsets)
+    return quantize(weight, 4, group, axis=axis, offsets=offsets, refits=refits)
 
   def layer(weights: dict) -> dict:
     return {name: one(name, w, -1) if name == "embed" else

@@ -16,7 +16,8 @@ contracted by the tied head)::
 
     int8 (`quantize(w, 8)`): one group (G = 1), a scale per output column
     int4 (`quantize(w, 4, group, offsets=True)`): groups of `group` inputs, values in
-      [-8, 7] spanning each group's [min, max] (`quantize="int4"`; symmetric without)
+      [-8, 7] first spanning each group's [min, max], then fit to its weights by least
+      squares (`quantize="int4"`; symmetric without offsets)
     GGUF blocks (`mdjax.checkpoints.gguf_native`): groups of 16 or 32, as ggml keeps
       them; the asymmetric types (Q4_1, Q5_1, Q4_K, Q5_K) with an offset
 
@@ -59,9 +60,10 @@ INT4_KEEPS_INT8 = ("embed", "lm_head")
 # too): at groups of 64 float32 ones were a fifth of an int4 weight's bytes. A column's
 # one scale (int8) stays float32, a few bytes per column.
 GROUP_SCALE_DTYPE = jnp.bfloat16
-# Least-squares fits of each group's grid after the min-max one (`quantize`): perplexity
-# of SmolLM2 / Gemma 3 at int4 (groups of 64 with offsets, bfloat16): 105.7 / 107.1 with
-# none, 101.2 / - with 1, 98.8 / 105.3 with 3, 96.1 / 101.5 with 6, 96.7 / - with 12.
+# Least-squares fits of each group's grid after the min-max one (`quantize`). Perplexity
+# of SmolLM2 / Gemma 3 at int4 (groups of 64 with offsets, an int8 embedding), 105.7 /
+# 107.1 with none, 96.1 / 101.5 with 6 (`experiments.bench.int4_groups --groups=64
+# --refits=N`, docs/quantization.md); SmolLM2 101.2, 98.8 and 96.7 with 1, 3 and 12.
 GROUP_REFITS = 6
 SCHEMES = ("int8", "int4")  # `mdjax.load(..., quantize=...)` besides "gguf"
 STEP = 127.0  # the largest int8 magnitude an activation term takes
