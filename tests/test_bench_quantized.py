@@ -1,6 +1,7 @@
 """experiments.bench.quantized --quick runs end to end (a tiny random llama in float32,
 int8 and int4) and writes its JSON and plot; its helpers count what they say, and the
-int4 sweep's forms (experiments.bench.int4_groups) are what they name.
+int4 sweep's forms (experiments.bench.int4_groups) are what they name, and the qwix
+comparison's contenders (experiments.bench.qwix_products) compute what they say.
 
 No timing is asserted: benchmarks measure, tests check that they can.
 """
@@ -10,14 +11,15 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 import mdjax
-from experiments.bench import quality
+from experiments.bench import quality, qwix_forms
 from mdjax.checkpoints.registry import RANDOM_MODELS
 from mdjax.models import quantized
-from mdjax.models.quantized import quantize
+from mdjax.models.quantized import INT4_GROUP, quantize
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -106,3 +108,27 @@ def test_the_int4_sweep_quantizes_each_form_it_names():
   assert (levels.min(1) == -8).all() and (levels.max(1) == 7).all()
   assert quality.packed_bytes_per_weight(32, True) == 0.625  # bfloat16 scales and offsets
   assert quality.packed_bytes_per_weight(64, False) == 0.53125
+
+
+def test_the_qwix_comparison_computes_each_contenders_product():
+  """experiments.bench.qwix_products's contenders on one matrix: each product is its
+  weights' value times x (mdjax's within its two-term rounding, qwix's exactly), each
+  quantized one within its format's error of the float32 product; qwix's int4 has an
+  int4 zero point per group of `INT4_GROUP`, and the bytes shrink as the bits do."""
+  w = jax.random.normal(jax.random.key(0), (128, 96))
+  x = jax.random.normal(jax.random.key(1), (3, 128))
+  exact = x @ w
+  found = qwix_forms.contenders(w)
+  assert list(found) == ["float32", "mdjax int8", "qwix int8", "qwix w8a8", "mdjax int4",
+                         "qwix int4"]
+  for name, (weights, product, dequantize) in found.items():
+    out = product(x, weights)
+    own = qwix_forms.relative(out, x @ dequantize(weights))
+    assert own < (1e-2 if name == "qwix w8a8" else 1e-4), name  # w8a8 rounds x to 8 bits
+    assert qwix_forms.relative(out, exact) < (0.2 if "int4" in name else 2e-2), name
+  zero_point = found["qwix int4"][0].zero_point
+  assert zero_point.dtype == jnp.int4 and zero_point.shape == (128 // INT4_GROUP, 96)
+  sizes = [qwix_forms.packed_bytes(found[n][0]) for n in ("float32", "qwix int8", "qwix int4")]
+  assert sizes[0] > sizes[1] > sizes[2] and qwix_forms.packed_bytes(found["mdjax int4"][0]) < (
+      sizes[1])
+
