@@ -64,8 +64,11 @@ def bench_model(name: str, groups: list[int], refits: int, text: str, limit: int
   model = mdjax.load(name, dtype="float32", layer_loop="unrolled")
   ids, lead = passage_ids(model, text, limit)
   usable = [g for g in groups if not any(size % g for size in input_widths(model.config))]
-  measure = lambda params: perplexity(dataclasses.replace(model, params=params), ids, lead,  # noqa: E731
-                                      window, stride)["perplexity"]
+
+  def measure(params) -> float:
+    return perplexity(dataclasses.replace(model, params=params), ids, lead, window,
+                      stride)["perplexity"]
+
   rows = []
   for group, form, embedding in tqdm.tqdm(list(itertools.product(usable, FORMS, EMBEDDINGS)),
                                           desc=name, leave=False):
