@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import mdjax
-from mdjax.models.quantized import (GROUP_REFITS, GROUP_SCALE_DTYPE, INT4_KEEPS_INT8, MATRICES,
-                                    is_quantized, quantize)
+from mdjax.models.quantized import (GROUP_REFITS, GROUP_SCALE_DTYPE, INT4_KEEPS_INT8,
+                                    is_quantized, map_matrices, map_weight_dicts, quantize)
 from mdjax.models.transformer import forward_causal, lm_head
 
 HEAD_ROWS = 8  # positions per piece of the perplexity's head (`_token_nll`)
@@ -45,17 +45,12 @@ def with_int4(params: dict, group: int, offsets: bool, embedding: str,
   """`params` with every matrix int4 in groups of `group` (with `offsets` or not, each
   group's grid fit `refits` times), the embedding and an untied head int4 the same way or
   int8."""
-  def one(name: str, weight, axis: int = -2):
+  def one(name: str, weight, axis: int):
     if embedding == "int8" and name in INT4_KEEPS_INT8:
       return quantize(weight, 8, axis=axis)
     return quantize(weight, 4, group, axis=axis, offsets=offsets, refits=refits)
 
-  def layer(weights: dict) -> dict:
-    return {name: one(name, w, -1) if name == "embed" else
-            one(name, w) if name in MATRICES else w for name, w in weights.items()}
-
-  top = layer({n: w for n, w in params.items() if n != "layers"})
-  return {**top, "layers": [layer(lp) for lp in params["layers"]]}
+  return map_weight_dicts(params, lambda weights: map_matrices(weights, one))
 
 
 def packed_bytes_per_weight(group: int, offsets: bool) -> float:

@@ -5,8 +5,8 @@
 
 For each model of `--models`, one row per scheme: float32, bfloat16 (`mdjax.load(dtype=)`),
 int8 (a scale per output column), int4 (groups of `--group` inputs with offsets, or the
-largest power of two below it that divides every matrix's inputs; the embedding int8) and gguf (the GGUF file's own blocks;
-`mdjax.load(quantize=)`, activations float32):
+largest power of two below it that divides every matrix's inputs; the embedding int8) and
+gguf (the GGUF file's own blocks; `mdjax.load(quantize=)`, activations float32):
 
 1. **Quality.** Perplexity of a held-out English passage (`passage`: the prose of
    docs/design.md at a pinned commit, code blocks and tables dropped, written after the

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from mdjax.errors import MdjaxError
 from mdjax.models import quantized
+from experiments.bench import quality
 
 DOT = (((1,), (0,)), ((), ()))  # x [M, D] @ w [D, F]
 
@@ -54,10 +55,10 @@ def contenders(w: jax.Array) -> dict:
 
 def packed_bytes(weights) -> int:
   """Bytes of `weights` with 4-bit values two a byte (mdjax holds int4 one a byte on a
-  CPU), its scales, offsets and zero points as they are."""
-  if quantized.is_quantized(weights):
-    return weights.q.size * weights.bits // 8 + sum(
-        a.nbytes for a in (weights.scale, weights.offset) if a is not None)
+  CPU: `quality.weight_bytes`' packed count), its scales, offsets and zero points as
+  they are."""
+  if not isinstance(weights, import_qwix().QArray):
+    return quality.weight_bytes(weights)["packed"]
   return sum(leaf.size // 2 if leaf.dtype == jnp.int4 else leaf.nbytes
              for leaf in jax.tree.leaves(weights))
 

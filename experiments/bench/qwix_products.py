@@ -59,20 +59,21 @@ MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
 def bench_matrix(w: jax.Array, rows: list[int], repeats: int, label: str) -> dict:
   """Per contender: its bytes, and per row count its ms and errors (module)."""
-  found = {}
+  forms = {name: (weights, jax.jit(product), dequantize)
+           for name, (weights, product, dequantize) in contenders(w).items()}
+  found = {name: dict(bytes=packed_bytes(weights), rows={})
+           for name, (weights, _, _) in forms.items()}
   rng = np.random.default_rng(0)
   for m in rows:
     x = jnp.asarray(rng.standard_normal((m, w.shape[0])), jnp.float32)
     exact = x @ w
     calls, errors = {}, {}
-    for name, (weights, product, dequantize) in contenders(w).items():
-      run = jax.jit(product)
+    for name, (weights, run, dequantize) in forms.items():
       out = run(x, weights)
       errors[name] = dict(vs_own_value=relative(out, x @ dequantize(weights)),
                           vs_float32=relative(out, exact))
-      found.setdefault(name, dict(bytes=packed_bytes(weights), rows={}))
 
-      def call(run=run, weights=weights):
+      def call(run=run, weights=weights, x=x):
         start = time.perf_counter()
         jax.block_until_ready(run(x, weights))
         return time.perf_counter() - start

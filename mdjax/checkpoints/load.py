@@ -34,8 +34,9 @@ def load(path_or_name: str, dtype=None, seed: int = 0, gguf_file: str | None = N
 
   `quantize`: the matrices held as integers and scales (`mdjax.models.quantized`):
   "int8" (a scale per output), "int4" (groups of `quantize_group` inputs, 64 unless
-  given, with offsets; the embedding and an untied head int8), or "gguf" (a GGUF file's quantized blocks as they are: no float copy of a
-  weight is made); `dtype` is then the activations'."""
+  given, with offsets; the embedding and an untied head int8), or "gguf" (a GGUF file's
+  quantized blocks as they are: no float copy of a weight is made); `dtype` is then the
+  activations'."""
   loop = default_layer_loop() if layer_loop is None else check_layer_loop(layer_loop)
   if quantize not in (None, "gguf"):
     check_scheme(quantize, quantize_group)

@@ -399,7 +399,7 @@ def quantize_weights(weights: dict, scheme: str, group: int | None = None) -> di
   bits = check_scheme(scheme, group)
   group = (group or INT4_GROUP) if bits == 4 else None
 
-  def one(name: str, weight, axis: int = -2):
+  def one(name: str, weight, axis: int):
     if is_quantized(weight):
       raise MdjaxError(f"quantize={scheme!r}: the model's {name!r} is quantized already "
                        f"({weight.bits}-bit); load its float checkpoint to quantize it again")
@@ -407,14 +407,27 @@ def quantize_weights(weights: dict, scheme: str, group: int | None = None) -> di
       return quantize(weight, 8, axis=axis)
     return quantize(weight, bits, group, axis=axis, offsets=bits == 4)
 
-  return {name: one(name, w, -1) if name == "embed" else one(name, w) if name in MATRICES else w
-          for name, w in weights.items()}
+  return map_matrices(weights, one)
 
 
 def quantize_params(params: dict, scheme: str, group: int | None = None) -> dict:
   """`params` (one layer list or a stack) with every matrix quantized by `scheme`
   (`quantize_weights`)."""
+  return map_weight_dicts(params, lambda weights: quantize_weights(weights, scheme, group))
+
+
+def map_matrices(weights: dict, one) -> dict:
+  """One dict of named weights with each matrix (`MATRICES`, and the embedding) replaced
+  by `one(name, weight, axis)`, `axis` the one its products contract (-1 for the `[V, D]`
+  embedding, -2 for the others); norms and biases as they are."""
+  return {name: one(name, w, -1) if name == "embed" else one(name, w, -2) if name in MATRICES
+          else w for name, w in weights.items()}
+
+
+def map_weight_dicts(params: dict, fn) -> dict:
+  """`params` with `fn` applied to its top-level weights (all but "layers") and to each
+  layer's dict (a list), or to the stacked layers' one dict."""
   layers = params["layers"]
-  top = quantize_weights({n: w for n, w in params.items() if n != "layers"}, scheme, group)
-  return {**top, "layers": [quantize_weights(lp, scheme, group) for lp in layers]
-          if isinstance(layers, list) else quantize_weights(layers, scheme, group)}
+  top = fn({n: w for n, w in params.items() if n != "layers"})
+  return {**top, "layers": [fn(lp) for lp in layers] if isinstance(layers, list)
+          else fn(layers)}

@@ -68,7 +68,8 @@ def requests(model: mdjax.Model, draft: mdjax.Model) -> dict:
                                         [[19], [20, 21], [22]], [[23, 24]]]),
       "speculative": dict(prompts=PROMPTS, strategy="speculative", draft=draft,
                           num_draft_tokens=3),
-      "medusa": dict(prompts=PROMPTS, strategy="medusa", heads=helpers.random_medusa_heads(model, 2)),
+      "medusa": dict(prompts=PROMPTS, strategy="medusa",
+                     heads=helpers.random_medusa_heads(model, 2)),
   }
 
 
