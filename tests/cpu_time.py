@@ -1,5 +1,6 @@
-"""CPU seconds per test file, the processes a test starts included: a pytest plugin and
-the table it feeds (docs/testing.md's "Time per file").
+"""CPU seconds per test file, the processes a test starts included, and the seconds of
+them that JAX spent compiling: a pytest plugin and the table it feeds (docs/testing.md's
+"Time per file").
 
     PYTEST_ADDOPTS="-p tests.cpu_time" MDJAX_CPU_TIME_DIR=/tmp/cpu bash .ci/run
     python3 -m tests.cpu_time /tmp/cpu          # the markdown table, largest first
@@ -8,7 +9,9 @@ The two workers share two cores, so a test's wall time (the junit XML's) counts 
 the other worker did meanwhile, and a test that starts processes (a benchmark, a
 notebook, a multi-process run) uses more than its wall time. The CPU time of the test's
 process and of the processes it waited for is what the test costs the run; the run's
-wall time is about their sum over the two cores.
+wall time is about their sum over the two cores. In the test's own process, JAX's
+monitoring events give the seconds spent tracing and lowering programs and XLA
+compiling them (the persistent cache's hits compile nothing).
 """
 
 import collections
@@ -18,12 +21,25 @@ import pathlib
 import resource
 import sys
 
+import jax
 import pytest
 
 from mdjax import files
 
 DIRECTORY = "MDJAX_CPU_TIME_DIR"
-_rows: list[tuple[str, float, float]] = []  # (test id, own CPU s, its processes' CPU s)
+# (test id, own CPU s, its processes' CPU s, XLA compiling s, tracing and lowering s)
+_rows: list[tuple[str, float, float, float, float]] = []
+COMPILING = ("/jax/core/compile/backend_compile_duration",)
+TRACING = ("/jax/core/compile/jaxpr_trace_duration",
+           "/jax/core/compile/jaxpr_to_mlir_module_duration")
+_seconds = collections.Counter()  # event -> seconds so far
+
+
+def _count(event: str, duration: float, **_):
+  _seconds[event] += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_count)
 
 
 def _cpu_seconds() -> tuple[float, float]:
@@ -35,9 +51,11 @@ def _cpu_seconds() -> tuple[float, float]:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
   own, children = _cpu_seconds()
+  _seconds.clear()
   yield
   own_after, children_after = _cpu_seconds()
-  _rows.append((item.nodeid, own_after - own, children_after - children))
+  _rows.append((item.nodeid, own_after - own, children_after - children,
+                sum(_seconds[e] for e in COMPILING), sum(_seconds[e] for e in TRACING)))
 
 
 def pytest_sessionfinish(session):
@@ -56,21 +74,26 @@ def pytest_sessionfinish(session):
 
 
 def table(directory: pathlib.Path) -> str:
-  """Per file: tests, CPU seconds (own and its processes') and share, largest first."""
-  files = collections.defaultdict(lambda: [0, 0.0, 0.0])
+  """Per file: tests, CPU seconds (its own process's and its processes'), seconds of
+  XLA compiling and of tracing and lowering in its own process, share of the CPU
+  seconds; largest first."""
+  per_file = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
   for path in sorted(directory.glob("*.json")):
-    for test, own, children in json.loads(path.read_text()):
-      row = files[test.split("::")[0]]
+    for test, *seconds in json.loads(path.read_text()):
+      row = per_file[test.split("::")[0]]
       row[0] += 1
-      row[1] += own
-      row[2] += children
-  total = sum(own + children for _, own, children in files.values())
-  lines = ["| file | tests | CPU s | of which its processes | share |", "|---|--:|--:|--:|--:|"]
-  for name, (tests, own, children) in sorted(files.items(), key=lambda f: -sum(f[1][1:])):
+      for i, value in enumerate(seconds, 1):
+        row[i] += value
+  total = sum(row[1] + row[2] for row in per_file.values())
+  lines = ["| file | tests | CPU s | of which its processes | compiling | tracing, lowering "
+           "| share |", "|---|--:|--:|--:|--:|--:|--:|"]
+  for name, (tests, own, children, compiling, tracing) in sorted(
+      per_file.items(), key=lambda f: -(f[1][1] + f[1][2])):
     lines.append(f"| `{name}` | {tests} | {own + children:.0f} | {children:.0f} | "
-                 f"{(own + children) / total:.1%} |")
-  lines.append(f"| all | {sum(f[0] for f in files.values())} | {total:.0f} | "
-               f"{sum(f[2] for f in files.values()):.0f} | |")
+                 f"{compiling:.0f} | {tracing:.0f} | {(own + children) / total:.1%} |")
+  sums = [sum(row[i] for row in per_file.values()) for i in range(5)]
+  lines.append(f"| all | {sums[0]} | {total:.0f} | {sums[2]:.0f} | {sums[3]:.0f} | "
+               f"{sums[4]:.0f} | |")
   return "\n".join(lines)
 
 
