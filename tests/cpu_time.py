@@ -10,8 +10,9 @@ the other worker did meanwhile, and a test that starts processes (a benchmark, a
 notebook, a multi-process run) uses more than its wall time. The CPU time of the test's
 process and of the processes it waited for is what the test costs the run; the run's
 wall time is about their sum over the two cores. In the test's own process, JAX's
-monitoring events give the seconds spent tracing and lowering programs and XLA
-compiling them (the persistent cache's hits compile nothing).
+monitoring events give the wall seconds spent tracing and lowering programs and those
+spent compiling them (which include reading a program from the persistent cache, and
+for a GPU target the ptxas runs it waits for).
 """
 
 import collections
