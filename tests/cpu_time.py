@@ -12,7 +12,9 @@ process and of the processes it waited for is what the test costs the run; the r
 wall time is about their sum over the two cores. In the test's own process, JAX's
 monitoring events give the wall seconds spent tracing and lowering programs and those
 spent compiling them (which include reading a program from the persistent cache, and
-for a GPU target the ptxas runs it waits for).
+for a GPU target the ptxas runs it waits for), and how many programs it asked XLA for
+and how many of those the run's persistent cache held (tests/conftest.py): a file that
+shares its programs with others shows them there.
 """
 
 import collections
@@ -28,19 +30,41 @@ import pytest
 from mdjax import files
 
 DIRECTORY = "MDJAX_CPU_TIME_DIR"
-# (test id, own CPU s, its processes' CPU s, XLA compiling s, tracing and lowering s)
-_rows: list[tuple[str, float, float, float, float]] = []
-COMPILING = ("/jax/core/compile/backend_compile_duration",)
+# (test id, own CPU s, its processes' CPU s, XLA compiling s, tracing and lowering s,
+#  programs compiled, of them read from the persistent cache)
+_rows: list[tuple[str, float, float, float, float, int, int]] = []
+COMPILING = "/jax/core/compile/backend_compile_duration"
 TRACING = ("/jax/core/compile/jaxpr_trace_duration",
            "/jax/core/compile/jaxpr_to_mlir_module_duration")
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _seconds = collections.Counter()  # event -> seconds so far
+_events = collections.Counter()  # event -> how many so far
 
 
-def _count(event: str, duration: float, **_):
+def _time(event: str, duration: float, **_):
   _seconds[event] += duration
+  _events[event] += 1
 
 
-jax.monitoring.register_event_duration_secs_listener(_count)
+def _count(event: str, **_):
+  _events[event] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_time)
+jax.monitoring.register_event_listener(_count)
+
+
+def restart():
+  """Counts JAX's events from now (a test's start)."""
+  _seconds.clear()
+  _events.clear()
+
+
+def counted() -> tuple[float, float, int, int]:
+  """Since `restart`: (seconds compiling, seconds tracing and lowering, programs
+  compiled, of them read from the persistent cache)."""
+  return (_seconds[COMPILING], sum(_seconds[e] for e in TRACING), _events[COMPILING],
+          _events[CACHE_HIT])
 
 
 def _cpu_seconds() -> tuple[float, float]:
@@ -52,11 +76,10 @@ def _cpu_seconds() -> tuple[float, float]:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
   own, children = _cpu_seconds()
-  _seconds.clear()
+  restart()
   yield
   own_after, children_after = _cpu_seconds()
-  _rows.append((item.nodeid, own_after - own, children_after - children,
-                sum(_seconds[e] for e in COMPILING), sum(_seconds[e] for e in TRACING)))
+  _rows.append((item.nodeid, own_after - own, children_after - children, *counted()))
 
 
 def pytest_sessionfinish(session):
@@ -76,25 +99,29 @@ def pytest_sessionfinish(session):
 
 def table(directory: pathlib.Path) -> str:
   """Per file: tests, CPU seconds (its own process's and its processes'), seconds of
-  XLA compiling and of tracing and lowering in its own process, share of the CPU
-  seconds; largest first."""
-  per_file = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
+  XLA compiling and of tracing and lowering in its own process, the programs it
+  compiled and how many of them came from the run's cache, share of the CPU seconds;
+  largest first."""
+  per_file = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0, 0, 0])
   for path in sorted(directory.glob("*.json")):
-    for test, *seconds in json.loads(path.read_text()):
+    for test, *values in json.loads(path.read_text()):
       row = per_file[test.split("::")[0]]
       row[0] += 1
-      for i, value in enumerate(seconds, 1):
+      for i, value in enumerate(values, 1):
         row[i] += value
   total = sum(row[1] + row[2] for row in per_file.values())
   lines = ["| file | tests | CPU s | of which its processes | compiling | tracing, lowering "
-           "| share |", "|---|--:|--:|--:|--:|--:|--:|"]
-  for name, (tests, own, children, compiling, tracing) in sorted(
-      per_file.items(), key=lambda f: -(f[1][1] + f[1][2])):
-    lines.append(f"| `{name}` | {tests} | {own + children:.0f} | {children:.0f} | "
-                 f"{compiling:.0f} | {tracing:.0f} | {(own + children) / total:.1%} |")
-  sums = [sum(row[i] for row in per_file.values()) for i in range(5)]
-  lines.append(f"| all | {sums[0]} | {total:.0f} | {sums[2]:.0f} | {sums[3]:.0f} | "
-               f"{sums[4]:.0f} | |")
+           "| programs | from the cache | share |", "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+
+  def cells(row) -> str:
+    tests, own, children, compiling, tracing, programs, cached = row
+    return (f"{tests} | {own + children:.0f} | {children:.0f} | {compiling:.0f} | "
+            f"{tracing:.0f} | {programs} | {cached}")
+
+  for name, row in sorted(per_file.items(), key=lambda f: -(f[1][1] + f[1][2])):
+    lines.append(f"| `{name}` | {cells(row)} | {(row[1] + row[2]) / total:.1%} |")
+  sums = [sum(row[i] for row in per_file.values()) for i in range(7)]
+  lines.append(f"| all | {cells(sums)} | |")
   return "\n".join(lines)
 
 
