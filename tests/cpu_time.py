@@ -30,9 +30,10 @@ import pytest
 from mdjax import files
 
 DIRECTORY = "MDJAX_CPU_TIME_DIR"
-# (test id, own CPU s, its processes' CPU s, XLA compiling s, tracing and lowering s,
-#  programs compiled, of them read from the persistent cache)
-_rows: list[tuple[str, float, float, float, float, int, int]] = []
+# what a row holds of its test, after the test's id (the table's columns but its share)
+FIELDS = ("own CPU s", "its processes' CPU s", "XLA compiling s", "tracing and lowering s",
+          "programs asked of XLA", "of them read from the persistent cache")
+_rows: list[tuple] = []  # (test id, *FIELDS)
 COMPILING = "/jax/core/compile/backend_compile_duration"
 TRACING = ("/jax/core/compile/jaxpr_trace_duration",
            "/jax/core/compile/jaxpr_to_mlir_module_duration")
@@ -61,8 +62,8 @@ def restart():
 
 
 def counted() -> tuple[float, float, int, int]:
-  """Since `restart`: (seconds compiling, seconds tracing and lowering, programs
-  compiled, of them read from the persistent cache)."""
+  """Since `restart`: (seconds compiling, seconds tracing and lowering, programs asked
+  of XLA, of them read from the persistent cache), `FIELDS`' last four."""
   return (_seconds[COMPILING], sum(_seconds[e] for e in TRACING), _events[COMPILING],
           _events[CACHE_HIT])
 
@@ -100,28 +101,28 @@ def pytest_sessionfinish(session):
 def table(directory: pathlib.Path) -> str:
   """Per file: tests, CPU seconds (its own process's and its processes'), seconds of
   XLA compiling and of tracing and lowering in its own process, the programs it
-  compiled and how many of them came from the run's cache, share of the CPU seconds;
+  asked XLA for and how many of them came from the run's cache, share of the CPU seconds;
   largest first."""
-  per_file = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0, 0, 0])
+  per_file = collections.defaultdict(lambda: [0] * (1 + len(FIELDS)))  # [tests, *FIELDS]
   for path in sorted(directory.glob("*.json")):
     for test, *values in json.loads(path.read_text()):
       row = per_file[test.split("::")[0]]
       row[0] += 1
       for i, value in enumerate(values, 1):
         row[i] += value
-  total = sum(row[1] + row[2] for row in per_file.values())
+  cpu = lambda row: row[1] + row[2]  # own and its processes' CPU s
+  total = sum(map(cpu, per_file.values()))
   lines = ["| file | tests | CPU s | of which its processes | compiling | tracing, lowering "
            "| programs | from the cache | share |", "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
 
   def cells(row) -> str:
-    tests, own, children, compiling, tracing, programs, cached = row
-    return (f"{tests} | {own + children:.0f} | {children:.0f} | {compiling:.0f} | "
+    tests, _, children, compiling, tracing, programs, cached = row
+    return (f"{tests} | {cpu(row):.0f} | {children:.0f} | {compiling:.0f} | "
             f"{tracing:.0f} | {programs} | {cached}")
 
-  for name, row in sorted(per_file.items(), key=lambda f: -(f[1][1] + f[1][2])):
-    lines.append(f"| `{name}` | {cells(row)} | {(row[1] + row[2]) / total:.1%} |")
-  sums = [sum(row[i] for row in per_file.values()) for i in range(7)]
-  lines.append(f"| all | {cells(sums)} | |")
+  for name, row in sorted(per_file.items(), key=lambda f: -cpu(f[1])):
+    lines.append(f"| `{name}` | {cells(row)} | {cpu(row) / total:.1%} |")
+  lines.append(f"| all | {cells([sum(column) for column in zip(*per_file.values())])} | |")
   return "\n".join(lines)
 
 

@@ -8,8 +8,7 @@ from tests import cpu_time
 
 
 def test_the_table_sums_each_files_tests_over_the_workers(tmp_path):
-  # (test id, own CPU s, its processes' CPU s, compiling s, tracing and lowering s,
-  #  programs, of them from the cache)
+  # (test id, *cpu_time.FIELDS)
   (tmp_path / "gw0.json").write_text(json.dumps([
       ["tests/test_a.py::x", 1.0, 0.0, 0.5, 0.25, 3, 1],
       ["tests/test_b.py::y", 2.0, 4.0, 0.0, 0.0, 0, 0]]))
